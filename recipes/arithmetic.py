@@ -1,0 +1,28 @@
+"""The CPU quickstart and the root default: the tiny model learns two-digit addition.
+
+Pins the legacy policy-gradient surrogate (SPEC §2.3): on-policy, one update per rollout,
+sampling at temperature 1.0.
+"""
+
+from rl_core.config import PosttrainConfig
+
+
+def build_config() -> PosttrainConfig:
+    cfg = PosttrainConfig()
+    cfg.job.algorithm = "legacy_pg"
+    cfg.job.name = "arithmetic"
+    cfg.model.name_or_path = "artifacts/tiny-model/warm"
+    cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
+    cfg.rollout.n = 8
+    cfg.rollout.prompts_per_step = 8
+    cfg.rl.grpo_surrogate = "legacy_pg"
+    cfg.rl.max_steps = 300
+    cfg.rl.optimizer.lr = 5e-5
+    cfg.rl.optimizer.max_grad_norm = 1.0
+    cfg.rl.validation.every_steps = 25
+    cfg.rl.validation.max_prompts = 200
+    cfg.rl.save_every = 100
+    cfg.data.task = "arithmetic"
+    cfg.data.train = "data/arithmetic/train.jsonl"
+    cfg.data.val = "data/arithmetic/val.jsonl"
+    return cfg

@@ -1,0 +1,302 @@
+"""Recipes, dotlist overrides, error reporting and the config identity (SPEC.md §5).
+
+`load_config(recipe_path, overrides)` is the one way a config is built: the CLI, the flows and the
+Ray workers all call it with the same recipe path and dotlist, so they rebuild the identical config.
+Every problem is collected and reported together in one `ConfigError`, each line naming the full
+dotted key and the offending value, before any model or cluster exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rl_core.config.schema import PosttrainConfig
+
+# Retired keys are unknown keys: nothing is aliased, the error names the replacement.
+RETIRED_KEYS: dict[str, dict[str | None, str]] = {
+    "rl.objective": {
+        "degenerate": "rl.grpo_surrogate=legacy_pg",
+        "clipped": "rl.grpo_surrogate=clipped",
+        None: "rl.grpo_surrogate=clipped|legacy_pg",
+    },
+    "rl.objective_mode": {
+        "direct": "rl.distillation_mode=direct",
+        "advantage": "rl.distillation_mode=advantage",
+        None: "rl.distillation_mode=advantage|direct",
+    },
+}
+# Values that name a variant which is a knob of another key, not a value of this one.
+ENUM_HINTS: dict[tuple[str, str], str] = {
+    ("rl.grpo_surrogate", "gspo"): "GSPO is rl.grpo_surrogate=clipped with rl.importance_sampling_level=sequence "
+    "(recipes/gspo_gsm8k.py applies all its knobs)",
+    ("rl.grpo_surrogate", "dr_grpo"): "Dr-GRPO is rl.unbiased_advantage=true with rl.loss_type=seq-mean-token-sum-fixed",
+}
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; `.problems` lists them, each naming a dotted key."""
+
+    def __init__(self, problems: Iterable[str], source: str | None = None):
+        self.problems = list(problems)
+        head = f"invalid configuration{f' ({source})' if source else ''}: {len(self.problems)} problem(s)"
+        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+# ----------------------------------------------------------------------------------------- keys
+
+
+def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
+    return dict(model.model_fields)
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def all_keys(model: type[BaseModel] = PosttrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config tree, e.g. `rl.optimizer.lr`."""
+    keys: list[str] = []
+    for name, field in _section_fields(model).items():
+        sub = _submodel(field.annotation)
+        dotted = f"{prefix}{name}"
+        keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
+    return keys
+
+
+def _field_for(dotted: str) -> Any | None:
+    model: type[BaseModel] | None = PosttrainConfig
+    field = None
+    for part in dotted.split("."):
+        if model is None or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        model = _submodel(field.annotation)
+    return field
+
+
+def closest_keys(dotted: str, n: int = 3) -> list[str]:
+    keys = all_keys()
+    close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.5)
+    if not close:  # fall back to the last component (e.g. `rl.lr` -> `rl.optimizer.lr`)
+        leaf = dotted.rsplit(".", 1)[-1]
+        close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:n]
+        if not close:
+            leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+            close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=n, cutoff=0.6)]
+    return close
+
+
+def _unknown_key_message(dotted: str, value: Any) -> str:
+    if dotted in RETIRED_KEYS:
+        table = RETIRED_KEYS[dotted]
+        repl = table.get(str(value) if value is not None else None) or table[None]
+        return f"{dotted}={value!s}: retired key; use {repl} instead (retired keys are not aliased)"
+    close = closest_keys(dotted)
+    hint = f"; closest valid keys: {', '.join(close)}" if close else ""
+    return f"{dotted}: unknown key{hint}"
+
+
+# -------------------------------------------------------------------------------------- dotlist
+
+
+def _accepts(annotation: Any, kind: type) -> bool:
+    if annotation is kind:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, kind) for a in typing.get_args(annotation))
+    return False
+
+
+def parse_value(dotted: str, raw: str) -> Any:
+    """Parse a dotlist value with the field's type in mind (still validated strictly afterwards)."""
+    field = _field_for(dotted)
+    text = raw.strip()
+    if field is not None:
+        ann = field.annotation
+        if text.lower() in ("null", "none", "~") and _accepts(ann, type(None)):
+            return None
+        if _accepts(ann, str) or typing.get_origin(ann) is typing.Literal:
+            return raw
+        if _accepts(ann, float) and text.lower() in ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity"):
+            return float(text)
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return raw
+    # YAML reads 1e-6 as a string (no dot); numbers written that way are numbers on a command line.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value.lower() for c in ".e") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def parse_dotlist(overrides: Iterable[str]) -> list[tuple[str, Any, str]]:
+    """`["rl.max_steps=1", ...]` -> `[(key, parsed value, raw text), ...]`."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"{item!r}: an override must be key=value, e.g. rl.max_steps=1"])
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parsed.append((key, parse_value(key, raw), raw))
+    return parsed
+
+
+# ----------------------------------------------------------------------------------- validation
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    value = err.get("input")
+    kind = err["type"]
+    ctx = err.get("ctx", {}) or {}
+    shown = repr(value)
+    if kind == "extra_forbidden":
+        return _unknown_key_message(loc, value)
+    if isinstance(value, bool) and kind in ("int_type", "float_type"):
+        return f"{loc}={shown}: a bool is not a number; write a numeric value"
+    if kind == "int_type" and isinstance(value, float):
+        if math.isfinite(value) and value != int(value):
+            return f"{loc}={shown}: fractional value for an integer field"
+        return f"{loc}={shown}: expected an integer"
+    if kind == "finite_number":
+        return f"{loc}={shown}: NaN and infinity are not allowed"
+    if kind == "literal_error":
+        hint = ENUM_HINTS.get((loc, str(value)))
+        allowed = ctx.get("expected", "")
+        msg = f"{loc}={shown}: not one of {allowed}"
+        return f"{msg}; {hint}" if hint else msg
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = next(iter(ctx.values()), "")
+        return f"{loc}={shown}: must be {op} {bound}"
+    return f"{loc}={shown}: {err['msg']}"
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> bool:
+    """Set `a.b.c` in a nested dict; returns False when a parent is not a section."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            return False
+        node = nxt
+    node[parts[-1]] = value
+    return True
+
+
+def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | None = None) -> PosttrainConfig:
+    """Validate a plain dict (e.g. a parsed config_resolved.yaml) plus overrides, strictly."""
+    data = json.loads(json.dumps(data))  # deep copy, plain types only
+    problems: list[str] = []
+    for key, value, raw in parse_dotlist(overrides):
+        if key in RETIRED_KEYS or _field_for(key) is None:
+            problems.append(_unknown_key_message(key, raw))
+            continue
+        if _submodel(_field_for(key).annotation) is not None:
+            problems.append(f"{key}: is a section; set one of its keys, e.g. {all_keys(_submodel(_field_for(key).annotation), key + '.')[0]}")
+            continue
+        _set_dotted(data, key, value)
+    try:
+        cfg = PosttrainConfig.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(_describe(e) for e in exc.errors())
+        raise ConfigError(problems, source) from None
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def load_recipe_module(recipe_path: str | os.PathLike):
+    path = Path(recipe_path)
+    if not path.is_file():
+        raise ConfigError([f"recipe {str(path)!r}: no such file; recipes live in recipes/*.py"])
+    name = f"posttrain_recipe_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "build_config"):
+        raise ConfigError([f"recipe {str(path)!r}: defines no build_config()"])
+    return module
+
+
+def load_config(recipe_path: str | os.PathLike, overrides: Iterable[str] = ()) -> PosttrainConfig:
+    """Build the typed config of a recipe file, then apply a dotlist of overrides.
+
+    A recipe may also be a resolved YAML (`config_resolved.yaml`), which round-trips exactly.
+    """
+    path = Path(recipe_path)
+    overrides = list(overrides)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError([f"config {str(path)!r}: no such file"])
+        return config_from_dict(yaml.safe_load(path.read_text()) or {}, overrides, str(path))
+    base = load_recipe_module(path).build_config()
+    if not isinstance(base, PosttrainConfig):
+        raise ConfigError([f"recipe {str(path)!r}: build_config() returned {type(base).__name__}, not PosttrainConfig"])
+    # Re-validate the recipe's own values too: assignment inside a recipe is validated, but a
+    # recipe could construct sections with model_construct.
+    return config_from_dict(base.model_dump(mode="json"), overrides, str(path))
+
+
+# ------------------------------------------------------------------------------ identity and I/O
+
+
+def config_dict(cfg: PosttrainConfig) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def config_hash(cfg: PosttrainConfig) -> str:
+    """Stable identity of a resolved config: sha256 of its canonical JSON (first 16 hex digits)."""
+    canonical = json.dumps(config_dict(cfg), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def to_yaml(cfg: PosttrainConfig) -> str:
+    return yaml.safe_dump(config_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def write_resolved(cfg: PosttrainConfig, run_dir: str | os.PathLike | None = None) -> Path:
+    """Write `config_resolved.yaml` into the run directory (atomically) and return its path."""
+    out = Path(run_dir or cfg.run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "config_resolved.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, target)
+    return target
+
+
+def flatten(cfg: PosttrainConfig) -> dict[str, Any]:
+    """`{"rl.optimizer.lr": 1e-6, ...}`: every leaf under its dotted key."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(config_dict(cfg), "")
+    return out

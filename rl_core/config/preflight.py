@@ -1,0 +1,169 @@
+"""Preflight (SPEC.md §5): cross-field rules checked before any placement or model construction.
+
+Errors: the temperature contract, knobs that the selected objective never reads set to non-default
+values, group size, batch divisibility. Warnings: knobs that are honoured but inert or risky; each
+distinct warning is emitted once per process through `logging` and `warnings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+from rl_core.config.schema import PosttrainConfig, RLConfig
+
+log = logging.getLogger("posttrain.preflight")
+_RL_DEFAULTS = RLConfig()
+_EMITTED: set[str] = set()
+GROUP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
+
+
+class PreflightWarning(UserWarning):
+    """An honoured but inert or risky knob."""
+
+
+@dataclass
+class PreflightReport:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def render(self) -> str:
+        lines = [f"preflight: {'ok' if self.ok else 'FAILED'} ({len(self.errors)} error(s), {len(self.warnings)} warning(s))"]
+        lines += [f"  error: {e}" for e in self.errors]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def per_replica_batch(cfg: PosttrainConfig) -> int:
+    """Completions each data-parallel worker trains on per step (0 when it does not divide)."""
+    total = cfg.rollout.prompts_per_step * cfg.rollout.n
+    return total // cfg.cluster.num_workers if total % cfg.cluster.num_workers == 0 else 0
+
+
+def num_mini_batches(cfg: PosttrainConfig) -> int:
+    """n_mini: optimizer steps fed by one collected batch."""
+    per = per_replica_batch(cfg)
+    mini = cfg.rl.mini_batch_per_replica or per
+    return max(per // mini, 1) if per else 1
+
+
+def _non_default(rl: RLConfig, name: str) -> bool:
+    return getattr(rl, name) != getattr(_RL_DEFAULTS, name)
+
+
+def preflight(cfg: PosttrainConfig) -> PreflightReport:
+    rep = PreflightReport()
+    err, warn = rep.errors.append, rep.warnings.append
+    rl, ro, algo = cfg.rl, cfg.rollout, cfg.job.algorithm
+    sequence = rl.importance_sampling_level == "sequence"
+    clipped = rl.grpo_surrogate == "clipped"
+    opd_advantage = algo == "opd" and rl.distillation_mode == "advantage"
+    opd_direct = algo == "opd" and rl.distillation_mode == "direct"
+    n_mini = num_mini_batches(cfg)
+
+    # -- the temperature contract
+    if algo != "dpo":
+        if clipped and ro.temperature != rl.temperature:
+            err(f"rollout.temperature={ro.temperature} != rl.temperature={rl.temperature}: the clipped surrogate "
+                "compares sampling and training log-probs, which must use the same temperature; set both equal")
+        if not clipped:
+            if ro.temperature != 1.0:
+                err(f"rollout.temperature={ro.temperature}: rl.grpo_surrogate=legacy_pg needs rollout.temperature=1.0")
+            if _non_default(rl, "temperature"):
+                err(f"rl.temperature={rl.temperature}: rl.grpo_surrogate=legacy_pg reads no rl.temperature; leave it at "
+                    f"its default {_RL_DEFAULTS.temperature}")
+
+    # -- knobs the selected objective never reads
+    if not clipped:
+        for knob in ("importance_sampling_level", "epsilon_low", "epsilon_high", "lower_bound_ratio",
+                     "certified_deterministic_forward"):
+            if _non_default(rl, knob):
+                err(f"rl.{knob}={getattr(rl, knob)!r}: not read by rl.grpo_surrogate=legacy_pg (no ratio, no clip, no "
+                    f"pi_old); remove it or use rl.grpo_surrogate=clipped")
+        if n_mini > 1:
+            err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
+                "rl.grpo_surrogate=legacy_pg is on-policy only (one update per rollout); remove it or use clipped")
+    if clipped and 0 < rl.lower_bound_ratio <= 1:
+        err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: the dual-clip constant must be > 1, or 0 to disable it")
+    if clipped and sequence and rl.lower_bound_ratio != 0:
+        err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: dual clip is not applied at "
+            "rl.importance_sampling_level=sequence (GSPO, SPEC §2.2); set rl.lower_bound_ratio=0")
+    if sequence and opd_advantage:
+        err("rl.importance_sampling_level=sequence: OPD's advantage mode gives per-token advantages, which a sequence "
+            "ratio cannot take; use rl.importance_sampling_level=token")
+    if rl.kl_beta == 0 and algo != "dpo":
+        for knob in ("kl_estimator", "reference"):
+            if _non_default(rl, knob):
+                err(f"rl.{knob}={getattr(rl, knob)!r}: not read while rl.kl_beta=0; set rl.kl_beta > 0 or remove it")
+    if algo != "opd" and _non_default(rl, "distillation_mode"):
+        err(f"rl.distillation_mode={rl.distillation_mode!r}: only read by job.algorithm=opd")
+    if opd_direct:
+        for knob in ("unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens"):
+            if _non_default(rl, knob):
+                err(f"rl.{knob}={getattr(rl, knob)!r}: an advantage knob, not read by rl.distillation_mode=direct")
+    if cfg.data.task != "gsm8k" and cfg.data.reward_mode != "strict":
+        err(f"data.reward_mode={cfg.data.reward_mode!r}: only read by data.task=gsm8k")
+
+    # -- group size and batch shape
+    if algo in GROUP_ALGORITHMS and ro.n < 2 and not opd_direct:
+        err(f"rollout.n={ro.n}: group-relative advantages need at least 2 completions per prompt")
+    total = ro.prompts_per_step * ro.n
+    if total % cfg.cluster.num_workers:
+        err(f"rollout.prompts_per_step x rollout.n = {total} completions do not split evenly across "
+            f"cluster.num_workers={cfg.cluster.num_workers}")
+    else:
+        per = total // cfg.cluster.num_workers
+        mini = rl.mini_batch_per_replica or per
+        if per % mini:
+            err(f"rl.mini_batch_per_replica={mini} does not divide the {per} completions per worker "
+                f"(prompts_per_step x n / num_workers)")
+        elif rl.micro_batch_per_replica and mini % rl.micro_batch_per_replica:
+            err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica} does not divide the mini-batch of {mini} "
+                "completions per worker")
+
+    # -- honoured but inert or risky
+    if clipped and sequence:
+        if n_mini == 1:
+            warn("rl.importance_sampling_level=sequence at one update per batch (n_mini=1) is inert: on-policy both "
+                 "levels give the same value and gradient; set rl.mini_batch_per_replica to take several updates")
+        if max(rl.epsilon_low, rl.epsilon_high) >= 0.05:
+            warn(f"rl.epsilon_low/high={rl.epsilon_low}/{rl.epsilon_high} are token-scale; sequence ratios want "
+                 "~3e-4/4e-4 (GSPO paper)")
+        if rl.loss_type != "seq-mean-token-mean":
+            warn(f"rl.loss_type={rl.loss_type}: a sequence ratio under a token-weighted reduction weights sequences "
+                 "by length; GSPO's setting is seq-mean-token-mean")
+    if clipped and cfg.model.dtype in ("bfloat16", "float16") and min(rl.epsilon_low, rl.epsilon_high) < 1e-3:
+        warn(f"model.dtype={cfg.model.dtype} with epsilons < 1e-3: half-precision log-prob noise exceeds the clip "
+             "range; prefer float32 log-probs")
+    if clipped and ro.top_p < 1 and algo != "dpo":
+        warn(f"rollout.top_p={ro.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
+             "truncated distribution the trainer does not model")
+    if opd_direct:
+        warn("rl.distillation_mode=direct: task reward and group advantage are logged but are not training signals")
+    return rep
+
+
+def emit_warnings(report: PreflightReport) -> None:
+    """Show each distinct warning once per process (logging and the warnings module)."""
+    for message in report.warnings:
+        if message in _EMITTED:
+            continue
+        _EMITTED.add(message)
+        log.warning(message)
+        warnings.warn(message, PreflightWarning, stacklevel=2)
+
+
+def check(cfg: PosttrainConfig) -> PreflightReport:
+    """Run preflight; raise ConfigError listing every error, else emit warnings and return the report."""
+    from rl_core.config.loader import ConfigError
+
+    report = preflight(cfg)
+    if report.errors:
+        raise ConfigError(report.errors, "preflight")
+    emit_warnings(report)
+    return report

@@ -1,0 +1,130 @@
+"""The typed configuration tree (SPEC.md §5).
+
+One owner and one default per value: every field below is declared exactly once, with its default
+and a one-line description. Models are strict (no coercion: a bool is not a number, 1.5 is not an
+int, "1" is not a number), forbid unknown keys and reject NaN/inf.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Algorithm = Literal["grpo", "dr_grpo", "gspo", "legacy_pg", "opd", "dpo"]
+LossType = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
+LOSS_TYPES: tuple[str, ...] = LossType.__args__  # type: ignore[attr-defined]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True, frozen=False
+    )
+
+
+class JobConfig(_Section):
+    algorithm: Algorithm = Field("grpo", description="Variant label; selects the entry (opd/dpo have their own flow) and keeps outputs apart.")
+    name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
+    out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
+    seed: int = Field(0, ge=0, description="The one seed behind data order, sampling and initialisation.")
+    task_retries: int = Field(2, ge=0, description="Retries of the rollout and reward tasks before the flow fails.")
+    retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field("artifacts/tiny-model/warm", min_length=1, description="Hub id or local directory of the policy (and its tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the policy.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub; off unless you trust the repository.")
+
+
+class RolloutConfig(_Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: transformers generate (CPU/GPU) or vLLM (GPU, extra 'gpu').")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: int = Field(256, gt=0, description="Most response tokens per completion; also the Dr-GRPO fixed divisor.")
+    n: int = Field(8, gt=0, description="Completions sampled per prompt (the group size).")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
+    seed: int | None = Field(None, ge=0, description="Sampling seed; None derives it from job.seed.")
+    gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps; constant afterwards.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip at each optimizer step.")
+
+
+class ValidationConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="Evaluate on held-out prompts every N steps (0: only at the end).")
+    before_training: bool = Field(True, description="Evaluate once before the first step.")
+    max_prompts: int | None = Field(None, gt=0, description="Held-out prompts per evaluation; None uses the whole split.")
+
+
+class RLConfig(_Section):
+    grpo_surrogate: Literal["clipped", "legacy_pg"] = Field("clipped", description="Policy-gradient surrogate (SPEC §2.1, §2.3).")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Ratio level of the clipped surrogate; 'sequence' is GSPO (SPEC §2.2).")
+    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip range: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(0.2, gt=0, description="Upper clip range: ratio <= 1 + epsilon_high.")
+    lower_bound_ratio: float = Field(3.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 disables.")
+    loss_type: LossType = Field("token-mean", description="Reduction of per-token losses over the step (SPEC §3).")
+    unbiased_advantage: bool = Field(False, description="Dr-GRPO advantages r - mean instead of (r - mean)/(std + eps).")
+    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in the advantage denominator.")
+    temperature: float = Field(1.0, gt=0, description="Temperature of the trainer's log-probs log_softmax(logits / T).")
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL anchor to the reference; 0 disables it.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (SPEC §2.4).")
+    reference: str | None = Field(None, description="Reference model for the KL anchor/DPO; None is a frozen copy of the initial policy.")
+    shared_prefix_min_tokens: int = Field(0, ge=0, description="Mask shared group prefixes at least this long whose rewards differ; 0 disables.")
+    mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
+    micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch.")
+    certified_deterministic_forward: bool = Field(False, description="Check that the pi_old pass and the first training forward agree exactly.")
+    max_steps: int = Field(100, gt=0, description="Training steps (one rollout batch each).")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    resume: Literal["off", "auto", "must"] = Field("auto", description="auto: continue from the newest valid checkpoint; must: fail without one; off: start fresh.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out evaluation cadence.")
+    distillation_mode: Literal["advantage", "direct"] = Field("advantage", description="OPD: teacher signal as per-token advantage, or direct reverse-KL minimisation.")
+
+
+class DataConfig(_Section):
+    task: Literal["arithmetic", "gsm8k"] = Field("arithmetic", description="Dataset family; selects the loader, prompt template and reward.")
+    train: str = Field("data/arithmetic/train.jsonl", min_length=1, description="Train split: a local JSONL path, or a hub dataset id.")
+    val: str = Field("data/arithmetic/val.jsonl", min_length=1, description="Held-out split: a local JSONL path, or a hub dataset id.")
+    prompt_template: Literal["plain", "chat"] = Field("plain", description="plain for base models; chat applies the tokenizer's chat template.")
+    reward_mode: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction: last '#### N' (strict) or last number (flexible).")
+
+
+class ClusterConfig(_Section):
+    address: str | None = Field(None, description="Ray cluster to join; None uses RAY_ADDRESS or starts a local Ray.")
+    num_workers: int = Field(1, gt=0, description="Data-parallel policy workers (Ray actors).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per policy worker.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per policy worker (NCCL when > 0).")
+
+
+class TrackingConfig(_Section):
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; None uses MLFLOW_TRACKING_URI or ./mlflow.db.")
+    experiment: str = Field("posttrain", min_length=1, description="MLflow experiment name.")
+    checkpoint_uri: str | None = Field(None, description="s3://bucket/prefix to upload checkpoints to; None keeps them local.")
+    keep_checkpoints: int = Field(3, gt=0, description="Newest checkpoints kept, locally and remotely.")
+
+
+class PosttrainConfig(_Section):
+    job: JobConfig = Field(default_factory=JobConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @property
+    def run_dir(self) -> str:
+        """`<job.out_dir>/<job.name>`: where this run's outputs live."""
+        import os
+
+        return os.path.join(self.job.out_dir, self.job.name)
+
+    @property
+    def sampling_seed(self) -> int:
+        return self.job.seed if self.rollout.seed is None else self.rollout.seed
