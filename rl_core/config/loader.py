@@ -273,7 +273,7 @@ def config_hash(cfg: PosttrainConfig) -> str:
 
 
 def to_yaml(cfg: PosttrainConfig) -> str:
-    return yaml.safe_dump(config_dict(cfg), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(config_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
 def write_resolved(cfg: PosttrainConfig, run_dir: str | os.PathLike | None = None) -> Path:

@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# torch is pinned in the same pip command as the project: without the pin pip takes a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.posttrain-installed
+TORCH_PIN := torch==2.13.0
+RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.py))
+
+.PHONY: venv demo test test-quick bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	@for r in $(RECIPES); do echo "== posttrain validate $$r"; $(VENV)/bin/posttrain validate $$r > /dev/null || exit 1; done
+	@echo "every recipe validates"
+
+test: venv
+	$(PY) -m pytest -q
+
+test-quick: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: venv
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

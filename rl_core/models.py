@@ -1,0 +1,154 @@
+"""Policy loading and the project's own tiny causal LM.
+
+`load_policy` serves hub ids and local directories alike (the tiny model is saved with
+`save_pretrained`, so the same code path loads it). `build_tiny_model` makes a ~1.07M-parameter
+Llama (hidden 128, 4 layers, MLP 512, 4 heads) with a character-level tokenizer, deterministically
+from a seed. Llama and not Qwen2: for `model_type=qwen2` `AutoTokenizer` substitutes Qwen's own
+tokenizer class, which drops the spaces of a character-level vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+# "\n" plus printable ASCII (space .. "~"): digits, operators and GSM8K text all round-trip.
+TINY_CHARS = ("\n",) + tuple(chr(c) for c in range(32, 127))
+# Unicode punctuation common in GSM8K, folded to ASCII before tokenisation (anything else is <unk>).
+_ASCII_FOLDS = {"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-", "\u2212": "-"}
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% else %}Assistant: {{ message['content'] }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+TINY_ARCH = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_policy(model_cfg, *, device: str | torch.device | None = None):
+    """Load `(model, tokenizer)` from `model_cfg.name_or_path` (hub id or local directory).
+
+    `model_cfg` is a `ModelConfig` (fields `name_or_path`, `dtype`, `trust_remote_code`). The
+    tokenizer is set to left padding, and given a pad token (its EOS) when it has none.
+    The model is returned in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_cfg.dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(_DTYPES)}")
+    path = model_cfg.name_or_path
+    # A hub id is "name" or "org/name"; anything else (./x, /x, a/b/c) is a local directory.
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"model.name_or_path={path!r} does not exist; build the tiny model with "
+            "`posttrain init-model --out artifacts/tiny-model/init` and `posttrain warm-start`, "
+            "or point model.name_or_path at a hub id or a saved model directory"
+        )
+    if looks_local:
+        path = str(Path(path).expanduser())
+    trust = bool(model_cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=trust)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def build_tiny_tokenizer():
+    """The character-level tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then "\\n" and printable ASCII.
+
+    Encoding prepends `<bos>`; decoding concatenates characters (spaces survive).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_CHARS)}
+    # BPE without merges = one token per character, unknown characters -> <unk>.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.NFKC()] + [normalizers.Replace(src, dst) for src, dst in _ASCII_FOLDS.items()]
+    )
+    tok.decoder = decoders.Fuse()
+    bos_id = vocab["<bos>"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
+    )
+    tok.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        chat_template=TINY_CHAT_TEMPLATE,
+        model_max_length=TINY_ARCH["max_position_embeddings"],
+    )
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build the tiny Llama + char tokenizer from `seed` and save both to `out_dir` (safetensors).
+
+    Same seed -> bitwise-identical weights (a private `torch.Generator` initialises every
+    parameter; the global RNG is neither read nor changed).
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        **TINY_ARCH,
+        hidden_act="silu",
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    _seeded_init_(model, seed, std=config.initializer_range)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _seeded_init_(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Re-initialise every parameter from `seed`: normal(0, std) for matrices, ones for norm weights."""
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.ndim == 1:  # RMSNorm weights (the Llama here has no biases)
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

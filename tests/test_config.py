@@ -1,0 +1,371 @@
+"""Typed config, recipes, dotlist overrides, error messages and preflight (SPEC.md §5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_config, preflight, write_resolved
+from rl_core.config.loader import all_keys, config_from_dict
+from rl_core.config.preflight import PreflightWarning, check, emit_warnings
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
+GSPO = ROOT / "recipes" / "gspo_gsm8k.py"
+ARITH = ROOT / "recipes" / "arithmetic.py"
+GRPO = ROOT / "recipes" / "grpo_gsm8k.py"
+
+
+def errors_of(recipe: Path, *overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe, overrides)
+    return info.value.problems
+
+
+def preflight_of(recipe: Path, *overrides: str):
+    return preflight(load_config(recipe, overrides))
+
+
+# ------------------------------------------------------------------------------------ recipes
+
+
+def test_recipe_list_covers_the_documented_recipes():
+    names = {p.stem for p in RECIPES}
+    assert {"arithmetic", "grpo_gsm8k", "dr_grpo_gsm8k", "gspo_gsm8k"} <= names
+    for gpu in ("grpo_gsm8k", "dr_grpo_gsm8k", "gspo_gsm8k"):
+        assert f"{gpu}_cpu" in names, f"{gpu} has no CPU variant"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_validates_and_round_trips(recipe, tmp_path):
+    cfg = load_config(recipe)
+    report = preflight(cfg)
+    assert report.ok, report.render()
+    path = write_resolved(cfg, tmp_path)
+    assert path.name == "config_resolved.yaml"
+    again = load_config(path)
+    assert again == cfg
+    assert config_hash(again) == config_hash(cfg)
+
+
+def test_recipes_keep_variants_apart():
+    cfgs = [load_config(p) for p in RECIPES]
+    assert len({c.job.name for c in cfgs}) == len(cfgs), "two recipes share a job.name (outputs would collide)"
+
+
+def test_gspo_recipe_resolves_to_the_paper_knobs():
+    rl = load_config(GSPO).rl
+    assert rl.grpo_surrogate == "clipped"
+    assert rl.importance_sampling_level == "sequence"
+    assert rl.lower_bound_ratio == 0
+    assert (rl.epsilon_low, rl.epsilon_high) == (3e-4, 4e-4)
+    assert rl.loss_type == "seq-mean-token-mean"
+    assert rl.certified_deterministic_forward is True
+    assert rl.mini_batch_per_replica is not None
+
+
+def test_apply_gspo_knobs_is_the_one_place_and_returns_a_copy():
+    from recipes.gspo_gsm8k import apply_gspo_knobs
+
+    base = load_config(GRPO).rl
+    gspo = apply_gspo_knobs(base, mini_batch_per_replica=16)
+    assert base.importance_sampling_level == "token", "apply_gspo_knobs mutated its input"
+    assert gspo.importance_sampling_level == "sequence" and gspo.mini_batch_per_replica == 16
+
+
+def test_dr_grpo_recipe_is_grpo_plus_config_only():
+    dr, grpo = load_config(ROOT / "recipes" / "dr_grpo_gsm8k.py"), load_config(GRPO)
+    assert dr.rl.unbiased_advantage is True
+    assert dr.rl.loss_type == "seq-mean-token-sum-fixed"
+    assert (dr.job.algorithm, dr.job.name) == ("dr_grpo", "dr-grpo-gsm8k")
+    # nothing else about the math differs from GRPO
+    changed = {k for k in type(dr.rl).model_fields if getattr(dr.rl, k) != getattr(grpo.rl, k)}
+    assert changed == {"unbiased_advantage", "loss_type"}
+
+
+def test_arithmetic_root_pins_legacy_pg():
+    cfg = load_config(ARITH)
+    assert cfg.rl.grpo_surrogate == "legacy_pg"
+    assert cfg.rollout.temperature == 1.0
+    assert cfg.rollout.backend == "hf" and cfg.cluster.gpus_per_worker == 0
+
+
+def test_overrides_parse_with_the_field_type():
+    cfg = load_config(ARITH, ["rl.max_steps=7", "rl.optimizer.lr=3e-4", "rollout.n=4", "rl.validation.max_prompts=null",
+                              "rl.optimizer.betas=[0.8, 0.9]", "job.name=x1", "model.trust_remote_code=true"])
+    assert cfg.rl.max_steps == 7 and isinstance(cfg.rl.max_steps, int)
+    assert cfg.rl.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.rl.validation.max_prompts is None
+    assert cfg.rl.optimizer.betas == [0.8, 0.9]
+    assert cfg.job.name == "x1" and cfg.model.trust_remote_code is True
+
+
+def test_a_worker_rebuilds_the_identical_config_from_path_and_dotlist():
+    overrides = ["rl.max_steps=3", "rollout.n=4", "rl.optimizer.lr=1e-4"]
+    here = config_hash(load_config(ARITH, overrides))
+    code = ("import sys; from rl_core.config import load_config, config_hash; "
+            "print(config_hash(load_config(sys.argv[1], sys.argv[2:])))")
+    out = subprocess.run([sys.executable, "-c", code, str(ARITH), *overrides], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == here
+
+
+def test_hash_changes_with_any_value():
+    a = config_hash(load_config(ARITH))
+    assert config_hash(load_config(ARITH, ["rl.optimizer.lr=6e-5"])) != a
+    assert config_hash(load_config(ARITH, ["job.seed=1"])) != a
+
+
+# ------------------------------------------------------------------------------ error classes
+
+
+def test_unknown_key_names_the_closest_valid_keys():
+    (msg,) = errors_of(ARITH, "rl.max_step=3")
+    assert "rl.max_step" in msg and "unknown key" in msg and "rl.max_steps" in msg
+
+
+def test_unknown_leaf_finds_its_section():
+    (msg,) = errors_of(ARITH, "rl.lr=3e-4")
+    assert "rl.optimizer.lr" in msg
+
+
+def test_unknown_key_in_a_yaml_file_is_reported(tmp_path):
+    data = json.loads(json.dumps(PosttrainConfig().model_dump(mode="json")))
+    data["rollout"]["temprature"] = 0.7
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert "rollout.temprature" in str(info.value) and "rollout.temperature" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, replacement",
+    [("rl.objective=degenerate", "rl.grpo_surrogate=legacy_pg"),
+     ("rl.objective=clipped", "rl.grpo_surrogate=clipped"),
+     ("rl.objective_mode=direct", "rl.distillation_mode=direct"),
+     ("rl.objective_mode=advantage", "rl.distillation_mode=advantage")],
+)
+def test_retired_keys_name_the_replacement_and_are_not_aliased(override, replacement):
+    (msg,) = errors_of(ARITH, override)
+    assert override.split("=")[0] in msg and "retired" in msg and replacement in msg
+
+
+def test_retired_key_in_a_resolved_file_is_refused():
+    data = PosttrainConfig().model_dump(mode="json")
+    data["rl"]["objective"] = "degenerate"
+    with pytest.raises(ConfigError, match="rl.grpo_surrogate=legacy_pg"):
+        config_from_dict(data)
+
+
+@pytest.mark.parametrize("override", ["rl.epsilon_low=true", "rollout.n=false", "rl.kl_beta=True"])
+def test_bools_are_not_numbers(override):
+    (msg,) = errors_of(ARITH, override)
+    assert override.split("=")[0] in msg and "bool" in msg
+
+
+@pytest.mark.parametrize("override", ["rl.max_steps=1.5", "rollout.n=2.5", "rl.optimizer.warmup_steps=0.1"])
+def test_fractional_ints_are_refused(override):
+    (msg,) = errors_of(ARITH, override)
+    assert override.split("=")[0] in msg and "fractional" in msg
+
+
+@pytest.mark.parametrize("override", ["rollout.n=0", "rollout.max_tokens=-4", "rl.optimizer.lr=0", "rl.temperature=-1.0",
+                                      "cluster.num_workers=0", "rl.advantage_eps=0"])
+def test_positive_fields_reject_zero_and_negatives(override):
+    key, value = override.split("=")
+    (msg,) = errors_of(ARITH, override)
+    assert msg.startswith(f"{key}=") and "must be >" in msg
+
+
+@pytest.mark.parametrize("override", ["rl.temperature=nan", "rl.optimizer.lr=inf", "rl.kl_beta=-inf", "rollout.top_p=NaN"])
+def test_nan_and_inf_are_refused(override):
+    (msg,) = errors_of(ARITH, override)
+    assert override.split("=")[0] in msg and "NaN" in msg
+
+
+def test_enum_errors_list_the_allowed_values():
+    (msg,) = errors_of(ARITH, "rl.loss_type=sum")
+    for allowed in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"):
+        assert allowed in msg
+    assert "rl.loss_type" in msg
+
+
+def test_gspo_as_a_surrogate_points_to_the_sequence_level():
+    (msg,) = errors_of(ARITH, "rl.grpo_surrogate=gspo")
+    assert "rl.importance_sampling_level=sequence" in msg
+
+
+def test_several_errors_are_reported_together():
+    problems = errors_of(ARITH, "rl.objective=clipped", "rollout.n=0", "rl.max_steps=1.5", "rl.nope=1")
+    assert len(problems) == 4
+    joined = "\n".join(problems)
+    for key in ("rl.objective", "rollout.n", "rl.max_steps", "rl.nope"):
+        assert key in joined
+
+
+def test_override_without_equals_is_a_clear_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(ARITH, ["rl.max_steps"])
+
+
+def test_every_field_has_a_description():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            sub = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
+            if sub:
+                yield from walk(sub, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field.description
+
+    missing = [k for k, d in walk(PosttrainConfig, "") if not d]
+    assert not missing, f"fields without a description: {missing}"
+    assert len(all_keys()) > 50
+
+
+# ------------------------------------------------------------------------------------- preflight
+
+
+def test_temperature_contract_clipped():
+    bad = preflight_of(GRPO, "rollout.temperature=0.7")
+    assert any("rollout.temperature=0.7" in e and "rl.temperature" in e for e in bad.errors)
+    assert preflight_of(GRPO, "rollout.temperature=0.7", "rl.temperature=0.7").ok
+
+
+def test_temperature_contract_legacy_pg():
+    assert any("rollout.temperature=1.0" in e for e in preflight_of(ARITH, "rollout.temperature=0.5").errors)
+    assert any(e.startswith("rl.temperature=") for e in preflight_of(ARITH, "rl.temperature=0.5").errors)
+    assert preflight_of(ARITH, "rollout.temperature=1.0").ok
+
+
+@pytest.mark.parametrize("knob", ["rl.epsilon_low=0.1", "rl.epsilon_high=0.3", "rl.lower_bound_ratio=2.0",
+                                  "rl.importance_sampling_level=sequence", "rl.certified_deterministic_forward=true",
+                                  "rl.mini_batch_per_replica=16"])
+def test_legacy_pg_rejects_ratio_and_pi_old_knobs(knob):
+    report = preflight_of(ARITH, knob)
+    assert any(e.startswith(knob.split("=")[0]) for e in report.errors), report.render()
+
+
+def test_dual_clip_at_sequence_level_is_rejected_and_its_neighbour_passes():
+    report = preflight_of(GSPO, "rl.lower_bound_ratio=3")
+    assert len(report.errors) == 1 and "dual clip" in report.errors[0] and "rl.lower_bound_ratio" in report.errors[0]
+    assert preflight_of(GSPO, "rl.lower_bound_ratio=0").ok
+
+
+def test_dual_clip_constant_must_exceed_one():
+    assert any("must be > 1" in e for e in preflight_of(GRPO, "rl.lower_bound_ratio=0.5").errors)
+    assert preflight_of(GRPO, "rl.lower_bound_ratio=1.5").ok
+
+
+def test_kl_knobs_without_kl_beta_are_rejected():
+    assert any(e.startswith("rl.kl_estimator") for e in preflight_of(GRPO, "rl.kl_estimator=k1").errors)
+    assert any(e.startswith("rl.reference") for e in preflight_of(GRPO, "rl.reference=some/model").errors)
+    assert preflight_of(GRPO, "rl.kl_estimator=k1", "rl.kl_beta=0.01").ok
+
+
+def test_distillation_mode_outside_opd_is_rejected():
+    assert any(e.startswith("rl.distillation_mode") for e in preflight_of(GRPO, "rl.distillation_mode=direct").errors)
+
+
+def test_opd_direct_rejects_advantage_knobs_and_warns():
+    report = preflight_of(GRPO, "job.algorithm=opd", "rl.distillation_mode=direct", "rl.unbiased_advantage=true")
+    assert any(e.startswith("rl.unbiased_advantage") for e in report.errors)
+    ok = preflight_of(GRPO, "job.algorithm=opd", "rl.distillation_mode=direct")
+    assert ok.ok and any("not training signals" in w for w in ok.warnings)
+
+
+def test_sequence_level_with_per_token_advantages_is_rejected():
+    report = preflight_of(GSPO, "job.algorithm=opd")
+    assert any("per-token advantages" in e for e in report.errors)
+
+
+def test_reward_mode_only_for_gsm8k():
+    assert any(e.startswith("data.reward_mode") for e in preflight_of(ARITH, "data.reward_mode=flexible").errors)
+    assert preflight_of(GRPO, "data.reward_mode=flexible").ok
+
+
+def test_group_size_must_be_at_least_two():
+    assert any(e.startswith("rollout.n=1") for e in preflight_of(GRPO, "rollout.n=1").errors)
+
+
+def test_batch_divisibility():
+    # 64 prompts x 8 = 512 completions; 3 workers do not divide them
+    assert any("cluster.num_workers=3" in e for e in preflight_of(GRPO, "cluster.num_workers=3").errors)
+    # 128 per worker; 48 does not divide 128
+    assert any(e.startswith("rl.mini_batch_per_replica=48") for e in preflight_of(GRPO, "rl.mini_batch_per_replica=48").errors)
+    assert any(e.startswith("rl.micro_batch_per_replica=5") for e in preflight_of(GRPO, "rl.micro_batch_per_replica=5").errors)
+    assert preflight_of(GRPO, "rl.mini_batch_per_replica=64", "rl.micro_batch_per_replica=16").ok
+
+
+def test_warned_rows_and_their_neighbours():
+    # sequence ratio at n_mini = 1
+    w = preflight_of(GSPO, "rl.mini_batch_per_replica=null").warnings
+    assert any("n_mini=1" in x for x in w)
+    assert not preflight_of(GSPO).warnings
+    # token-scale epsilons at sequence level
+    assert any("token-scale" in x for x in preflight_of(GSPO, "rl.epsilon_low=0.2", "rl.epsilon_high=0.2").warnings)
+    # bf16 log-probs with tiny epsilons (token level: only the precision warning)
+    w = preflight_of(GRPO, "rl.epsilon_low=5e-4", "rl.epsilon_high=5e-4").warnings
+    assert any("bfloat16" in x for x in w)
+    assert not preflight_of(GRPO, "rl.epsilon_low=5e-4", "rl.epsilon_high=5e-4", "model.dtype=float32").warnings
+    # top_p < 1 under a ratio surrogate
+    assert any("top_p" in x for x in preflight_of(GRPO, "rollout.top_p=0.9").warnings)
+    assert not preflight_of(GRPO, "rollout.top_p=1.0").warnings
+    # GSPO under a token-weighted reduction
+    assert any("weights sequences by length" in x for x in preflight_of(GSPO, "rl.loss_type=token-mean").warnings)
+
+
+def test_warnings_are_emitted_once_each():
+    report = preflight_of(GRPO, "rollout.top_p=0.85")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        emit_warnings(report)
+        emit_warnings(report)
+    mine = [w for w in caught if issubclass(w.category, PreflightWarning)]
+    assert len(mine) == 1 and "top_p=0.85" in str(mine[0].message)
+
+
+def test_check_raises_with_every_preflight_error():
+    cfg = load_config(GSPO, ["rl.lower_bound_ratio=3", "rollout.temperature=0.5"])
+    with pytest.raises(ConfigError) as info:
+        check(cfg)
+    assert len(info.value.problems) == 2
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_validate_refuses_dual_clip_on_gspo():
+    out = run_cli("validate", "recipes/gspo_gsm8k.py", "--", "rl.lower_bound_ratio=3")
+    assert out.returncode == 1
+    assert "dual clip" in out.stderr and "rl.lower_bound_ratio" in out.stderr
+
+
+def test_cli_validate_prints_the_resolved_config():
+    import yaml
+
+    out = run_cli("validate", "recipes/arithmetic.py", "--", "rl.max_steps=5")
+    assert out.returncode == 0, out.stderr
+    body = yaml.safe_load(out.stdout.split("# config hash")[0])
+    assert body["rl"]["max_steps"] == 5 and body["rl"]["grpo_surrogate"] == "legacy_pg"
+    assert config_hash(load_config(ARITH, ["rl.max_steps=5"])) in out.stdout
+
+
+def test_cli_validate_reports_config_errors():
+    out = run_cli("validate", "recipes/arithmetic.py", "--", "rl.objective=degenerate", "rollout.n=true")
+    assert out.returncode == 1
+    assert "rl.grpo_surrogate=legacy_pg" in out.stderr and "rollout.n" in out.stderr
+
+
+def test_cli_validate_missing_recipe():
+    out = run_cli("validate", "recipes/nope.py")
+    assert out.returncode == 1 and "recipes/nope.py" in out.stderr
