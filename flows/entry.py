@@ -1,0 +1,32 @@
+"""Run a recipe's flow: the GRPO family, OPD or DPO, chosen by `job.algorithm`."""
+
+from __future__ import annotations
+
+import os
+
+from rl_core.config import check, load_config
+
+# Quiet, local defaults for the embedded Prefect API (a user's own settings win).
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def flow_for(algorithm: str):
+    if algorithm == "opd":
+        from flows.opd import opd
+
+        return opd
+    if algorithm == "dpo":
+        from flows.dpo import dpo
+
+        return dpo
+    from flows.grpo import grpo
+
+    return grpo
+
+
+def run_recipe(recipe: str, overrides: list[str]) -> dict:
+    cfg = load_config(recipe, overrides)  # config and preflight errors surface here, before Prefect starts
+    check(cfg)
+    return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))

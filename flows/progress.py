@@ -1,0 +1,46 @@
+"""The CLI's live view of a run (step, reward, loss, accuracy, tokens/s) with rich."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class RunProgress:
+    """A rich progress bar on a terminal; a plain line every `every` steps elsewhere (logs, workers)."""
+
+    def __init__(self, total: int, name: str, start: int = 0, every: int = 10):
+        self.console = Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.every = every
+        self.total = total
+        self.progress = Progress(
+            TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), console=self.console, disable=not self.live,
+        )
+        self.task = self.progress.add_task(name, total=total, completed=start, stats="")
+        self.last_acc: float | None = None
+
+    def __enter__(self) -> "RunProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if "val/accuracy" in record:
+            self.last_acc = record["val/accuracy"]
+        parts = [f"reward {record.get('rollout/reward_mean', float('nan')):.3f}",
+                 f"loss {record.get('train/loss', float('nan')):+.4f}"]
+        if self.last_acc is not None:
+            parts.append(f"acc {self.last_acc:.3f}")
+        parts.append(f"{record.get('perf/tokens_per_s', 0.0):,.0f} tok/s")
+        stats = " | ".join(parts)
+        step = record["step"]
+        self.progress.update(self.task, completed=step, stats=stats)
+        if not self.live and (step % self.every == 0 or step == self.total or "val/accuracy" in record):
+            print(f"step {step}/{self.total}: {stats}", file=sys.stderr, flush=True)

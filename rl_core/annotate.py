@@ -1,0 +1,87 @@
+"""The annotate phase: from scored completions to the training batch and its annotations table.
+
+Runs while whole groups are present (SPEC §1): group advantages, the shared-prefix mask, and the
+one-row-per-completion table that the pandera gate checks before anything reaches a trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+import torch
+
+from rl_core.annotators.advantage import group_advantages
+from rl_core.annotators.shared_prefix import shared_prefix_loss_mask
+from rl_core.config import RLConfig
+from rl_core.trajectory import Trajectory
+
+
+@dataclass
+class Annotated:
+    batch: Trajectory
+    table: pd.DataFrame
+    stats: dict[str, float]
+
+
+def annotate(
+    completions,
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int],
+    *,
+    rl: RLConfig,
+    first_sample_id: int,
+) -> Annotated:
+    """Build the Trajectory and annotations table of one step.
+
+    `completions`: the engine's output (rows of prompt i contiguous, `prompt_index` giving i);
+    `prompt_ids[i]`: the dataset row of input prompt i; `first_sample_id`: sample ids are
+    `first_sample_id + row`, unique across the run.
+    """
+    n_rows = completions.input_ids.shape[0]
+    if len(rewards) != n_rows:
+        raise ValueError(f"annotate: {len(rewards)} rewards for {n_rows} completions")
+    reward_t = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
+    group_ids = torch.as_tensor(completions.prompt_index, dtype=torch.long)
+    advantages = group_advantages(reward_t, group_ids, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps).float()
+    loss_mask = completions.response_mask.float()
+    if rl.shared_prefix_min_tokens > 0:
+        loss_mask = shared_prefix_loss_mask(completions.input_ids, loss_mask, reward_t, group_ids,
+                                            rl.shared_prefix_min_tokens)
+    sample_ids = torch.arange(first_sample_id, first_sample_id + n_rows, dtype=torch.long)
+    batch = Trajectory(
+        input_ids=completions.input_ids,
+        attention_mask=completions.attention_mask,
+        loss_mask=loss_mask,
+        rollout_logp=completions.sampling_logp.float() * loss_mask,
+        rewards=reward_t,
+        group_ids=group_ids,
+        sample_ids=sample_ids,
+        policy_version=int(completions.policy_version),
+        advantages=advantages,
+    )
+    response_len = completions.response_mask.sum(1).round().long()
+    group_size = torch.bincount(group_ids)[group_ids]
+    table = pd.DataFrame({
+        "sample_id": sample_ids.numpy().astype("int64"),
+        "prompt_id": [int(prompt_ids[g]) for g in group_ids.tolist()],
+        "group_id": group_ids.numpy().astype("int64"),
+        "group_size": group_size.numpy().astype("int64"),
+        "reward": reward_t.double().numpy(),
+        "advantage": advantages.double().numpy(),
+        "response_len": response_len.numpy().astype("int64"),
+        "truncated": [reason != "stop" for reason in completions.finish_reason],
+        "policy_version": [int(completions.policy_version)] * n_rows,
+    })
+    per_group = table.groupby("group_id")["reward"].agg(["min", "max"])
+    stats = {
+        "rollout/reward_mean": float(reward_t.mean()),
+        "rollout/reward_std": float(reward_t.std(unbiased=False)) if n_rows > 1 else 0.0,
+        "rollout/response_len_mean": float(response_len.float().mean()),
+        "rollout/response_len_max": float(response_len.max()),
+        "rollout/truncation_rate": float(table["truncated"].mean()),
+        "rollout/zero_adv_group_frac": float((per_group["min"] == per_group["max"]).mean()),
+        "rollout/masked_prefix_frac": float(1 - loss_mask.sum() / completions.response_mask.float().sum().clamp_min(1)),
+    }
+    return Annotated(batch=batch, table=table, stats=stats)

@@ -1,0 +1,194 @@
+"""The pandera gate: what a batch must satisfy before it may reach a trainer.
+
+`AnnotationsTable` is one row per completion, built by the annotate phase. `validate_annotations`
+adds the run's bounds (`rollout.max_tokens`, whether advantages are group-relative) and
+`validate_batch_tensors` checks the tensor batch (shapes, dtypes, masks, log-probs) row by row
+against the table. Both raise `BatchValidationError` with the failing checks and a few rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+import torch
+from pandera.typing import Series
+
+
+class BatchValidationError(ValueError):
+    """A batch failed the gate; `.failures` is a DataFrame of (check, column, index, value)."""
+
+    def __init__(self, what: str, failures: pd.DataFrame, rows: pd.DataFrame | None = None, max_rows: int = 5):
+        self.failures = failures
+        lines = [f"{what}: batch refused before dispatch ({failures['check'].nunique()} failing check(s))"]
+        for check, group in failures.groupby("check", sort=False):
+            cols = sorted({str(c) for c in group["column"].dropna()})
+            where = ", ".join(cols) if 0 < len(cols) <= 2 else "whole rows"
+            idx = [int(i) for i in group["index"].dropna().unique() if _is_int(i)]
+            count = len(idx) or len(group)
+            shown = "" if len(cols) > 2 else ", e.g. " + ", ".join(str(v) for v in group["failure_case"].head(max_rows))
+            hint = _HINTS.get(str(cols[0]) if len(cols) == 1 else "", "")
+            lines.append(f"  - {check} on {where}: {count} failing{shown}{hint}"
+                         + (f" (rows {idx[:max_rows]})" if idx else ""))
+            if rows is not None and idx:
+                sample = rows.loc[[i for i in idx[:3] if i in rows.index]]
+                lines.extend("      " + line for line in sample.to_string().splitlines())
+        super().__init__("\n".join(lines))
+
+
+_HINTS = {"response_len": " [bound: rollout.max_tokens]"}
+
+
+def _is_int(value: Any) -> bool:
+    try:
+        return float(value).is_integer()
+    except (TypeError, ValueError):
+        return False
+
+
+class AnnotationsTable(pa.DataFrameModel):
+    """One row per completion of a step, after reward and annotation."""
+
+    sample_id: Series[int] = pa.Field(ge=0, unique=True)
+    prompt_id: Series[int] = pa.Field(ge=0)
+    group_id: Series[int] = pa.Field(ge=0)
+    group_size: Series[int] = pa.Field(ge=1)
+    reward: Series[float] = pa.Field()
+    advantage: Series[float] = pa.Field()
+    response_len: Series[int] = pa.Field(ge=1)
+    truncated: Series[bool] = pa.Field()
+    policy_version: Series[int] = pa.Field(ge=0)
+
+    class Config:
+        strict = True  # no missing, no extra columns
+        coerce = False
+        ordered = False
+
+    @pa.check("reward", name="finite_reward")
+    def _finite_reward(cls, s: Series[float]) -> Series[bool]:
+        return pd.Series(np.isfinite(s.to_numpy(dtype=float)), index=s.index)
+
+    @pa.check("advantage", name="finite_advantage")
+    def _finite_advantage(cls, s: Series[float]) -> Series[bool]:
+        return pd.Series(np.isfinite(s.to_numpy(dtype=float)), index=s.index)
+
+    @pa.dataframe_check(name="complete_groups")
+    def _complete_groups(cls, df: pd.DataFrame) -> Series[bool]:
+        counts = df.groupby("group_id")["sample_id"].transform("count")
+        return counts == df["group_size"]
+
+    @pa.dataframe_check(name="one_prompt_per_group")
+    def _one_prompt_per_group(cls, df: pd.DataFrame) -> Series[bool]:
+        return df.groupby("group_id")["prompt_id"].transform("nunique") == 1
+
+    @pa.dataframe_check(name="one_policy_version")
+    def _one_policy_version(cls, df: pd.DataFrame) -> Series[bool]:
+        mode = df["policy_version"].mode()
+        return df["policy_version"] == (mode.iloc[0] if len(mode) else -1)
+
+
+def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float = 1e-4) -> pa.DataFrameSchema:
+    """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0."""
+    schema = AnnotationsTable.to_schema()
+    length = schema.columns["response_len"]
+    schema = schema.update_column(
+        "response_len", checks=[*length.checks, pa.Check.le(max_tokens, name=f"response_len<=rollout.max_tokens({max_tokens})")]
+    )
+    if group_relative:
+        def zero_sum(df: pd.DataFrame) -> pd.Series:
+            sums = df.groupby("group_id")["advantage"].transform("sum")
+            return sums.abs() <= atol * df["group_size"]
+
+        schema = copy.deepcopy(schema)
+        schema.checks = [*schema.checks, pa.Check(zero_sum, name="group_advantages_sum_to_zero")]
+    return schema
+
+
+def _failures_frame(exc: pa.errors.SchemaErrors) -> pd.DataFrame:
+    fc = exc.failure_cases.copy()
+    out = pd.DataFrame({
+        "check": fc["check"].astype(str),
+        "column": fc["column"],
+        "index": fc["index"],
+        "failure_case": fc["failure_case"],
+    })
+    return out
+
+
+def validate_annotations(table: pd.DataFrame, *, max_tokens: int, group_relative: bool = True) -> pd.DataFrame:
+    """Validate the annotations table (all checks, lazily); raise BatchValidationError naming each failure."""
+    try:
+        return annotations_schema(max_tokens, group_relative).validate(table, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        raise BatchValidationError("annotations table", _failures_frame(exc), table) from None
+
+
+class BatchRows(pa.DataFrameModel):
+    """Per-row summaries of the tensor batch, checked against the annotations table."""
+
+    row: Series[int]
+    loss_tokens: Series[int] = pa.Field(ge=1)
+    expected_len: Series[int]
+    loss_outside_attention: Series[int] = pa.Field(eq=0)
+    mask_values_binary: Series[bool] = pa.Field(isin=[True])
+    logp_finite: Series[bool] = pa.Field(isin=[True])
+    logp_max: Series[float] = pa.Field(le=1e-6)
+
+    @pa.dataframe_check(name="loss_tokens==response_len")
+    def _lengths_agree(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["loss_tokens"] == df["expected_len"]
+
+
+TENSOR_FIELDS_2D = ("input_ids", "attention_mask", "loss_mask", "rollout_logp")
+
+
+def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None) -> None:
+    """Shapes, dtypes and masks of a Trajectory-like batch; with `table`, rows must agree with it."""
+    problems = []
+    shapes = {name: tuple(getattr(batch, name).shape) for name in TENSOR_FIELDS_2D}
+    ref = shapes["input_ids"]
+    if len(ref) != 2:
+        problems.append(("shape", "input_ids", None, f"expected [B, T], got {list(ref)}"))
+    for name, shape in shapes.items():
+        if shape != ref:
+            problems.append(("shape", name, None, f"{list(shape)} != input_ids {list(ref)}"))
+    if batch.input_ids.dtype != torch.long:
+        problems.append(("dtype", "input_ids", None, str(batch.input_ids.dtype)))
+    if not torch.is_floating_point(batch.rollout_logp):
+        problems.append(("dtype", "rollout_logp", None, str(batch.rollout_logp.dtype)))
+    b = ref[0] if ref else 0
+    for name in ("rewards", "group_ids", "sample_ids"):
+        value = getattr(batch, name, None)
+        if value is not None and tuple(value.shape[:1]) != (b,):
+            problems.append(("shape", name, None, f"{list(value.shape)} has no leading batch dim {b}"))
+    adv = getattr(batch, "advantages", None)
+    if adv is None:
+        problems.append(("present", "advantages", None, "missing: annotate before validation"))
+    elif not (adv.shape == (b,) or tuple(adv.shape) == ref):
+        problems.append(("shape", "advantages", None, f"{list(adv.shape)} is neither [B] nor [B, T]"))
+    elif not bool(torch.isfinite(adv).all()):
+        problems.append(("finite", "advantages", None, "non-finite advantage"))
+    if problems:
+        raise BatchValidationError("tensor batch", pd.DataFrame(problems, columns=["check", "column", "index", "failure_case"]))
+
+    attn = batch.attention_mask.float()
+    loss = batch.loss_mask.float()
+    logp = batch.rollout_logp.float()
+    on = loss > 0
+    rows = pd.DataFrame({
+        "row": np.arange(b),
+        "loss_tokens": loss.sum(1).round().long().numpy(),
+        "expected_len": (table["response_len"].to_numpy() if table is not None else loss.sum(1).round().long().numpy()),
+        "loss_outside_attention": ((loss > 0) & (attn == 0)).sum(1).numpy(),
+        "mask_values_binary": (((loss == 0) | (loss == 1)).all(1) & ((attn == 0) | (attn == 1)).all(1)).numpy(),
+        "logp_finite": torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(1).numpy(),
+        "logp_max": torch.where(on & torch.isfinite(logp), logp, torch.full_like(logp, -math.inf)).amax(1).clamp_min(-1e30).double().numpy(),
+    })
+    try:
+        BatchRows.validate(rows, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        raise BatchValidationError("tensor batch", _failures_frame(exc), rows) from None

@@ -1,0 +1,17 @@
+"""annotate: group advantages, masks and the annotations table, on whole groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.annotate import Annotated, annotate
+from rl_core.config import RLConfig
+
+
+@task(name="annotate", cache_policy=NO_CACHE)
+def annotate_task(completions: Any, rewards: list[float], prompt_ids: list[int], rl: RLConfig,
+                  first_sample_id: int) -> Annotated:
+    return annotate(completions, rewards, prompt_ids, rl=rl, first_sample_id=first_sample_id)

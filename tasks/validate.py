@@ -1,0 +1,16 @@
+"""validate: the pandera gate. A failing batch stops here, before dispatch, naming the checks."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.annotate import Annotated
+from rl_core.schemas import validate_annotations, validate_batch_tensors
+
+
+@task(name="validate", cache_policy=NO_CACHE)
+def validate_task(annotated: Annotated, max_tokens: int, group_relative: bool = True) -> Annotated:
+    validate_annotations(annotated.table, max_tokens=max_tokens, group_relative=group_relative)
+    validate_batch_tensors(annotated.batch, annotated.table)
+    return annotated

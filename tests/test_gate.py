@@ -1,0 +1,137 @@
+"""The pandera gate: annotations table and tensor batch checks, each corruption named."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rl_core.annotate import annotate
+from rl_core.config import RLConfig
+from rl_core.rollout.base import build_completions
+from rl_core.schemas import BatchValidationError, validate_annotations, validate_batch_tensors
+
+EOS, PAD = 2, 0
+
+
+def make_step(rewards=(1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0), n=4, version=3, rl=None):
+    prompts = [[1, 5, 6], [1, 7]]
+    # ragged responses; the last of each group is truncated (no EOS)
+    responses = [[9, EOS], [9, 9, 9, EOS], [8, EOS], [8, 8, 8, 8],
+                 [EOS], [9, 8, EOS], [9, EOS], [7, 7, 7, 7]]
+    logps = [[-0.5] * len(r) for r in responses]
+    comp = build_completions(prompts, responses, logps, n=n, eos_token_id=EOS, pad_token_id=PAD, max_tokens=4,
+                             policy_version=version)
+    return annotate(comp, list(rewards), [10, 42], rl=rl or RLConfig(), first_sample_id=100)
+
+
+def test_annotate_builds_the_table_and_batch_by_hand():
+    a = make_step()
+    t = a.table
+    assert list(t["sample_id"]) == list(range(100, 108))
+    assert list(t["prompt_id"]) == [10] * 4 + [42] * 4
+    assert list(t["group_size"]) == [4] * 8
+    assert list(t["response_len"]) == [2, 4, 2, 4, 1, 3, 2, 4]
+    assert list(t["truncated"]) == [False, False, False, True, False, False, False, True]
+    # group 0 rewards [1,0,1,1]: (r - 0.75) / (0.5 + eps)  (SPEC §1 worked check)
+    expected = (np.array([1, 0, 1, 1]) - 0.75) / (0.5 + 1e-6)
+    np.testing.assert_allclose(t["advantage"][:4], expected, rtol=1e-6)
+    assert a.stats["rollout/truncation_rate"] == pytest.approx(2 / 8)
+    assert a.stats["rollout/reward_mean"] == pytest.approx(4 / 8)
+    assert torch.equal(a.batch.loss_mask.sum(1).long(), torch.tensor([2, 4, 2, 4, 1, 3, 2, 4]))
+    validate_annotations(t, max_tokens=4)
+    validate_batch_tensors(a.batch, t)
+
+
+def test_zero_advantage_groups_are_counted():
+    a = make_step(rewards=(1, 1, 1, 1, 0, 1, 0, 0))
+    assert a.stats["rollout/zero_adv_group_frac"] == pytest.approx(0.5)
+    assert (a.table["advantage"][:4] == 0).all()
+
+
+def refused(fn, *args, **kwargs) -> str:
+    with pytest.raises(BatchValidationError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def test_nan_reward_is_refused():
+    a = make_step()
+    table = a.table.copy()
+    table.loc[2, "reward"] = math.nan
+    msg = refused(validate_annotations, table, max_tokens=4)
+    assert "reward" in msg and "rows [2]" in msg
+
+
+def test_missing_group_member_is_refused():
+    a = make_step()
+    table = a.table.drop(index=5)
+    msg = refused(validate_annotations, table, max_tokens=4)
+    assert "complete_groups" in msg
+
+
+def test_over_long_response_is_refused_naming_the_bound():
+    a = make_step()
+    msg = refused(validate_annotations, a.table, max_tokens=3)
+    assert "response_len" in msg and "rollout.max_tokens" in msg
+
+
+def test_mixed_policy_versions_are_refused():
+    a = make_step()
+    table = a.table.copy()
+    table.loc[6, "policy_version"] = 2
+    msg = refused(validate_annotations, table, max_tokens=4)
+    assert "one_policy_version" in msg and "rows [6]" in msg
+
+
+def test_group_advantages_must_sum_to_zero_for_group_estimators():
+    a = make_step()
+    table = a.table.copy()
+    table.loc[0, "advantage"] += 0.5
+    assert "group_advantages_sum_to_zero" in refused(validate_annotations, table, max_tokens=4)
+    validate_annotations(table, max_tokens=4, group_relative=False)  # e.g. OPD's per-token signal
+
+
+def test_missing_or_extra_column_is_refused():
+    a = make_step()
+    assert "truncated" in refused(validate_annotations, a.table.drop(columns="truncated"), max_tokens=4)
+    extra = a.table.assign(debug=1)
+    assert "debug" in refused(validate_annotations, extra, max_tokens=4)
+
+
+def test_several_failures_are_reported_together():
+    a = make_step()
+    table = a.table.copy()
+    table.loc[1, "reward"] = math.inf
+    table.loc[7, "policy_version"] = 9
+    msg = refused(validate_annotations, table, max_tokens=4)
+    assert "finite_reward" in msg and "one_policy_version" in msg
+
+
+def test_tensor_batch_nan_logp_is_refused():
+    a = make_step()
+    logp = a.batch.rollout_logp.clone()
+    logp[3, -1] = math.nan
+    msg = refused(validate_batch_tensors, a.batch.replace(rollout_logp=logp), a.table)
+    assert "logp_finite" in msg
+
+
+def test_tensor_batch_lengths_must_match_the_table():
+    a = make_step()
+    mask = a.batch.loss_mask.clone()
+    mask[0] = 0
+    mask[0, 2:4] = 1  # two loss tokens (the count is what the table records)
+    validate_batch_tensors(a.batch.replace(loss_mask=mask), a.table)
+    mask[0, 1:4] = 1  # three loss tokens where the table says 2
+    batch = a.batch.replace(loss_mask=mask * a.batch.attention_mask.float())
+    assert "loss_tokens==response_len" in refused(validate_batch_tensors, batch, a.table)
+
+
+def test_tensor_batch_positive_logp_and_missing_advantages():
+    a = make_step()
+    logp = a.batch.rollout_logp.clone()
+    logp[1][a.batch.loss_mask[1] > 0] = 0.3
+    assert "logp_max" in refused(validate_batch_tensors, a.batch.replace(rollout_logp=logp), a.table)
+    assert "advantages" in refused(validate_batch_tensors, a.batch.replace(advantages=None), a.table)
