@@ -52,5 +52,6 @@ def sequence_token_logprobs(
     lp = torch.cat([zeros, lp], dim=1)
     if not return_entropy:
         return lp
-    ent = torch.cat([zeros, entropy_from_logits(logits, temperature)], dim=1)
+    with torch.no_grad():  # a diagnostic: no second [B, T, V] tensor kept for autograd
+        ent = torch.cat([zeros, entropy_from_logits(logits, temperature)], dim=1)
     return lp, ent

@@ -1,0 +1,34 @@
+"""What an objective builder needs to know beyond the `rl` config section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ObjectiveContext:
+    """Inputs to `build_objective(rl, context)` that live outside `rl`.
+
+    - `max_response_length`: `rollout.max_tokens`; the divisor of `seq-mean-token-sum-fixed`
+      (there is no second config field for it, SPEC §3).
+    - `policy_identity`: what identifies the policy being trained (e.g. model name and dtype); copied
+      into the objective's identity as provenance.
+    """
+
+    max_response_length: int
+    policy_identity: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.max_response_length, bool) or not isinstance(self.max_response_length, int) \
+                or self.max_response_length <= 0:
+            raise ValueError(f"ObjectiveContext.max_response_length={self.max_response_length!r}: must be a positive "
+                             "int (rollout.max_tokens)")
+
+    @classmethod
+    def from_config(cls, cfg) -> ObjectiveContext:
+        """From a `PosttrainConfig`: `rollout.max_tokens` and the policy model's name and dtype."""
+        return cls(
+            max_response_length=cfg.rollout.max_tokens,
+            policy_identity={"name_or_path": cfg.model.name_or_path, "dtype": cfg.model.dtype},
+        )

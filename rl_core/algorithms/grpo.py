@@ -1,0 +1,208 @@
+"""GRPO-family objective (GRPO, Dr-GRPO, GSPO, legacy PG): config -> Objective (SPEC.md §2–§4).
+
+Everything is selected from `rl` alone: the surrogate (`grpo_surrogate`), the ratio level
+(`importance_sampling_level`), the reduction (`loss_type`, fixed divisor from the context) and the
+KL anchor (`kl_beta`, `kl_estimator`). Dr-GRPO and GSPO are configurations of this builder, not code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_core.algorithms.context import ObjectiveContext
+from rl_core.primitives.kl import kl_penalty
+from rl_core.primitives.logprobs import sequence_token_logprobs
+from rl_core.primitives.objective import (
+    OBJECTIVE_WEIGHT_SUM,
+    LogprobScorer,
+    MetricAdapter,
+    Objective,
+    OldLogpCache,
+    Reduction,
+)
+from rl_core.primitives.policy_gradient import (
+    clipped_policy_gradient_loss,
+    legacy_policy_gradient_loss,
+    reduce_policy_gradient_loss,
+)
+
+# algorithm-local name -> public suffix (published as train/<suffix>)
+GRPO_METRIC_NAMES: dict[str, str] = {
+    "grpo_loss": "loss",
+    "grpo_pg_loss": "pg_loss",
+    "grpo_kl": "kl",
+    "grpo_clip_frac": "clip_frac",
+    "grpo_clip_frac_low": "clip_frac_low",
+    "grpo_clip_frac_high": "clip_frac_high",
+    "grpo_dual_clip_frac": "dual_clip_frac",
+    "grpo_ratio_mean": "ratio_mean",
+    "grpo_ratio_min": "ratio_min",
+    "grpo_ratio_max": "ratio_max",
+    "grpo_approx_kl_old": "approx_kl_old",
+    "grpo_entropy": "entropy",
+    "grpo_advantage_mean": "advantage_mean",
+    "grpo_advantage_std": "advantage_std",
+    "grpo_rollout_logp_abs_diff": "rollout_logp_abs_diff",
+    "grpo_rollout_logp_abs_diff_max": "rollout_logp_abs_diff_max",
+}
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    grpo_surrogate: str
+    importance_sampling_level: str
+    epsilon_low: float
+    epsilon_high: float
+    lower_bound_ratio: float
+    loss_type: str
+    max_response_length: int
+    temperature: float
+    kl_beta: float
+    kl_estimator: str
+
+
+def _require(value, field: str, hint: str):
+    if value is None:
+        raise ValueError(f"batch.{field} is missing: {hint}")
+    return value
+
+
+class GRPOLoss:
+    """`fn(model, batch) -> (loss, metrics)` of the GRPO family; `Reduction.TOKEN_SUM`.
+
+    loss = (Σ_chunk pg numerator + kl_beta · Σ_chunk kl numerator) / chunk weight, with numerator and
+    weight from `reduce_policy_gradient_loss(loss_type)`; `metrics[OBJECTIVE_WEIGHT_SUM]` = weight.
+    Reads `batch.advantages` ([B]; [B, T] only at token level), π_old from the old_logp cache
+    (clipped) and `batch.ref_logp` (kl_beta > 0, filled by the trainer through `reference_scorer`).
+    """
+
+    def __init__(self, settings: GRPOSettings, old_logp_cache: OldLogpCache | None):
+        self.settings = settings
+        self.old_logp_cache = old_logp_cache
+
+    def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        s = self.settings
+        clipped = s.grpo_surrogate == "clipped"
+        adv = _require(batch.advantages, "advantages",
+                       "annotate the batch with group advantages (rl_core.annotators) before training")
+        if clipped and s.importance_sampling_level == "sequence" and adv.dim() != 1:
+            raise ValueError("batch.advantages are per token ([B, T]) but rl.importance_sampling_level=sequence needs one "
+                             "advantage per completion ([B]); use rl.importance_sampling_level=token")
+        logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
+                                                temperature=s.temperature, return_entropy=True)
+        entropy = entropy.detach()
+        mask = batch.loss_mask.to(logp.dtype)
+
+        stats: dict[str, torch.Tensor] = {}
+        if clipped:
+            if self.old_logp_cache is None:
+                old = _require(batch.old_logp, "old_logp", "the clipped surrogate needs pi_old log-probs")
+            else:
+                old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
+            per_token, stats = clipped_policy_gradient_loss(
+                logp, old, adv, mask,
+                epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
+                lower_bound_ratio=s.lower_bound_ratio, importance_sampling_level=s.importance_sampling_level)
+        else:
+            per_token = legacy_policy_gradient_loss(logp, adv, mask)
+        pg_num, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
+                                                     max_response_length=s.max_response_length)
+        numerator = pg_num
+        kl_num = None
+        if s.kl_beta > 0:
+            ref = _require(batch.ref_logp, "ref_logp", "rl.kl_beta > 0 needs reference log-probs; pass the reference "
+                           "model to the trainer as auxiliary_models={'reference': model}")
+            kl_num, _ = reduce_policy_gradient_loss(kl_penalty(logp, ref, s.kl_estimator), mask, s.loss_type,
+                                                    max_response_length=s.max_response_length)
+            numerator = pg_num + s.kl_beta * kl_num
+        w = float(weight)
+        loss = numerator / weight if w > 0 else numerator * 0.0
+
+        with torch.no_grad():
+            denom = weight if w > 0 else torch.ones_like(weight)
+            on = mask > 0
+            n_tok = mask.sum().clamp_min(1)
+            rows = on.any(-1)
+            row_adv = adv if adv.dim() == 1 else (adv * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+            row_adv = row_adv[rows].to(torch.float64)
+            diff = torch.where(on, (logp.detach() - batch.rollout_logp.to(logp.dtype)).abs(), torch.zeros_like(logp))
+            values = {
+                "grpo_loss": loss.detach(),
+                "grpo_pg_loss": pg_num.detach() / denom,
+                "grpo_entropy": (entropy * mask).sum() / n_tok,
+                "grpo_advantage_mean": row_adv.mean() if row_adv.numel() else torch.zeros(()),
+                "grpo_advantage_std": row_adv.std(unbiased=False) if row_adv.numel() else torch.zeros(()),
+                "grpo_rollout_logp_abs_diff": diff.sum() / n_tok,
+                "grpo_rollout_logp_abs_diff_max": diff.max() if diff.numel() else torch.zeros(()),
+            }
+            if kl_num is not None:
+                values["grpo_kl"] = kl_num.detach() / denom
+            for key, value in stats.items():
+                values[f"grpo_{key}"] = value
+            names = list(values)
+            floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
+        metrics = dict(zip(names, floats))
+        metrics[OBJECTIVE_WEIGHT_SUM] = w
+        return loss, metrics
+
+
+def grpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
+    """Every value that changes the math of this objective (SPEC §4), as plain data."""
+    ident: dict[str, Any] = {"objective": "grpo", "grpo_surrogate": rl.grpo_surrogate}
+    if rl.grpo_surrogate == "clipped":
+        ident.update(importance_sampling_level=rl.importance_sampling_level, epsilon_low=rl.epsilon_low,
+                     epsilon_high=rl.epsilon_high, lower_bound_ratio=rl.lower_bound_ratio)
+    ident["loss_type"] = rl.loss_type
+    ident["fixed_divisor"] = context.max_response_length if rl.loss_type == "seq-mean-token-sum-fixed" else None
+    ident["temperature"] = rl.temperature
+    ident["kl_beta"] = rl.kl_beta
+    if rl.kl_beta > 0:
+        ident.update(kl_estimator=rl.kl_estimator, reference=rl.reference)
+    ident["unbiased_advantage"] = rl.unbiased_advantage
+    if not rl.unbiased_advantage:
+        ident["advantage_eps"] = rl.advantage_eps
+    ident["shared_prefix_min_tokens"] = rl.shared_prefix_min_tokens
+    ident["policy"] = dict(context.policy_identity)
+    return ident
+
+
+def build_objective(rl, context: ObjectiveContext) -> Objective:
+    """GRPO / Dr-GRPO / GSPO / legacy PG from the `rl` config section (an `RLConfig`) and the context."""
+    clipped = rl.grpo_surrogate == "clipped"
+    if rl.grpo_surrogate not in ("clipped", "legacy_pg"):
+        raise ValueError(f"rl.grpo_surrogate={rl.grpo_surrogate!r}; expected 'clipped' or 'legacy_pg'")
+    if clipped and rl.importance_sampling_level == "sequence" and rl.lower_bound_ratio != 0:
+        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: no dual clip at "
+                         "rl.importance_sampling_level=sequence; set rl.lower_bound_ratio=0")
+    if clipped and 0 < rl.lower_bound_ratio <= 1:
+        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: must be > 1, or 0 to disable the dual clip")
+    if not clipped and rl.importance_sampling_level != "token":
+        raise ValueError("rl.importance_sampling_level=sequence is a knob of rl.grpo_surrogate=clipped; legacy_pg has "
+                         "no ratio")
+    settings = GRPOSettings(
+        grpo_surrogate=rl.grpo_surrogate,
+        importance_sampling_level=rl.importance_sampling_level,
+        epsilon_low=rl.epsilon_low,
+        epsilon_high=rl.epsilon_high,
+        lower_bound_ratio=rl.lower_bound_ratio,
+        loss_type=rl.loss_type,
+        max_response_length=context.max_response_length,
+        temperature=rl.temperature,
+        kl_beta=rl.kl_beta,
+        kl_estimator=rl.kl_estimator,
+    )
+    cache = None
+    if clipped:
+        cache = OldLogpCache(LogprobScorer(rl.temperature),
+                             certified_deterministic_forward=rl.certified_deterministic_forward)
+    return Objective(
+        fn=GRPOLoss(settings, cache),
+        reduction=Reduction.TOKEN_SUM,
+        metric_adapter=MetricAdapter(dict(GRPO_METRIC_NAMES)),
+        old_logp_cache=cache,
+        reference_scorer=LogprobScorer(rl.temperature) if rl.kl_beta > 0 else None,
+        identity=grpo_identity(rl, context),
+    )
