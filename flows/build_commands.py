@@ -30,7 +30,14 @@ def cmd_warm_start(args: argparse.Namespace) -> int:
     from rl_core.warm_start import warm_start
 
     m = warm_start(
-        args.init, args.train, args.val, args.out, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed
+        args.init,
+        args.train,
+        args.val,
+        args.out,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
     )
     print(
         f"warm-start: {m['steps']} steps in {m['time_s']:.1f}s, loss {m['final_loss']:.3f}, held-out greedy "
@@ -44,7 +51,13 @@ def cmd_make_arithmetic(args: argparse.Namespace) -> int:
 
     ops = tuple(args.operators)
     r = make_arithmetic_data(
-        args.out, seed=args.seed, low=args.low, high=args.high, operators=ops, val_size=args.val_size, train_size=args.train_size
+        args.out,
+        seed=args.seed,
+        low=args.low,
+        high=args.high,
+        operators=ops,
+        val_size=args.val_size,
+        train_size=args.train_size,
     )
     print(f"make-data arithmetic: {r['n_train']} train -> {r['train']}, {r['n_val']} held-out -> {r['val']}")
     return 0
@@ -62,7 +75,9 @@ def add_build_commands(subparsers) -> None:
     """Register `init-model`, `warm-start` and `make-data {arithmetic,gsm8k}` on `subparsers`."""
     from rl_core.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 
-    p = subparsers.add_parser("init-model", help="build the tiny Llama + char tokenizer deterministically from a seed")
+    p = subparsers.add_parser(
+        "init-model", help="build the tiny Llama + char tokenizer deterministically from a seed"
+    )
     p.add_argument("--out", default=TINY_INIT_DIR, help=f"output directory (default {TINY_INIT_DIR})")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=cmd_init_model)
@@ -78,7 +93,9 @@ def add_build_commands(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=cmd_warm_start)
 
-    p = subparsers.add_parser("make-data", help="build a dataset: arithmetic (generated) or gsm8k (official JSONL / hub)")
+    p = subparsers.add_parser(
+        "make-data", help="build a dataset: arithmetic (generated) or gsm8k (official JSONL / hub)"
+    )
     kinds = p.add_subparsers(dest="dataset", required=True)
     a = kinds.add_parser("arithmetic", help="a<op>b= problems, seeded train/held-out split")
     a.add_argument("--out", default=ARITHMETIC_DIR)
@@ -90,6 +107,10 @@ def add_build_commands(subparsers) -> None:
     a.add_argument("--train-size", type=int, default=None, help="default: every problem not held out")
     a.set_defaults(handler=cmd_make_arithmetic)
     g = kinds.add_parser("gsm8k", help="official GSM8K JSONL from a directory, or a hub dataset id")
-    g.add_argument("--source", required=True, help="directory with train.jsonl/test.jsonl, or a hub id (needs 'datasets')")
+    g.add_argument(
+        "--source",
+        required=True,
+        help="directory with train.jsonl/test.jsonl, or a hub id (needs 'datasets')",
+    )
     g.add_argument("--out", default=GSM8K_DIR)
     g.set_defaults(handler=cmd_make_gsm8k)

@@ -17,7 +17,15 @@ TINY_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # "\n" plus printable ASCII (space .. "~"): digits, operators and GSM8K text all round-trip.
 TINY_CHARS = ("\n",) + tuple(chr(c) for c in range(32, 127))
 # Unicode punctuation common in GSM8K, folded to ASCII before tokenisation (anything else is <unk>).
-_ASCII_FOLDS = {"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-", "\u2212": "-"}
+_ASCII_FOLDS = {
+    "\u2019": "'",
+    "\u2018": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u2013": "-",
+    "\u2014": "-",
+    "\u2212": "-",
+}
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -27,14 +35,14 @@ TINY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
-TINY_ARCH = dict(
-    hidden_size=128,
-    num_hidden_layers=4,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-)
+TINY_ARCH = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +74,9 @@ def load_policy(model_cfg, *, device: str | torch.device | None = None):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=trust)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=trust
+    )
     if device is not None:
         model.to(device)
     model.eval()
@@ -125,7 +135,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # the default init draws from the global RNG; keep it untouched
+        model = LlamaForCausalLM(config)
     _seeded_init_(model, seed, std=config.initializer_range)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,

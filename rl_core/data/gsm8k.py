@@ -1,0 +1,84 @@
+"""GSM8K: the official JSONL (`question`, `answer`) from a local path, or the hub dataset by name.
+
+`prepare_gsm8k(source, out_dir)` writes `out_dir/train.jsonl` and `out_dir/test.jsonl` in the
+official format. `source` is a directory holding `train.jsonl` and `test.jsonl`, or a hub
+dataset id (e.g. `openai/gsm8k`), which needs the optional `datasets` package and a reachable hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rl_core.data.arithmetic import write_jsonl
+
+SPLITS = ("train", "test")
+GSM8K_INSTRUCTION = (
+    "Solve the problem step by step. End your answer with a final line of the form '#### <number>'."
+)
+
+
+def plain_prompt(question: str) -> str:
+    """Prompt for base models: the model continues after 'Answer:'."""
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+def chat_messages(question: str) -> list[dict]:
+    """Chat prompt for instruction-tuned models (rendered with the tokenizer's chat template)."""
+    return [{"role": "user", "content": f"{question.strip()}\n{GSM8K_INSTRUCTION}"}]
+
+
+def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
+    """Records `{"question", "answer"}` of an official-format JSONL file."""
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "question" not in rec or "answer" not in rec:
+                raise ValueError(
+                    f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}"
+                )
+            records.append({"question": rec["question"], "answer": rec["answer"]})
+    return records
+
+
+def load_gsm8k_split(source: str | Path, split: str) -> list[dict]:
+    """One split (`train` | `test`) from a local directory / JSONL file or a hub dataset id."""
+    if split not in SPLITS:
+        raise ValueError(f"GSM8K split={split!r} is not one of {SPLITS}")
+    path = Path(source)
+    if path.is_dir():
+        return read_gsm8k_jsonl(path / f"{split}.jsonl")
+    if path.is_file():
+        return read_gsm8k_jsonl(path)
+    return _load_from_hub(str(source), split)
+
+
+def _load_from_hub(name: str, split: str) -> list[dict]:
+    try:
+        import datasets  # optional: only for hub sources
+    except ImportError as exc:
+        raise RuntimeError(
+            f"GSM8K source {name!r} is not a local path, and loading it from the hub needs the "
+            "'datasets' package (pip install datasets); or pass a directory with train.jsonl/test.jsonl"
+        ) from exc
+    try:
+        ds = datasets.load_dataset(name, "main", split=split)
+    except Exception as exc:  # offline, unknown id, ...
+        raise RuntimeError(f"could not load GSM8K {name!r} split {split!r} from the hub: {exc}") from exc
+    return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+
+
+def prepare_gsm8k(source: str | Path, out_dir: str | Path) -> dict:
+    """Write `out_dir/{train,test}.jsonl` (official fields); return paths and sizes."""
+    out = Path(out_dir)
+    result: dict = {}
+    for split in SPLITS:
+        records = load_gsm8k_split(source, split)
+        if not records:
+            raise ValueError(f"GSM8K {split} split from {source!r} is empty")
+        result[split] = str(write_jsonl(records, out / f"{split}.jsonl"))
+        result[f"n_{split}"] = len(records)
+    return result

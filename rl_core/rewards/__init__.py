@@ -1,0 +1,35 @@
+"""Reward functions: plain Python `reward(completion_text, answer) -> float`, selected by config.
+
+`get_reward_fn(task, reward_mode)` returns the function for `data.task` ('arithmetic' | 'gsm8k')
+and `data.reward_mode` ('strict' | 'flexible'; only GSM8K reads it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from rl_core.rewards.arithmetic import arithmetic_reward
+from rl_core.rewards.gsm8k import gsm8k_reward
+
+RewardFn = Callable[[str, str], float]
+TASKS = ("arithmetic", "gsm8k")
+
+
+def get_reward_fn(task: str, reward_mode: str = "strict") -> RewardFn:
+    """The reward function of `task`; for GSM8K bound to `reward_mode`."""
+    if task == "arithmetic":
+        return arithmetic_reward
+    if task == "gsm8k":
+        if reward_mode not in ("strict", "flexible"):
+            raise ValueError(f"data.reward_mode={reward_mode!r} is not one of 'strict', 'flexible'")
+        return functools.partial(gsm8k_reward, mode=reward_mode)
+    raise ValueError(f"data.task={task!r} has no reward; known tasks: {', '.join(TASKS)}")
+
+
+def reward_fn_from_config(data_cfg) -> RewardFn:
+    """`get_reward_fn(data.task, data.reward_mode)`."""
+    return get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+
+
+__all__ = ["RewardFn", "arithmetic_reward", "get_reward_fn", "gsm8k_reward", "reward_fn_from_config"]

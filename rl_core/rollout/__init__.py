@@ -1,0 +1,64 @@
+"""Rollout engines: one interface (`RolloutEngine`), an HF engine (CPU/GPU) and a vLLM engine (GPU).
+
+`make_engine(rollout_cfg, model, tokenizer)` picks the engine from `rollout.backend`. The vLLM
+engine is imported only when selected, so CPU machines never import vLLM.
+"""
+
+from __future__ import annotations
+
+from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, build_completions
+from rl_core.rollout.hf import HFEngine
+
+
+def sampling_params_from_config(
+    rollout_cfg, *, seed: int | None = None, greedy: bool = False
+) -> SamplingParams:
+    """`SamplingParams` from a `RolloutConfig` (temperature, top_p, max_tokens) and a seed."""
+    return SamplingParams(
+        temperature=rollout_cfg.temperature,
+        top_p=rollout_cfg.top_p,
+        max_tokens=rollout_cfg.max_tokens,
+        seed=seed,
+        greedy=greedy,
+    )
+
+
+def make_engine(
+    rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto"
+) -> RolloutEngine:
+    """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
+
+    hf: samples from `model` in place. vllm: loads its own copy of the weights from `model_path`
+    (the `model.name_or_path` the policy was loaded from; required) and takes later weights through
+    `update_weights`; `model` is not used by it.
+    """
+    backend = rollout_cfg.backend
+    if backend == "hf":
+        return HFEngine(model, tokenizer, seed=seed)
+    if backend == "vllm":
+        from rl_core.rollout.vllm import VLLMEngine
+
+        if model_path is None:
+            raise ValueError(
+                "rollout.backend=vllm needs model_path (the policy's model.name_or_path) to load the engine"
+            )
+        return VLLMEngine(
+            model_path,
+            tokenizer,
+            dtype=dtype,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            max_tokens=rollout_cfg.max_tokens,
+            seed=seed,
+        )
+    raise ValueError(f"rollout.backend={backend!r} is not one of 'hf', 'vllm'")
+
+
+__all__ = [
+    "Completions",
+    "HFEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "build_completions",
+    "make_engine",
+    "sampling_params_from_config",
+]

@@ -1,0 +1,185 @@
+"""HF rollout engine: a batched KV-cache sampling loop over a `transformers` causal LM (CPU or GPU).
+
+Why not `model.generate`: we need the sampling log-prob of every token under exactly the
+trainer's formula (`rl_core.primitives.logprobs`: float32 `log_softmax(logits / T)`, positions from
+the attention mask), a private seeded generator, and low per-call overhead for the tiny model. The
+loop below is a prefill of the left-padded prompts followed by one cached forward per new token.
+
+Per step, every row gets a token; rows that already sampled EOS keep being fed (their pad tokens
+are discarded), so the batch shape never changes and the random stream depends only on the seed,
+the prompts and the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_core.primitives.logprobs import position_ids_from_mask
+from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from `logits [B, V]`; return `(tokens [B] long, logp [B] float32)`.
+
+    `logp = log_softmax(logits / T)[token]` in float32 (T = 1 for greedy at temperature 0): the
+    full temperature-scaled distribution, even when `top_p < 1` restricts what is sampled.
+    """
+    logp_all = torch.log_softmax(logits.float() / sampling.logprob_temperature, dim=-1)
+    if sampling.is_greedy:
+        tokens = logp_all.argmax(dim=-1)
+    else:
+        probs = logp_all.exp()
+        if sampling.top_p < 1.0:
+            probs = _nucleus(probs, sampling.top_p)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches `top_p` (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+class HFEngine(RolloutEngine):
+    """Rollout engine over an in-memory `transformers` causal LM.
+
+    `model` is used in place (eval mode, no grad); `update_weights` copies a state dict into it.
+    `seed` seeds the engine's own generator, used when `SamplingParams.seed` is None.
+    """
+
+    def __init__(self, model, tokenizer, *, seed: int = 0, policy_version: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_id = _single_id(tokenizer.eos_token_id, "eos_token_id")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = self.eos_token_id if pad is None else int(pad)
+        # EOS of the tokenizer plus any extra stop ids of the model's generation config
+        # (chat models often end turns with a second id, e.g. Qwen's <|im_end|>).
+        stop = {self.eos_token_id}
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            stop.update(int(x) for x in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+        self.stop_token_ids = sorted(stop)
+        self._version = int(policy_version)
+        self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` into the model (strict: every key must match) and set the policy version."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        # A tied lm_head may be absent from the trainer's dict; anything else is an error.
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise KeyError(
+                f"update_weights: state dict does not match the rollout model (missing={missing[:5]}, "
+                f"unexpected={list(unexpected)[:5]}); send the policy's own model.state_dict()"
+            )
+        self._version = int(version)
+
+    @torch.no_grad()  # not inference_mode: the returned tensors feed autograd in the trainer
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
+        """Sample `n` completions per prompt (rows of prompt i are contiguous)."""
+        check_prompts(prompt_ids, n)
+        model, device = self.model, self.device
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(prompt_ids, n, sampling, model, device)
+        finally:
+            model.train(was_training)
+
+    def _generate(self, prompt_ids, n, sampling, model, device) -> Completions:
+        generator = self._generator
+        if sampling.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(int(sampling.seed))
+        P = max(len(p) for p in prompt_ids)
+        rows = len(prompt_ids) * n
+        prompt = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            prompt[i, P - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            prompt_mask[i, P - len(p) :] = 1
+        prompt = prompt.repeat_interleave(n, dim=0).to(device)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(device)
+
+        max_tokens = sampling.max_tokens
+        tokens = torch.full((rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros((rows, max_tokens), dtype=torch.float32, device=device)
+        alive = torch.ones(rows, dtype=torch.bool, device=device)  # no EOS sampled yet
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+        positions = position_ids_from_mask(prompt_mask)
+        out = model(
+            input_ids=prompt,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = positions[:, -1:] + 1
+        mask = prompt_mask
+        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+        for t in range(max_tokens):
+            tok, lp = sample_next_tokens(logits, sampling, generator)
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
+            tokens[:, t] = tok
+            logps[:, t] = torch.where(alive, lp, torch.zeros_like(lp))
+            lengths += alive.long()
+            alive = alive & ~torch.isin(tok, stop_ids)
+            if t + 1 == max_tokens or not bool(alive.any()):
+                break
+            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        R = max(1, int(lengths.max()))
+        tokens, logps = tokens[:, :R].cpu(), logps[:, :R].cpu()
+        lengths = lengths.cpu()
+        resp_mask = (torch.arange(R).unsqueeze(0) < lengths.unsqueeze(1)).float()
+        tokens = torch.where(resp_mask.bool(), tokens, torch.full_like(tokens, self.pad_token_id))
+        stopped = torch.isin(tokens, stop_ids.cpu()) & resp_mask.bool()
+        finish = ["stop" if s else "length" for s in stopped.any(-1).tolist()]
+        return Completions(
+            input_ids=torch.cat([prompt.cpu(), tokens], dim=1),
+            attention_mask=torch.cat([prompt_mask.cpu(), resp_mask.long()], dim=1),
+            response_mask=torch.cat([torch.zeros((rows, P)), resp_mask], dim=1),
+            sampling_logp=torch.cat([torch.zeros((rows, P)), logps * resp_mask], dim=1),
+            prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+            finish_reason=finish,
+            policy_version=self._version,
+            prompt_length=P,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            n=n,
+        )
+
+
+def _single_id(value, name: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"tokenizer has no {name}")
+        value = value[0]
+    if value is None:
+        raise ValueError(f"tokenizer has no {name}; the rollout engine needs one to end completions")
+    return int(value)

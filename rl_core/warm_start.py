@@ -1,0 +1,126 @@
+"""Warm start: plain next-token training of the tiny model on `prompt + answer + <eos>`.
+
+RL from a random init barely learns two-digit addition, so the policy first gets a partial skill
+by supervised training on the train split, stopped early on purpose: the defaults (650 steps of
+32 examples, AdamW lr 1e-3, ~30 s on one CPU thread) leave held-out greedy accuracy near 0.5
+(measured 0.48-0.54 between steps 600 and 750 for seed 0), so RL has real work left.
+
+Loss: next-token cross-entropy on the sequence `prompt + answer + <eos>`, counted on the answer
+tokens and `<eos>` only. The prompt tokens are fed but not scored: their operands are uniformly
+random digits, so scoring them only adds irreducible loss and gradient noise (with the loss on
+all tokens the same budget reached ~0.05 accuracy instead of ~0.5).
+
+Deterministic given the seed (init snapshot, data order from `PromptSampler(seed)`, no dropout),
+on a fixed thread count; the saved snapshot is what RL results depend on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from rl_core.data import PromptSampler, format_prompt, load_examples
+from rl_core.evaluation import evaluate_accuracy
+
+DEFAULT_STEPS = 650
+DEFAULT_LR = 1e-3
+DEFAULT_BATCH_SIZE = 32
+
+
+def encode_supervised_batch(
+    tokenizer, examples, task: str = "arithmetic"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask, labels)` `[B, T]` for `prompt + answer + <eos>`, right-padded.
+
+    The prompt is tokenised exactly as the rollout sees it (plain template, the tokenizer's
+    special tokens); labels are -100 on prompt tokens and padding (right padding keeps positions
+    0..len-1, so no position ids are needed).
+    """
+    seqs, starts = [], []
+    for ex in examples:
+        prompt = tokenizer(format_prompt(ex, tokenizer, task, "plain"))["input_ids"]
+        answer = tokenizer(ex.answer if task != "gsm8k" else " " + ex.answer, add_special_tokens=False)[
+            "input_ids"
+        ]
+        seqs.append(list(prompt) + list(answer) + [tokenizer.eos_token_id])
+        starts.append(len(prompt))
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+        labels[i, start : len(s)] = ids[i, start : len(s)]
+    return ids, mask, labels
+
+
+def warm_start(
+    init_dir: str | Path,
+    train_path: str | Path,
+    val_path: str | Path,
+    out_dir: str | Path,
+    *,
+    steps: int = DEFAULT_STEPS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int = 0,
+    task: str = "arithmetic",
+    max_eval_tokens: int = 4,
+    max_val_examples: int | None = None,
+) -> dict:
+    """Train `init_dir`'s model for `steps` AdamW steps, save model+tokenizer to `out_dir`, return metrics.
+
+    The model is trained on CPU in float32 wherever it is loaded. Metrics: `steps`, `final_loss` (mean of the last 10 steps), `val_accuracy_before`,
+    `val_accuracy` (held-out greedy exact match after training), `n_train`, `n_val`, `time_s`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if steps < 0:
+        raise ValueError(f"steps={steps} must be >= 0")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    train = load_examples(train_path, task)
+    val = load_examples(val_path, task)
+    if max_val_examples is not None:
+        val = val[:max_val_examples]
+    eval_kwargs = {"task": task, "max_tokens": max_eval_tokens}
+    before = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
+
+    sampler = PromptSampler(len(train), batch_size, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    for _ in range(steps):
+        ids, mask, labels = encode_supervised_batch(tokenizer, [train[i] for i in sampler.next_batch()], task)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+
+    after = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    tail = losses[-10:]
+    return {
+        "steps": steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "seed": seed,
+        "final_loss": sum(tail) / len(tail) if tail else float("nan"),
+        "val_accuracy_before": before["accuracy"],
+        "val_accuracy": after["accuracy"],
+        "val_samples": after["samples"],
+        "n_train": len(train),
+        "n_val": len(val),
+        "time_s": time.perf_counter() - started,
+        "out_dir": str(out),
+    }

@@ -1,0 +1,156 @@
+"""Data: arithmetic split sizes and disjointness, GSM8K loading and templates, sampler exact resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+from rl_core.data import (
+    Example,
+    PromptSampler,
+    encode_prompts,
+    format_prompt,
+    load_examples,
+    make_arithmetic_data,
+    prepare_gsm8k,
+    split_arithmetic,
+)
+from rl_core.data.gsm8k import GSM8K_INSTRUCTION
+from rl_core.models import build_tiny_tokenizer
+
+
+def _read(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_arithmetic_split_sizes_disjoint_and_correct(tmp_path):
+    r = make_arithmetic_data(tmp_path, seed=3, val_size=500)
+    train, val = _read(r["train"]), _read(r["val"])
+    assert (len(train), len(val)) == (100 * 100 - 500, 500) == (r["n_train"], r["n_val"])
+    train_prompts, val_prompts = {x["prompt"] for x in train}, {x["prompt"] for x in val}
+    assert len(train_prompts) == len(train) and len(val_prompts) == len(val)
+    assert not train_prompts & val_prompts
+    for rec in train + val:
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", rec["prompt"]).groups())
+        assert 0 <= a <= 99 and 0 <= b <= 99 and rec["answer"] == str(a + b)
+
+
+def test_arithmetic_split_is_deterministic_by_seed():
+    a_train, a_val = split_arithmetic(0, val_size=50, train_size=200)
+    b_train, b_val = split_arithmetic(0, val_size=50, train_size=200)
+    _c_train, c_val = split_arithmetic(1, val_size=50, train_size=200)
+    assert (a_train, a_val) == (b_train, b_val)
+    assert a_val != c_val
+    assert len(a_train) == 200 and len(a_val) == 50
+
+
+def test_arithmetic_operators_and_range():
+    train, val = split_arithmetic(0, low=0, high=9, operators=("+", "-", "*"), val_size=30)
+    allp = train + val
+    assert len(allp) == 3 * 10 * 10
+    for rec in allp:
+        a, op, b = re.fullmatch(r"(\d)([-+*])(\d)=", rec["prompt"]).groups()
+        assert rec["answer"] == str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+    with pytest.raises(ValueError, match="operators"):
+        split_arithmetic(0, operators=("/",))
+    with pytest.raises(ValueError, match="val_size"):
+        split_arithmetic(0, high=1, val_size=10)
+
+
+def _gsm8k_fixture(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    train = [
+        {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+        {"question": "A pen costs $2. How much do 5 pens cost?", "answer": "5 * 2 = <<5*2=10>>10\n#### 10"},
+    ]
+    test = [{"question": "What is 6 minus 1?", "answer": "6 - 1 = 5\n#### 5"}]
+    for name, rows in (("train", train), ("test", test)):
+        (src / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src, train, test
+
+
+def test_prepare_gsm8k_from_local_dir(tmp_path):
+    src, train, test = _gsm8k_fixture(tmp_path)
+    r = prepare_gsm8k(src, tmp_path / "out")
+    assert (r["n_train"], r["n_test"]) == (2, 1)
+    assert _read(r["train"]) == train and _read(r["test"]) == test
+    examples = load_examples(r["test"], "gsm8k")
+    assert examples == [Example(test[0]["question"], test[0]["answer"])]
+
+
+def test_gsm8k_hub_source_without_datasets_is_a_clear_error(tmp_path):
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("'datasets' is installed; this checks the error without it")
+    with pytest.raises(RuntimeError, match="datasets"):
+        prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+
+
+def test_prompt_templates(tmp_path):
+    tok = build_tiny_tokenizer()
+    q = Example("Tom has 3 apples and buys 4 more. How many?", "#### 7")
+    plain = format_prompt(q, tok, "gsm8k", "plain")
+    assert plain == "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:"
+    chat = format_prompt(q, tok, "gsm8k", "chat")
+    assert q.prompt in chat and GSM8K_INSTRUCTION in chat and "#### <number>" in chat
+    assert chat.startswith("<bos>") and chat.endswith("Assistant: ")
+    arith = Example("12+34=", "46")
+    assert format_prompt(arith, tok, "arithmetic", "plain") == "12+34="
+    # plain adds the tokenizer's <bos>; chat relies on the template's own <bos> (exactly one)
+    ids_plain, ids_chat = (
+        encode_prompts(tok, [arith, arith], "arithmetic", "plain")[0],
+        encode_prompts(tok, [arith], "arithmetic", "chat")[0],
+    )
+    assert ids_plain == [tok.bos_token_id] + tok.convert_tokens_to_ids(list("12+34="))
+    assert ids_chat.count(tok.bos_token_id) == 1 and ids_chat[0] == tok.bos_token_id
+    with pytest.raises(ValueError, match="prompt_template"):
+        format_prompt(arith, tok, "arithmetic", "fancy")
+
+
+def test_load_examples_arithmetic_missing_file_names_the_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make-data arithmetic"):
+        load_examples(tmp_path / "none.jsonl", "arithmetic")
+
+
+def test_sampler_epochs_are_permutations_and_batches_never_empty():
+    s = PromptSampler(num_examples=10, batch_size=4, seed=0)
+    batches = [s.next_batch() for _ in range(10)]  # 40 indices = 4 epochs exactly
+    assert all(len(b) == 4 for b in batches)
+    flat = [i for b in batches for i in b]
+    epochs = [flat[k : k + 10] for k in range(0, 40, 10)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1  # a fresh permutation each epoch
+    big = PromptSampler(num_examples=3, batch_size=7, seed=1)
+    assert len(big.next_batch()) == 7
+
+
+def test_sampler_same_seed_same_order_other_seed_differs():
+    a = [PromptSampler(50, 8, seed=4).next_batch() for _ in range(2)]
+    b = PromptSampler(50, 8, seed=5).next_batch()
+    assert a[0] == a[1] and a[0] != b
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5, 7])  # 3 and 5 end exactly at epoch boundaries (15 = 3*5)
+def test_sampler_resume_reproduces_sequence_across_epoch_boundary(stop_after):
+    ref = PromptSampler(num_examples=15, batch_size=5, seed=9)
+    expected = [ref.next_batch() for _ in range(12)]
+    s = PromptSampler(num_examples=15, batch_size=5, seed=9)
+    head = [s.next_batch() for _ in range(stop_after)]
+    state = json.loads(json.dumps(s.state_dict()))  # survives a checkpoint round trip
+    resumed = PromptSampler(num_examples=15, batch_size=5, seed=9)
+    resumed.load_state_dict(state)
+    tail = [resumed.next_batch() for _ in range(12 - stop_after)]
+    assert head + tail == expected
+    assert all(len(b) == 5 for b in tail)
+
+
+def test_sampler_refuses_state_of_another_stream():
+    s = PromptSampler(15, 5, seed=9)
+    with pytest.raises(ValueError, match="num_examples"):
+        PromptSampler(16, 5, seed=9).load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="seed"):
+        PromptSampler(15, 5, seed=1).load_state_dict(s.state_dict())
