@@ -7,8 +7,11 @@ and `data.reward_mode` ('strict' | 'flexible'; only GSM8K reads it).
 from __future__ import annotations
 
 import functools
+import math
+import os
 from collections.abc import Callable
 
+from rl_core import faults
 from rl_core.rewards.arithmetic import arithmetic_reward
 from rl_core.rewards.gsm8k import gsm8k_reward
 
@@ -28,8 +31,16 @@ def get_reward_fn(task: str, reward_mode: str = "strict") -> RewardFn:
 
 
 def reward_fn_from_config(data_cfg) -> RewardFn:
-    """`get_reward_fn(data.task, data.reward_mode)`."""
-    return get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+    """`get_reward_fn(data.task, data.reward_mode)`, with the fault-injection test hook when it is armed."""
+    fn = get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+    if not os.environ.get(faults.ENV):
+        return fn
+
+    def reward_with_faults(completion: str, answer: str) -> float:
+        faults.maybe_fail("reward")
+        return math.nan if faults.should_fail("reward_nan") else fn(completion, answer)
+
+    return reward_with_faults
 
 
 __all__ = ["RewardFn", "arithmetic_reward", "get_reward_fn", "gsm8k_reward", "reward_fn_from_config"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_core import faults
 from rl_core.primitives.logprobs import position_ids_from_mask
 from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts
 
@@ -92,6 +93,7 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()  # not inference_mode: the returned tensors feed autograd in the trainer
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
         """Sample `n` completions per prompt (rows of prompt i are contiguous)."""
+        faults.maybe_fail("rollout")
         check_prompts(prompt_ids, n)
         model, device = self.model, self.device
         was_training = model.training

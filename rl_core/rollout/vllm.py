@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from rl_core import faults
 from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, build_completions, check_prompts
 
 
@@ -93,6 +94,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        faults.maybe_fail("rollout")
         check_prompts(prompt_ids, n)
         params = VLLMSamplingParams(
             n=n,

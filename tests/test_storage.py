@@ -1,0 +1,406 @@
+"""Checkpoint storage: exact state round-trips, atomic local checkpoints, and S3 against moto's server.
+
+The S3 tests talk to a real S3-compatible server (moto in server mode, started on 127.0.0.1 by the
+fixture below and stopped by its own pid); failures are injected by wrapping the real boto3 client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from botocore.exceptions import ClientError
+
+from infra.storage import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointStore,
+    CheckpointUploadError,
+    flatten_state,
+    unflatten_state,
+    verify_checkpoint,
+)
+
+SECRET = "tEsT-sEcReT-9f2c1d7e0b4a-do-not-print"
+MiB = 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def assert_same(a, b, path="/"):
+    """Deep, type-exact, bitwise equality (nan == nan, -0.0 != 0.0, bf16 compared by bytes)."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b)), f"{path}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}{k!r}/")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}{i}/")
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def trained_adamw(steps=3, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def small_state(value=0.0):
+    return {"weights": {"w": torch.full((3, 4), value)}, "counters": {"step": 1}}
+
+
+# ------------------------------------------------------------------------------------ state round trip
+
+def test_flatten_round_trip_is_bitwise_for_optimizer_rng_numpy_and_python_state():
+    model, opt = trained_adamw()
+    random.seed(123)
+    np.random.seed(7)
+    np.random.randn()  # has_gauss=1 with a cached gaussian
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {
+        "model": model.state_dict(),  # OrderedDict with _metadata
+        "optimizer": opt.state_dict(),  # int keys in state, tuples (betas), None, bools
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "complex128": torch.tensor([1 + 2j, -3.5j], dtype=torch.complex128),
+        "non_contiguous": base.t(),
+        "shared": [base, base[1]],
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "numpy": {"f16": np.array([[1.5, -2.0]], dtype=np.float16), "big_endian": np.arange(3, dtype=">i4"),
+                  "scalar": np.float64(2.5), "int_scalar": np.int32(-4), "uint64": np.array([2**64 - 1], np.uint64)},
+        "python": {0: "int key", "0": "str key", (1, "a"): [None, True, False], -5: 2**200, "big": -(2**5000)},
+        "floats": [math.inf, -math.inf, math.nan, -0.0, 0.1, 1e-310],
+        "tuple": (1, (2.0, "x"), []),
+        "bytes": b"\x00\xff",
+        "torch_types": (torch.Size([2, 3]), torch.float16, torch.device("cpu")),
+    }
+    tensors, skeleton = flatten_state(state)
+    assert all(t.is_contiguous() for t in tensors.values())
+    json.dumps(skeleton, allow_nan=False)  # strictly JSON, no NaN/Infinity literals
+    # through the safetensors serializer and JSON, as on disk (and no aliasing of the originals)
+    tensors = safetensors.torch.load(safetensors.torch.save(tensors))
+    restored = unflatten_state(tensors, json.loads(json.dumps(skeleton)))
+    assert_same(state, restored)
+    assert restored["model"]._metadata == state["model"]._metadata
+
+    # the restored states actually drive the libraries the same way as the originals
+    torch.set_rng_state(restored["rng"]["torch"])
+    np.random.set_state(restored["rng"]["numpy"])
+    random.setstate(restored["rng"]["python"])
+    draws = (torch.rand(4), np.random.randn(4), random.random())
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    assert torch.equal(draws[0], torch.rand(4)) and np.array_equal(draws[1], np.random.randn(4))
+    assert draws[2] == random.random()
+
+    # an optimizer restored from the flattened state continues exactly like the original
+    model2, opt2 = trained_adamw(steps=0, seed=99)
+    model2.load_state_dict(restored["model"])
+    opt2.load_state_dict(restored["optimizer"])
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p1, p2)
+
+
+def test_flatten_refuses_unsupported_values_naming_the_path():
+    with pytest.raises(TypeError, match=r"builtins.object at /a/0"):
+        flatten_state({"a": [object()]})
+    with pytest.raises(TypeError, match="holds python objects"):
+        flatten_state({"arr": np.array([1, "x"], dtype=object)})
+
+
+# ------------------------------------------------------------------------------------ local store
+
+def test_save_load_round_trip_layout_and_manifest(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt")
+    model, opt = trained_adamw()
+    parts = {"trainer_rank0": {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                               "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+             "driver": {"data_cursor": 17, "policy_version": 4, "mlflow_run_id": "abc"}}
+    path = store.save(12, parts, {"config_hash": "h", "step": 12})
+    assert path == tmp_path / "ckpt" / "step_00000012"
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["driver.json", "driver.safetensors", MANIFEST, "meta.json",
+                     "trainer_rank0.json", "trainer_rank0.safetensors"]
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 12 and manifest["format_version"] == 1
+    assert set(manifest["files"]) == set(names) - {MANIFEST}
+    assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in manifest["files"].values())
+
+    loaded, meta = store.load(12)
+    assert meta == {"config_hash": "h", "step": 12}
+    assert_same(parts, loaded)
+    assert store.list_valid() == [path] and store.latest_valid() == path
+
+
+def test_dir_without_manifest_is_ignored_and_stale_tmp_dirs_are_removed(tmp_path):
+    store = CheckpointStore(tmp_path)
+    good = store.save(1, {"s": small_state(1.0)}, {})
+    crashed = store.save(2, {"s": small_state(2.0)}, {})
+    (crashed / MANIFEST).unlink()  # as if the writer died before the manifest
+    stale = tmp_path / ".tmp-step_00000003-deadbeef"
+    stale.mkdir()
+    (stale / "s.safetensors").write_bytes(b"partial")
+    assert store.list_valid() == [good] and store.latest_valid() == good
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        store.load(2)
+    store.save(4, {"s": small_state(4.0)}, {})
+    assert not stale.exists()
+
+
+def test_corrupted_or_unlisted_files_are_refused_and_skipped(tmp_path):
+    store = CheckpointStore(tmp_path)
+    older = store.save(10, {"trainer_rank0": small_state(1.0)}, {})
+    newest = store.save(20, {"trainer_rank0": small_state(2.0)}, {})
+    tensor_file = newest / "trainer_rank0.safetensors"
+    data = bytearray(tensor_file.read_bytes())
+    data[-3] ^= 0x01  # one flipped bit in the tensor bytes; size unchanged
+    tensor_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"trainer_rank0\.safetensors has sha256 .*older checkpoint"):
+        store.load(20)
+    assert store.latest_valid() == older and store.list_valid() == [older]
+    parts, _ = store.load(store.latest_valid())
+    assert torch.equal(parts["trainer_rank0"]["weights"]["w"], torch.full((3, 4), 1.0))
+
+    # an unparsable manifest
+    (newest / MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        store.load(newest)
+
+    # a manifest listing a pickle, with a correct checksum, is still refused
+    shutil.rmtree(newest)
+    newest = store.save(20, {"trainer_rank0": small_state(2.0)}, {})
+    (newest / "evil.pt").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(CheckpointError, match=r"evil\.pt.*does not list"):
+        store.load(20)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    manifest["files"]["evil.pt"] = {"size": 9, "sha256": __import__("hashlib").sha256(b"\x80\x04pickle").hexdigest()}
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"evil\.pt.*only \.safetensors and \.json"):
+        store.load(20)
+    assert store.latest_valid() == older
+
+
+def test_resaving_a_step_replaces_it_and_keep_last_k_locally(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    store.save(1, {"s": small_state(1.0)}, {})
+    store.save(1, {"s": small_state(1.5)}, {"v": 2})
+    parts, meta = store.load(1)
+    assert meta == {"v": 2} and parts["s"]["weights"]["w"][0, 0].item() == 1.5
+    for step in (2, 3, 4):
+        store.save(step, {"s": small_state(float(step))}, {})
+    assert [p.name for p in store.list_valid()] == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    store = CheckpointStore(tmp_path)
+    with pytest.raises(ValueError, match="part name"):
+        store.save(1, {"meta": small_state()}, {})
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        store.save(1, {"s": small_state()}, {"t": torch.zeros(1)})
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointStore(tmp_path, keep=0)
+    assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob(".tmp-*"))
+
+
+# ---------------------------------------------------------------------------------------- S3 (moto)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_server(tmp_path_factory):
+    """moto in server mode on 127.0.0.1:<free port>; stopped by its own pid at teardown."""
+    port = _free_port()
+    exe = Path(sys.executable).parent / "moto_server"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
+    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log_file:  # the child keeps its own fd
+        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start within 30 s") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch, tmp_path):
+    """Environment pointing boto3 at moto (dummy credentials), and a fresh bucket: yields its name."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return bucket
+
+
+def remote_keys(bucket, prefix="run"):
+    client = boto3.client("s3")
+    return sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+class FlakyUploads:
+    """The real boto3 client (talking to moto) whose upload_file raises ClientError `failures` times."""
+
+    def __init__(self, client, failures):
+        self._client, self.failures, self.calls = client, failures, 0
+
+    def upload_file(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "injected failure"}}, "PutObject")
+        return self._client.upload_file(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_s3_keep_last_k_remote_and_restore_after_local_root_deleted(s3, tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    store = CheckpointStore(root, keep=2, remote_uri=f"s3://{s3}/run")
+    model, opt = trained_adamw()
+    saved = {}
+    for step in (5, 10, 15):
+        saved[step] = {"trainer_rank0": {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                         "step": step, "bf16": torch.randn(4, 4).to(torch.bfloat16)},
+                       "driver": {"rng": np.random.get_state(), "cursor": step * 3}}
+        store.save(step, saved[step], {"step": step})
+    assert store.list_remote() == [10, 15]
+    assert [p.name for p in store.list_valid()] == ["step_00000010", "step_00000015"]
+    keys = remote_keys(s3)
+    assert not [k for k in keys if "step_00000005" in k]
+    assert f"run/step_00000015/{MANIFEST}" in keys and "run/step_00000015/trainer_rank0.safetensors" in keys
+
+    shutil.rmtree(tmp_path / "run")
+    fresh = CheckpointStore(root, keep=2, remote_uri=f"s3://{s3}/run")
+    assert fresh.latest_valid(prefer_remote_if_local_missing=False) is None
+    restored = fresh.latest_valid()
+    assert restored == root / "step_00000015"
+    verify_checkpoint(restored)
+    parts, meta = fresh.load(restored)
+    assert meta == {"step": 15}
+    assert_same(saved[15], parts)
+
+
+def test_s3_remote_checkpoint_with_bad_checksum_is_skipped_on_restore(s3, tmp_path):
+    store = CheckpointStore(tmp_path / "a", keep=3, remote_uri=f"s3://{s3}/run")
+    store.save(1, {"s": small_state(1.0)}, {})
+    store.save(2, {"s": small_state(2.0)}, {})
+    # replace a remote tensor file of step 2 with different bytes of the same size
+    client = boto3.client("s3")
+    key = "run/step_00000002/s.safetensors"
+    body = bytearray(client.get_object(Bucket=s3, Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket=s3, Key=key, Body=bytes(body))
+    fresh = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run")
+    assert fresh.latest_valid() == tmp_path / "b" / "step_00000001"
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["step_00000001"]  # nothing half-downloaded
+
+
+def test_s3_failed_uploads_are_retried_and_succeed(s3, tmp_path):
+    flaky = FlakyUploads(boto3.client("s3"), failures=2)
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=flaky, retry_base_delay_s=0.01)
+    path = store.save(3, {"s": small_state(3.0)}, {"k": 1})
+    files = sorted(p.name for p in path.iterdir())
+    assert flaky.calls == len(files) + 2
+    assert remote_keys(s3) == [f"run/step_00000003/{n}" for n in files]
+    assert store.list_remote() == [3]
+
+
+def test_s3_upload_that_keeps_failing_keeps_local_copies_and_hides_the_secret(s3, tmp_path, caplog):
+    good = CheckpointStore(tmp_path, keep=1, remote_uri=f"s3://{s3}/run")
+    first = good.save(1, {"s": small_state(1.0)}, {})
+    failing = FlakyUploads(boto3.client("s3"), failures=10**9)
+    store = CheckpointStore(tmp_path, keep=1, remote_uri=f"s3://{s3}/run", s3_client=failing,
+                            upload_attempts=3, retry_base_delay_s=0.01)
+    with caplog.at_level(logging.DEBUG, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
+        store.save(2, {"s": small_state(2.0)}, {})
+    err = info.value
+    assert failing.calls == 3
+    assert "SlowDown" in str(err) and "local checkpoint is intact" in str(err)
+    assert err.local_path == tmp_path / "step_00000002"
+    text = str(err) + "".join(traceback.format_exception(err)) + caplog.text
+    assert SECRET not in text
+    # the new local checkpoint is complete and the older one was not pruned (keep=1)
+    assert store.list_valid() == [first, tmp_path / "step_00000002"]
+    assert store.list_remote() == [1]
+    assert not [k for k in remote_keys(s3) if "step_00000002" in k and k.endswith(MANIFEST)]
+
+
+def test_s3_multipart_upload_of_a_large_file(s3, tmp_path):
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", multipart_threshold=1 * MiB,
+                            multipart_chunksize=5 * MiB)
+    big = torch.arange(6 * MiB // 4, dtype=torch.float32)  # 6 MiB: two parts (5 + 1 MiB)
+    path = store.save(7, {"weights": {"w": big}}, {})
+    head = boto3.client("s3").head_object(Bucket=s3, Key="run/step_00000007/weights.safetensors")
+    assert head["ContentLength"] == (path / "weights.safetensors").stat().st_size > 6 * MiB
+    assert head["ETag"].strip('"').endswith("-2")  # a multipart ETag: md5-of-parts "-" part count
+    shutil.rmtree(path)
+    restored = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run").latest_valid()
+    assert torch.equal(CheckpointStore(tmp_path).load(restored)[0]["weights"]["w"], big)
