@@ -1,0 +1,442 @@
+"""MLflow tracking (infra/tracking.py): params, tags, metrics, artifacts, resume, redaction.
+
+Against MLflow's SQLite store in a temporary working directory and against a real `mlflow server`
+on loopback. Expected values are computed here independently of the tracker's own helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.tracking import RunTracker, TrackingError, redact, redact_text, resolve_tracking_uri
+from rl_core.config import config_hash, load_config
+from rl_core.config.loader import config_dict, flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+ARITH = ROOT / "recipes" / "arithmetic.py"
+OVERRIDES = ["job.name=track-test", "rl.max_steps=5", "tracking.experiment=posttrain-test"]
+IDENTITY = {
+    "objective": "grpo", "grpo_surrogate": "legacy_pg", "loss_type": "token-mean", "fixed_divisor": None,
+    "temperature": 1.0, "kl_beta": 0.0, "unbiased_advantage": False, "advantage_eps": 1e-6,
+    "shared_prefix_min_tokens": 0, "policy": {"name_or_path": "artifacts/tiny-model/warm", "dtype": "float32"},
+}
+DVC = {"data/arithmetic/train.jsonl": "0f3a9c1e2b4d5f6a7b8c9d0e1f2a3b4c",
+       "artifacts/tiny-model/warm": "1234567890abcdef1234567890abcdef.dir"}
+# Fake metrics.jsonl lines: step 0 is the pre-training evaluation; None/NaN/strings are not metrics.
+RECORDS = [
+    {"step": 0, "val/accuracy": 0.05},
+    {"step": 1, "train/loss": 0.9, "rollout/reward_mean": 0.1, "perf/tokens_per_s": 1200.0, "train/grad_norm": None},
+    {"step": 2, "train/loss": 0.7, "rollout/reward_mean": 0.3, "perf/tokens_per_s": 1300.5, "note": "text"},
+    {"step": 3, "train/loss": 0.5, "rollout/reward_mean": 0.6, "perf/tokens_per_s": float("nan"),
+     "val/accuracy": 0.4, "perf/policy_version": 3},
+]
+RESUMED = [
+    {"step": 3, "train/loss": 0.45, "rollout/reward_mean": 0.62, "perf/tokens_per_s": 1250.0},
+    {"step": 4, "train/loss": 0.3, "rollout/reward_mean": 0.8, "perf/tokens_per_s": 1400.0},
+    {"step": 5, "train/loss": 0.2, "rollout/reward_mean": 0.9, "val/accuracy": 0.7},
+]
+
+
+def expected_history(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                out.setdefault(k, []).append((r["step"], float(v)))
+    return out
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def all_artifacts(client, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out.extend(all_artifacts(client, run_id, f.path) if f.is_dir else [f.path])
+    return out
+
+
+def download_text(client, run_id: str, path: str, dst: Path) -> str:
+    from mlflow.artifacts import download_artifacts
+
+    local = download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dst),
+                               tracking_uri=client._tracking_client.tracking_uri)
+    return Path(local).read_text()
+
+
+def fake_model_dir(root: Path) -> Path:
+    model = root / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 16}))
+    (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    return model
+
+
+def exercise(cfg, tracker_uri: str | None, tmp_path: Path) -> tuple[str, str]:
+    """Run a two-attempt tracked run and check everything MLflow holds; returns (uri, run_id)."""
+    from mlflow import MlflowClient
+
+    uri = tracker_uri or resolve_tracking_uri(cfg)
+    client = MlflowClient(tracking_uri=uri)
+    run_dir = tmp_path / "runs" / cfg.job.name
+
+    # ---- attempt 1: a clean run
+    with RunTracker(tracker_uri) as tracker:
+        run_id = tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=OVERRIDES,
+                               objective_identity=IDENTITY, prefect_flow_run_id="flow-run-1", dvc_hashes=DVC)
+        assert tracker.tracking_uri == uri
+        assert client.get_run(run_id).info.status == "RUNNING"
+        for r in RECORDS:
+            tracker.log_metrics(r, step=r["step"])
+        tracker.log_curve(RECORDS, run_dir / "curve.png")
+        tracker.log_model_dir(fake_model_dir(run_dir))
+    assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == cfg.job.name
+    assert client.get_experiment(run.info.experiment_id).name == cfg.tracking.experiment
+
+    # params: the flattened resolved config, as MLflow stores values (str)
+    assert run.data.params == {k: str(v) for k, v in flatten(cfg).items()}
+
+    # tags
+    tags = run.data.tags
+    sha = git("rev-parse", "HEAD").strip()
+    dirty = "true" if git("status", "--porcelain").strip() else "false"
+    canonical = json.dumps(IDENTITY, sort_keys=True, separators=(",", ":"))
+    expected_tags = {
+        "posttrain.algorithm": "legacy_pg",
+        "posttrain.job_name": "track-test",
+        "posttrain.recipe": "recipes/arithmetic.py",
+        "posttrain.config_hash": config_hash(cfg),
+        "posttrain.objective_hash": hashlib.sha256(canonical.encode()).hexdigest()[:16],
+        "posttrain.git_sha": sha,
+        "posttrain.git_dirty": dirty,
+        "posttrain.prefect_flow_run_id": "flow-run-1",
+        "posttrain.dvc.data/arithmetic/train.jsonl": DVC["data/arithmetic/train.jsonl"],
+        "posttrain.dvc.artifacts/tiny-model/warm": DVC["artifacts/tiny-model/warm"],
+        "posttrain.version.python": platform.python_version(),
+        "posttrain.attempts": "1",
+    }
+    for name in ("torch", "transformers", "vllm"):
+        try:
+            expected_tags[f"posttrain.version.{name}"] = version(name)
+        except PackageNotFoundError:
+            assert f"posttrain.version.{name}" not in tags
+    assert {k: tags.get(k) for k in expected_tags} == expected_tags
+    assert "posttrain.version.torch" in tags  # torch is a dependency: its tag must be there
+    assert json.loads(tags["posttrain.objective_identity"]) == IDENTITY
+    assert json.loads(tags["posttrain.overrides"]) == OVERRIDES
+
+    # metrics: every numeric, finite key at its step
+    want = expected_history(RECORDS)
+    assert set(run.data.metrics) == set(want)
+    for key, points in want.items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert got == points, key
+
+    # artifacts
+    names = all_artifacts(client, run_id)
+    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png",
+                 "model/config.json", "model/model.safetensors"):
+        assert name in names, (name, names)
+    resolved = download_text(client, run_id, "config_resolved.yaml", tmp_path / "dl1")
+    assert config_hash(load_config(Path(tmp_path / "dl1" / "config_resolved.yaml"))) == config_hash(cfg)
+    assert yaml.safe_load(resolved) == config_dict(cfg)
+    prov = json.loads(download_text(client, run_id, "provenance/attempt_1.json", tmp_path / "dl1"))
+    assert prov["config_hash"] == config_hash(cfg)
+    assert (prov["git_sha"], prov["git_dirty"]) == (sha, dirty)
+    assert prov["python"] == platform.python_version()
+    assert prov["resumed_from"] is None
+    assert prov["hostname"] == socket.gethostname()
+    when = datetime.fromisoformat(prov["attempt_time_utc"])
+    assert when.utcoffset().total_seconds() == 0 and abs(datetime.now(UTC) - when).total_seconds() < 600
+    from mlflow.artifacts import download_artifacts
+
+    png = download_artifacts(run_id=run_id, artifact_path="plots/curve.png", dst_path=str(tmp_path / "dl1"),
+                             tracking_uri=uri)
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+    # ---- attempt 2: resume the same run with a changed cadence key; it fails mid-way
+    cfg2 = cfg.model_copy(deep=True)
+    cfg2.rl.save_every = 7
+    with pytest.raises(RuntimeError, match="worker died"), RunTracker(tracker_uri) as tracker:
+        assert tracker.start(cfg2, recipe="recipes/arithmetic.py", overrides=[*OVERRIDES, "rl.save_every=7"],
+                             objective_identity=IDENTITY, run_id=run_id, resumed_from="runs/track-test/ckpt/step_2",
+                             prefect_flow_run_id="flow-run-2", dvc_hashes=DVC) == run_id
+        assert client.get_run(run_id).info.status == "RUNNING"
+        for r in RESUMED:
+            tracker.log_metrics(r, step=r["step"])
+        raise RuntimeError("worker died")
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert run.data.params["rl.save_every"] == str(cfg.rl.save_every)  # params keep their first value
+    assert run.data.tags["posttrain.prefect_flow_run_id"] == "flow-run-2"
+    assert run.data.tags["posttrain.resumed_from"] == "runs/track-test/ckpt/step_2"
+    assert run.data.tags["posttrain.config_hash"] == config_hash(cfg2) != config_hash(cfg)
+    names = all_artifacts(client, run_id)
+    assert "provenance/attempt_1.json" in names and "provenance/attempt_2.json" in names
+    prov2 = json.loads(download_text(client, run_id, "provenance/attempt_2.json", tmp_path / "dl2"))
+    assert prov2["attempt"] == 2
+    assert prov2["resumed_from"] == "runs/track-test/ckpt/step_2"
+    assert prov2["config_hash"] == config_hash(cfg2)
+    assert prov2["params_changed_since_first_attempt"] == {"rl.save_every": {"logged": str(cfg.rl.save_every), "now": "7"}}
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "rollout/reward_mean"))
+    assert history == sorted(expected_history(RECORDS)["rollout/reward_mean"]
+                             + expected_history(RESUMED)["rollout/reward_mean"])
+    assert run.data.metrics["rollout/reward_mean"] == 0.9  # the latest step's value
+    return uri, run_id
+
+
+# -------------------------------------------------------------------------------- SQLite store
+
+
+def test_tracking_uri_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(ARITH, OVERRIDES)
+    uri = resolve_tracking_uri(cfg)
+    assert uri == "sqlite:///" + str(tmp_path.resolve() / "mlflow.db")
+    assert uri.startswith("sqlite:////")  # absolute: four slashes
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert resolve_tracking_uri(cfg) == "http://127.0.0.1:5999"
+    cfg.tracking.mlflow_uri = "http://mlflow.internal:5000"
+    assert resolve_tracking_uri(cfg) == "http://mlflow.internal:5000"
+
+
+def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(ARITH, OVERRIDES)
+    uri, run_id = exercise(cfg, None, tmp_path)
+    assert uri == "sqlite:///" + str(tmp_path.resolve() / "mlflow.db")
+    assert (tmp_path / "mlflow.db").is_file()
+    from mlflow import MlflowClient
+
+    artifact_uri = MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri
+    assert artifact_uri.startswith((tmp_path.resolve() / "mlartifacts").as_uri())
+    assert (tmp_path / "mlartifacts").is_dir()
+    assert list((tmp_path / "mlartifacts").rglob("attempt_2.json"))
+
+
+def test_finish_statuses_and_misuse(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from mlflow import MlflowClient
+
+    uri = "sqlite:///" + str(tmp_path.resolve() / "m.db")
+    cfg = load_config(ARITH, OVERRIDES)
+    with pytest.raises(TrackingError, match="start"):
+        RunTracker(uri).log_metrics({"train/loss": 1.0}, step=1)
+    tracker = RunTracker(uri)
+    run_id = tracker.start(cfg, recipe="r.py", overrides=[], objective_identity=IDENTITY)
+    with pytest.raises(ValueError, match="KILLED"):
+        tracker.finish("DONE")
+    tracker.finish("KILLED")
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "KILLED"
+    with pytest.raises(TrackingError, match="not a directory"):
+        tracker.log_model_dir(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------- secrets
+
+SECRET = "supersecret"
+
+
+def test_redact_rule():
+    kept = {"rollout.max_tokens": 4, "perf/tokens_per_s": 1.5, "rl.shared_prefix_min_tokens": 3,
+            "rl.kl_estimator": "k3", "tracking.keep_checkpoints": 3, "max_new_tokens": 8, "eos_token": "<eos>",
+            "model.name_or_path": "Qwen/Qwen2.5-0.5B", "tokenizer": "char"}
+    assert redact(kept) == kept
+    hidden = {"api_token": SECRET, "hf_token": SECRET, "auth_token": SECRET, "HF_TOKEN": SECRET,
+              "AWS_SECRET_ACCESS_KEY": SECRET, "password": SECRET, "db.passwd": SECRET, "apiKey": SECRET,
+              "AWS_ACCESS_KEY_ID": SECRET, "x.private_key": SECRET, "GITHUB_TOKEN": SECRET,
+              "credentials": {"user": "me", "pw": SECRET}}
+    assert redact(hidden) == {k: "***" for k in hidden}
+    assert redact({"a": {"b": {"client_secret": SECRET, "n": 1}}}) == {"a": {"b": {"client_secret": "***", "n": 1}}}
+    assert redact({"uri": f"https://user:{SECRET}@host/x"}) == {"uri": "https://user:***@host/x"}
+    assert redact({"uris": [f"s3://AKIA:{SECRET}@bucket/p"]}) == {"uris": ["s3://AKIA:***@bucket/p"]}
+    assert redact_text(f"http://u:{SECRET}@127.0.0.1:5000/api") == "http://u:***@127.0.0.1:5000/api"
+    assert redact_text(f"s3://AKIA:ab/{SECRET}@bucket/p") == "s3://AKIA:***@bucket/p"  # AWS keys hold "/"
+    assert redact_text(f"https://h/x?token={SECRET}&X-Amz-Signature={SECRET}&page=2") == \
+        "https://h/x?token=***&X-Amz-Signature=***&page=2"
+    assert redact_text("https://host:8080/path s3://bucket/prefix") == "https://host:8080/path s3://bucket/prefix"
+
+
+def test_secrets_never_reach_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    from rl_core.config import write_resolved
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    store = tmp_path / "store"
+    store.mkdir()
+    uri = "sqlite:///" + str(store.resolve() / "mlflow.db")
+    overrides = [*OVERRIDES, f"tracking.mlflow_uri=http://user:{SECRET}@127.0.0.1:9/",
+                 f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/prefix"]
+    cfg = load_config(ARITH, overrides)
+    config_file = write_resolved(cfg, tmp_path / "run")  # the run directory's copy holds the secret
+    assert SECRET in config_file.read_text()
+    identity = {**IDENTITY, "reference": f"https://user:{SECRET}@hub.example/model"}
+    with RunTracker(uri) as tracker:
+        run_id = tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=overrides, objective_identity=identity,
+                               resumed_from=f"s3://AKIAEXAMPLE:{SECRET}@bucket/prefix/step_2",
+                               config_path=config_file, dvc_hashes=DVC)
+        tracker.log_metrics({"step": 1, "train/loss": 1.0}, step=1)
+        tracker.log_curve(RECORDS, tmp_path / "run" / "curve.png")
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    params, tags = run.data.params, run.data.tags
+    assert params["tracking.mlflow_uri"] == "http://user:***@127.0.0.1:9/"
+    assert params["tracking.checkpoint_uri"] == "s3://AKIAEXAMPLE:***@bucket/prefix"
+    assert params["rollout.max_tokens"] == str(cfg.rollout.max_tokens)
+    assert json.loads(tags["posttrain.objective_identity"])["reference"] == "https://user:***@hub.example/model"
+    # the hash is of the real identity, so two runs with different references still differ
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    assert tags["posttrain.objective_hash"] == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    for k, v in [*params.items(), *tags.items()]:
+        assert SECRET not in k and SECRET not in v, (k, v)
+    dst = tmp_path / "download"
+    download_artifacts(run_id=run_id, artifact_path="", dst_path=str(dst), tracking_uri=uri)
+    files = [p for p in dst.rglob("*") if p.is_file()]
+    assert {p.relative_to(dst).as_posix() for p in files} >= {"config_resolved.yaml", "provenance/attempt_1.json"}
+    for p in files:
+        assert SECRET.encode() not in p.read_bytes(), p
+    resolved = yaml.safe_load((dst / "config_resolved.yaml").read_text())
+    assert resolved["tracking"]["checkpoint_uri"] == "s3://AKIAEXAMPLE:***@bucket/prefix"
+    assert resolved["rollout"] == config_dict(cfg)["rollout"]
+    # nothing in the store itself (database rows, artifact files) holds the secret either
+    for p in store.rglob("*"):
+        if p.is_file():
+            assert SECRET.encode() not in p.read_bytes(), p
+
+
+def test_connection_error_text_is_redacted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(ARITH, [*OVERRIDES, f"tracking.mlflow_uri=http://user:{SECRET}@127.0.0.1:{port}"])
+    with pytest.raises(TrackingError) as info:
+        RunTracker().start(cfg, recipe="r.py", overrides=[], objective_identity=IDENTITY)
+    text = str(info.value)
+    assert f"127.0.0.1:{port}" in text  # the message still says where it failed ...
+    assert SECRET not in text  # ... without the password MLflow's own error quotes
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# ------------------------------------------------------------------------------ mlflow server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen, pgid: int) -> None:
+    """SIGTERM the server's own process group (gunicorn/uvicorn workers included), then SIGKILL."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    try:  # workers of the group that outlived the leader
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log_path = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{(tmp_path / 'server.db').resolve()}",
+             "--artifacts-destination", str((tmp_path / "server-artifacts").resolve())],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp_path)
+        pgid = proc.pid  # start_new_session: the server leads a process group of its own
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"mlflow server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server not healthy in 120 s: {log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield url, tmp_path / "server-artifacts"
+        finally:
+            _stop_group(proc, pgid)
+
+
+def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypatch, capsys):
+    url, artifact_root = mlflow_server
+    monkeypatch.chdir(tmp_path)  # a fallback to the default store would land here, not in the repo
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(ARITH, [*OVERRIDES, f"tracking.mlflow_uri={url}"])
+    flat_params = {k: str(v) for k, v in flatten(cfg).items()}
+    assert flat_params["tracking.mlflow_uri"] == url
+    uri, run_id = exercise(cfg, None, tmp_path)
+    assert uri == url
+    from mlflow import MlflowClient
+
+    # artifacts went through the server's proxy into its destination directory
+    assert MlflowClient(tracking_uri=url).get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:")
+    assert list(artifact_root.rglob("attempt_2.json")) and list(artifact_root.rglob("curve.png"))
+
+    # credentials in the server URI (HTTP basic auth) reach neither params/tags nor printed text
+    host = url.removeprefix("http://")
+    cfg = load_config(ARITH, [*OVERRIDES, "job.name=with-creds", f"tracking.mlflow_uri=http://user:{SECRET}@{host}"])
+    capsys.readouterr()
+    with RunTracker() as tracker:
+        run_id = tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=[], objective_identity=IDENTITY)
+        tracker.log_metrics({"train/loss": 0.5}, step=1)
+    printed = capsys.readouterr()
+    assert f"http://user:***@{host}" in printed.out  # MLflow's "View run" line, scrubbed
+    assert SECRET not in printed.out + printed.err
+    run = MlflowClient(tracking_uri=url).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"train/loss": 0.5}
+    assert run.data.params["tracking.mlflow_uri"] == f"http://user:***@{host}"
+    for k, v in [*run.data.params.items(), *run.data.tags.items()]:
+        assert SECRET not in v, (k, v)
