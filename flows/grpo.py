@@ -9,19 +9,26 @@ Each step runs `rollout -> reward -> annotate -> validate -> train -> sync`, the
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows.progress import RunProgress
 from infra.artifacts import ensure_quickstart_artifacts
-from infra.cluster import Cluster
+from infra.cluster import BUILDERS, Cluster
+from infra.provenance import dvc_hashes
+from infra.resume import checkpoint_meta, plan_resume, write_run_state
 from infra.roles import RolloutRole
-from infra.tracking import MetricsLog
+from infra.storage import CheckpointStore
+from infra.tracking import MetricsLog, RunTracker
+from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import check, config_hash, load_config, write_resolved
 from tasks.annotate import annotate_task
+from tasks.checkpoint import checkpoint_task, save_model_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
 from tasks.rollout import rollout_task, sync_task
@@ -29,11 +36,23 @@ from tasks.train import train_task
 from tasks.validate import validate_task
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
+GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg")
+# trainer-side diagnostics that describe the rollout, published under rollout/*
+ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
+                "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    keys = per_rank[0].keys()
-    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
+    merged = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+    return {ROLLOUT_KEYS.get(k, k): v for k, v in merged.items() if k.startswith(PUBLIC_PREFIXES)}
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str, started: float) -> None:
+        self.laps[f"perf/{name}_s"] = time.perf_counter() - started
 
 
 @flow(name="grpo", log_prints=True)
@@ -44,72 +63,92 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
     check(cfg)  # preflight: before any placement or model construction
     logger = get_run_logger()
     run_dir = Path(cfg.run_dir)
-    write_resolved(cfg, run_dir)
+    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
+                            remote_uri=cfg.tracking.checkpoint_uri)
+    plan = plan_resume(cfg, store)
+    config_path = write_resolved(cfg, run_dir)
     ensure_quickstart_artifacts(cfg, announce=logger.info)
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
-    results = run_dir / "cache"
+    metrics_log.truncate_after(plan.start_step)  # steps after the checkpoint are redone
     retry = dict(retries=cfg.job.task_retries, retry_delay_seconds=cfg.job.retry_delay_s)
-    rollout = rollout_task.with_options(result_storage=results.resolve(), **retry)
+    rollout = rollout_task.with_options(result_storage=(run_dir / "cache").resolve(), **retry)
     reward = reward_task.with_options(**retry)
-    group_relative = cfg.job.algorithm in ("grpo", "dr_grpo", "gspo", "legacy_pg")
+    identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
+        cfg.rl, ObjectiveContext.from_config(cfg)).identity
+    cfg_hash = config_hash(cfg)
 
     role = RolloutRole.build(cfg)
-    cfg_hash = config_hash(cfg)
-    max_tokens = cfg.rollout.max_tokens
-    start_step, version = 0, 0
-    last: dict = {}
-    with Cluster(cfg, recipe, overrides) as cluster, RunProgress(cfg.rl.max_steps, cfg.job.name, start_step) as bar:
-        if cfg.rl.validation.before_training and start_step == 0:
-            record = {"step": 0, **evaluate_task(role.engine, role.tokenizer, role.val, cfg.data, max_tokens)}
+    step, version = plan.start_step, 0
+    with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster:
+        run_id = tracker.start(cfg, recipe=recipe, overrides=overrides, objective_identity=identity,
+                               run_id=plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
+                               dvc_hashes=dvc_hashes(cfg), config_path=config_path,
+                               resumed_from=str(plan.checkpoint) if plan.checkpoint else None)
+        write_run_state(run_dir, {"mlflow_run_id": run_id, "config_hash": cfg_hash})
+        if plan.checkpoint is not None:
+            logger.info("resuming from %s (step %d)", plan.checkpoint, step)
+            cluster.load_trainer_parts(plan.parts)
+            role.sampler.load_state_dict(plan.parts["driver"]["sampler"])
+            version = int(plan.parts["driver"]["policy_version"])
+            role.engine.update_weights(plan.parts["trainer"]["model"], version)
+
+        def log(record: dict) -> None:
             metrics_log.append(record)
+            tracker.log_metrics(record, step=record["step"])
             bar.update(record)
-        for step in range(start_step + 1, cfg.rl.max_steps + 1):
-            t_step = time.perf_counter()
-            rows = role.sampler.next_batch()
-            sampling = role.sampling(step)
-            t = time.perf_counter()
-            completions = rollout(role.engine, role.prompts(rows), cfg.rollout.n, sampling,
-                                  {"config": cfg_hash, "step": step, "version": version, "rows": rows})
-            t_rollout = time.perf_counter() - t
-            t = time.perf_counter()
-            texts = completions.decode_responses(role.tokenizer)
-            answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
-            rewards = reward(role.reward_fn, texts, answers)
-            t_reward = time.perf_counter() - t
-            t = time.perf_counter()
-            annotated = annotate_task(completions, rewards, rows, cfg.rl, (step - 1) * len(rewards))
-            t_annotate = time.perf_counter() - t
-            t = time.perf_counter()
-            validate_task(annotated, max_tokens, group_relative)
-            t_validate = time.perf_counter() - t
-            t = time.perf_counter()
-            per_rank = train_task(cluster, annotated.batch)
-            t_train = time.perf_counter() - t
-            t = time.perf_counter()
-            version = sync_task(cluster, role.engine, version + 1)
-            t_sync = time.perf_counter() - t
-            train_metrics = _mean_over_ranks(per_rank)
-            tokens = float(annotated.batch.loss_mask.sum())
-            step_s = time.perf_counter() - t_step
-            record = {
-                "step": step,
-                **{k: v for k, v in train_metrics.items() if k.startswith(PUBLIC_PREFIXES)},
-                **annotated.stats,
-                "perf/rollout_s": t_rollout, "perf/reward_s": t_reward, "perf/annotate_s": t_annotate,
-                "perf/validate_s": t_validate, "perf/train_s": t_train, "perf/sync_s": t_sync,
-                "perf/step_s": step_s, "perf/tokens_per_s": tokens / max(step_s, 1e-9),
-                "perf/policy_version": version,
-            }
-            every = cfg.rl.validation.every_steps
-            if (every and step % every == 0) or step == cfg.rl.max_steps:
+
+        def evaluate() -> dict:
+            return evaluate_task(role.engine, role.tokenizer, role.val, cfg.data, cfg.rollout.max_tokens)
+
+        with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
+            if cfg.rl.validation.before_training and step == 0:
+                log({"step": 0, **evaluate()})
+            while step < cfg.rl.max_steps:
+                step += 1
+                timer, t_step = Timer(), time.perf_counter()
+                rows = role.sampler.next_batch()
                 t = time.perf_counter()
-                record.update(evaluate_task(role.engine, role.tokenizer, role.val, cfg.data, max_tokens))
-                record["perf/evaluate_s"] = time.perf_counter() - t
-            metrics_log.append(record)
-            bar.update(record)
-            last = record
-    logger.info("run finished: %s (metrics: %s)", run_dir, metrics_log.path)
-    return {"run_dir": str(run_dir), "metrics": str(metrics_log.path), "last": last}
+                completions = rollout(role.engine, role.prompts(rows), cfg.rollout.n, role.sampling(step),
+                                      {"config": cfg_hash, "step": step, "version": version, "rows": rows})
+                timer.lap("rollout", t)
+                t = time.perf_counter()
+                answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
+                rewards = reward(role.reward_fn, completions.decode_responses(role.tokenizer), answers)
+                timer.lap("reward", t)
+                t = time.perf_counter()
+                annotated = annotate_task(completions, rewards, rows, cfg.rl, (step - 1) * len(rewards))
+                timer.lap("annotate", t)
+                t = time.perf_counter()
+                validate_task(annotated, cfg.rollout.max_tokens, cfg.job.algorithm in GROUP_RELATIVE)
+                timer.lap("validate", t)
+                t = time.perf_counter()
+                per_rank = train_task(cluster, annotated.batch)
+                timer.lap("train", t)
+                t = time.perf_counter()
+                version = sync_task(cluster, role.engine, version + 1)
+                timer.lap("sync", t)
+                step_s = time.perf_counter() - t_step
+                record = {"step": step, "data/prompt_rows": rows, **_mean_over_ranks(per_rank), **annotated.stats,
+                          **timer.laps, "perf/step_s": step_s,
+                          "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
+                          "perf/policy_version": version}
+                every = cfg.rl.validation.every_steps
+                if (every and step % every == 0) or step == cfg.rl.max_steps:
+                    t = time.perf_counter()
+                    record.update(evaluate())
+                    timer.lap("evaluate", t)
+                    record["perf/evaluate_s"] = timer.laps["perf/evaluate_s"]
+                if (cfg.rl.save_every and step % cfg.rl.save_every == 0) or step == cfg.rl.max_steps:
+                    t = time.perf_counter()
+                    driver = {"sampler": role.sampler.state_dict(), "policy_version": version, "step": step}
+                    checkpoint_task(store, cluster, step, driver, checkpoint_meta(cfg, mlflow_run_id=run_id))
+                    record["perf/checkpoint_s"] = time.perf_counter() - t
+                log(record)
+        model_dir = save_model_task(cluster, run_dir / "final_model")
+        tracker.log_curve(metrics_log.read(), run_dir / "curve.png")
+        tracker.log_model_dir(model_dir)
+    logger.info("run finished: %s (metrics: %s, MLflow run %s)", run_dir, metrics_log.path, run_id)
+    return {"run_dir": str(run_dir), "metrics": str(metrics_log.path), "mlflow_run_id": run_id, "step": step}
 
 
 def main(argv: list[str] | None = None) -> int:

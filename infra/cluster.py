@@ -54,7 +54,7 @@ class PolicyWorker:
         self.cfg = load_config(recipe, overrides)
         from rl_core.trainer import ProcessGroupReducer
 
-        self.trainer = build_trainer(self.cfg, ProcessGroupReducer() if world_size > 1 else None)
+        self.trainer, self.tokenizer = build_trainer(self.cfg, ProcessGroupReducer() if world_size > 1 else None)
 
     def ready(self) -> int:
         return self.rank
@@ -70,11 +70,19 @@ class PolicyWorker:
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()}
 
-    def trainer_state(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+    def trainer_state(self, full: bool) -> dict[str, Any]:
+        """Rank 0: the whole trainer state; other ranks: only their RNG (weights and optimizer are identical)."""
+        state = self.trainer.state_dict()
+        return state if full else {"rng": state["rng"]}
 
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
+    def load_trainer_state(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+        self.trainer.load_state_dict(state if rng is None else {**state, "rng": rng})
+
+    def save_pretrained(self, path: str) -> str:
+        """Save the policy and its tokenizer as a transformers directory (safetensors)."""
+        self.trainer.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
 
     def shutdown(self) -> None:
         if self.world_size > 1:
@@ -85,13 +93,13 @@ class PolicyWorker:
 
 
 def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None):
-    """Policy (+ frozen reference when the objective needs one), objective and trainer for one rank."""
+    """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.models import load_policy
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)
-    model, _tokenizer = load_policy(cfg.model)
+    model, tokenizer = load_policy(cfg.model)
     builder = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective
     context = ObjectiveContext.from_config(cfg)
     objective = builder(cfg.rl, context)
@@ -101,7 +109,8 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None):
         reference, _ = load_policy(ref_cfg)
         reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
-    return LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer)
+    trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer)
+    return trainer, tokenizer
 
 
 class Cluster(AbstractContextManager):
@@ -187,8 +196,22 @@ class Cluster(AbstractContextManager):
     def policy_state(self) -> dict[str, torch.Tensor]:
         return ray.get(self.workers[0].policy_state.remote())
 
-    def trainer_states(self) -> list[dict[str, Any]]:
-        return ray.get([w.trainer_state.remote() for w in self.workers])
+    def trainer_parts(self) -> dict[str, Any]:
+        """Checkpoint parts: `trainer` (rank 0's whole state) and `rng_rank<r>` for every rank."""
+        states = ray.get([w.trainer_state.remote(r == 0) for r, w in enumerate(self.workers)])
+        parts = {"trainer": states[0]}
+        parts.update({f"rng_rank{r}": {"rng": s["rng"]} for r, s in enumerate(states)})
+        return parts
 
-    def load_trainer_states(self, states: list[dict[str, Any]]) -> None:
-        ray.get([w.load_trainer_state.remote(s) for w, s in zip(self.workers, states)])
+    def load_trainer_parts(self, parts: dict[str, Any]) -> None:
+        """Restore every rank from `trainer_parts()` output (same number of workers)."""
+        n = len(self.workers)
+        saved = sorted(k for k in parts if k.startswith("rng_rank"))
+        if len(saved) != n:
+            raise ValueError(f"the checkpoint holds {len(saved)} worker RNG states but cluster.num_workers={n}; "
+                             "resume with the same number of workers")
+        ray.get([w.load_trainer_state.remote(parts["trainer"], parts[f"rng_rank{r}"]["rng"])
+                 for r, w in enumerate(self.workers)])
+
+    def save_pretrained(self, path: str | Path) -> str:
+        return ray.get(self.workers[0].save_pretrained.remote(str(Path(path).resolve())))

@@ -29,6 +29,7 @@ class JobConfig(_Section):
     seed: int = Field(0, ge=0, description="The one seed behind data order, sampling and initialisation.")
     task_retries: int = Field(2, ge=0, description="Retries of the rollout and reward tasks before the flow fails.")
     retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
+    overwrite: bool = Field(False, description="With rl.resume=off, delete an existing run directory instead of refusing.")
 
 
 class ModelConfig(_Section):

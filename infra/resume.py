@@ -1,0 +1,101 @@
+"""Run directories and resume: start fresh, continue from the newest valid checkpoint, or refuse.
+
+`rl.resume`: `auto` continues from the newest valid checkpoint (local, else the S3 copy), `must`
+fails without one, `off` starts fresh and refuses an existing run directory unless
+`job.overwrite=true`. A resume refuses a config that changed in any key that changes the math,
+naming the keys; cadence, logging and placement keys may change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.storage import CheckpointStore, checkpoint_step
+from rl_core.config import ConfigError, PosttrainConfig, flatten
+from rl_core.config.loader import config_dict
+
+# Keys that may differ between a checkpoint and the run that resumes it: when to save/evaluate/stop,
+# where results go, and where the work runs. Every other key changes the math or the data.
+MAY_CHANGE_ON_RESUME = (
+    "rl.max_steps", "rl.save_every", "rl.resume", "rl.validation.", "tracking.", "job.task_retries",
+    "job.retry_delay_s", "job.overwrite", "job.out_dir", "cluster.address", "cluster.cpus_per_worker",
+    "rollout.gpu_memory_utilization",
+)
+RUN_STATE = "run_state.json"
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: Path | None
+    run_state: dict[str, Any]
+    parts: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def start_step(self) -> int:
+        return checkpoint_step(self.checkpoint) if self.checkpoint else 0
+
+
+def math_changes(saved: dict, cfg: PosttrainConfig) -> list[str]:
+    """Dotted keys whose value differs from the checkpoint's config and may not change on resume."""
+    now = flatten(cfg)
+    before = _flatten_dict(saved)
+    keys = sorted(set(now) | set(before))
+    return [k for k in keys if now.get(k) != before.get(k) and not k.startswith(MAY_CHANGE_ON_RESUME)]
+
+
+def _flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_run_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_STATE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_run_state(run_dir: Path, state: dict[str, Any]) -> None:
+    path = run_dir / RUN_STATE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
+    """Decide where this run starts; raises ConfigError naming what to do when it may not."""
+    run_dir = Path(cfg.run_dir)
+    mode = cfg.rl.resume
+    if mode == "off":
+        if run_dir.exists() and any(run_dir.iterdir()):
+            if not cfg.job.overwrite:
+                raise ConfigError([f"rl.resume=off: run directory {str(run_dir)!r} already exists; resume it "
+                                   "(rl.resume=auto), pick another job.name, or set job.overwrite=true to delete it"])
+            shutil.rmtree(run_dir)
+        return ResumePlan(None, {})
+    checkpoint = store.latest_valid()
+    if checkpoint is None:
+        if mode == "must":
+            raise ConfigError([f"rl.resume=must: no valid checkpoint under {store.root} "
+                               f"(nor at tracking.checkpoint_uri={cfg.tracking.checkpoint_uri!r})"])
+        return ResumePlan(None, read_run_state(run_dir))
+    parts, meta = store.load(checkpoint)
+    changed = math_changes(meta.get("config", {}), cfg)
+    if changed:
+        raise ConfigError([f"resume from {checkpoint}: {key} changed since the checkpoint (it changes the math or the "
+                           "data); restore it, or start a new run (another job.name, or rl.resume=off)"
+                           for key in changed])
+    state = read_run_state(run_dir) or {"mlflow_run_id": meta.get("mlflow_run_id")}
+    return ResumePlan(checkpoint, state, parts, meta)
+
+
+def checkpoint_meta(cfg: PosttrainConfig, **extra: Any) -> dict[str, Any]:
+    return {"config": config_dict(cfg), **extra}
