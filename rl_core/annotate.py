@@ -44,7 +44,13 @@ def annotate(
         raise ValueError(f"annotate: {len(rewards)} rewards for {n_rows} completions")
     reward_t = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
     group_ids = torch.as_tensor(completions.prompt_index, dtype=torch.long)
-    advantages = group_advantages(reward_t, group_ids, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps).float()
+    # A non-finite reward is the gate's to refuse (naming the rows): its group gets NaN advantages.
+    finite = torch.isfinite(reward_t)
+    advantages = group_advantages(torch.where(finite, reward_t, 0.0), group_ids, unbiased=rl.unbiased_advantage,
+                                  eps=rl.advantage_eps).float()
+    if not bool(finite.all()):
+        poisoned = torch.isin(group_ids, group_ids[~finite])
+        advantages = torch.where(poisoned, torch.full_like(advantages, float("nan")), advantages)
     loss_mask = completions.response_mask.float()
     if rl.shared_prefix_min_tokens > 0:
         loss_mask = shared_prefix_loss_mask(completions.input_ids, loss_mask, reward_t, group_ids,

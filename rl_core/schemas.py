@@ -111,7 +111,7 @@ def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float
 def _failures_frame(exc: pa.errors.SchemaErrors) -> pd.DataFrame:
     fc = exc.failure_cases.copy()
     out = pd.DataFrame({
-        "check": fc["check"].astype(str),
+        "check": fc["check"].astype(str).replace({"not_nullable": "not_nullable (NaN or missing)"}),
         "column": fc["column"],
         "index": fc["index"],
         "failure_case": fc["failure_case"],

@@ -135,3 +135,10 @@ def test_tensor_batch_positive_logp_and_missing_advantages():
     logp[1][a.batch.loss_mask[1] > 0] = 0.3
     assert "logp_max" in refused(validate_batch_tensors, a.batch.replace(rollout_logp=logp), a.table)
     assert "advantages" in refused(validate_batch_tensors, a.batch.replace(advantages=None), a.table)
+
+
+def test_annotate_passes_a_nan_reward_to_the_gate():
+    a = make_step(rewards=(1.0, math.nan, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0))
+    assert a.table["advantage"][:4].isna().all() and a.table["advantage"][4:].notna().all()
+    msg = refused(validate_annotations, a.table, max_tokens=4)
+    assert "finite_reward" in msg or "reward" in msg

@@ -1,0 +1,183 @@
+"""The GRPO flow end to end on CPU: real Prefect (ephemeral API), real local Ray, MLflow on SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import FAST, recipe
+
+PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def task_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+    return asyncio.run(fetch())
+
+
+@pytest.fixture(scope="module")
+def faulty_run(workdir):
+    """One short run with an injected failure in rollout and in reward (each fails once, then retries)."""
+    from flows.grpo import grpo
+    from rl_core import faults
+
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    os.environ[faults.ENV] = "rollout=1,reward=1"
+    faults.reset()
+    try:
+        state = grpo(recipe("arithmetic"), [*FAST, "job.name=faulty", "rl.max_steps=3", "rl.save_every=2",
+                                            "job.retry_delay_s=0", "rl.validation.before_training=false"],
+                     return_state=True)
+    finally:
+        os.environ.pop(faults.ENV)
+        faults.reset()
+        os.chdir(cwd)
+    return state, workdir / "runs" / "faulty"
+
+
+def test_flow_completes_with_every_phase_per_step(faulty_run):
+    state, _ = faulty_run
+    assert state.is_completed(), state.message
+    runs = task_runs(state.state_details.flow_run_id)
+    names = Counter(r.name.rsplit("-", 1)[0] for r in runs)
+    for phase in PHASES:
+        assert names[phase] == 3, f"{phase}: {names[phase]} task runs for 3 steps"
+    assert names["evaluate"] == 2  # step 2 (every_steps) and the final step 3
+    assert names["checkpoint"] == 2  # step 2 (save_every) and the final step 3
+
+
+def test_injected_failures_are_retried_and_no_step_is_lost(faulty_run):
+    state, run_dir = faulty_run
+    runs = task_runs(state.state_details.flow_run_id)
+    retried = {r.name.rsplit("-", 1)[0] for r in runs if r.run_count > 1}
+    assert retried == {"rollout", "reward"}
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == [1, 2, 3]
+
+
+def test_metrics_have_every_key_family(faulty_run):
+    _, run_dir = faulty_run
+    records = read_metrics(run_dir)
+    step1 = records[0]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/reward_mean",
+                "rollout/reward_std", "rollout/response_len_mean", "rollout/truncation_rate",
+                "rollout/zero_adv_group_frac", "rollout/logp_abs_diff", "perf/rollout_s", "perf/train_s",
+                "perf/step_s", "perf/tokens_per_s"):
+        assert key in step1, key
+    assert "val/accuracy" in records[1] and "val/accuracy" in records[2]
+    assert "val/accuracy" not in step1
+    # the engine samples with the weights the trainer differentiates: log-probs agree
+    assert step1["rollout/logp_abs_diff"] < 1e-4
+    assert len(step1["data/prompt_rows"]) == 4
+
+
+def test_reward_mean_matches_the_completions(faulty_run):
+    """rollout/reward_mean is the mean of exact-match rewards: recompute from the cached rollout."""
+    _, run_dir = faulty_run
+    records = read_metrics(run_dir)
+    for r in records:
+        assert 0.0 <= r["rollout/reward_mean"] <= 1.0
+        assert r["rollout/zero_adv_group_frac"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def test_rollout_results_persist_under_the_run_directory(faulty_run):
+    _, run_dir = faulty_run
+    cached = list((run_dir / "cache").iterdir())
+    assert len(cached) >= 3, "each step's rollout is persisted in the run directory"
+
+
+def test_a_second_identical_rollout_hits_the_cache(in_workdir, tmp_path):
+    from prefect import flow
+
+    from rl_core.config import load_config
+    from infra.roles import RolloutRole
+    from tasks.rollout import rollout_task
+
+    cfg = load_config(recipe("arithmetic"), FAST)
+    role = RolloutRole.build(cfg)
+    calls = []
+    real = role.engine.generate
+
+    def counting_generate(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    role.engine.generate = counting_generate
+    task = rollout_task.with_options(result_storage=tmp_path.resolve())
+
+    @flow
+    def twice():
+        args = (role.engine, role.prompts([1, 2]), 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
+        first = task(*args, return_state=True)
+        second = task(*args, return_state=True)
+        other = task(role.engine, role.prompts([1, 2]), 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
+                     return_state=True)
+        return first, second, other
+
+    first, second, other = twice()
+    assert first.name == "Completed" and second.name == "Cached" and other.name == "Completed"
+    assert len(calls) == 2, "the cached call must not regenerate"
+    assert torch.equal(first.result().input_ids, second.result().input_ids)
+
+
+def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):
+    from flows.grpo import grpo
+    from rl_core import faults
+
+    os.environ[faults.ENV] = "reward_nan=1"
+    faults.reset()
+    try:
+        state = grpo(recipe("arithmetic"), [*FAST, "job.name=gate", "rl.max_steps=2", "job.task_retries=0"],
+                     return_state=True)
+    finally:
+        os.environ.pop(faults.ENV)
+        faults.reset()
+    assert state.is_failed()
+    with pytest.raises(Exception) as info:
+        state.result()
+    message = str(info.value)
+    assert "batch refused before dispatch" in message
+    assert "NaN" in message and "reward" in message and "rows [0" in message
+    steps = [r["step"] for r in read_metrics(in_workdir / "runs" / "gate")]
+    assert steps == [0], "no step may be trained from a refused batch"
+    assert not (in_workdir / "runs" / "gate" / "checkpoints").exists() or not any(
+        (in_workdir / "runs" / "gate" / "checkpoints").glob("step_*"))
+
+
+def test_one_and_two_workers_agree(in_workdir):
+    from flows.grpo import grpo
+
+    common = [*FAST, "rl.max_steps=1", "rl.validation.before_training=false", "rollout.prompts_per_step=4"]
+    grpo(recipe("arithmetic"), [*common, "job.name=w1", "cluster.num_workers=1"])
+    grpo(recipe("arithmetic"), [*common, "job.name=w2", "cluster.num_workers=2"])
+    one, two = read_metrics(in_workdir / "runs" / "w1")[0], read_metrics(in_workdir / "runs" / "w2")[0]
+    assert one["data/prompt_rows"] == two["data/prompt_rows"]
+    assert one["rollout/reward_mean"] == two["rollout/reward_mean"]
+    assert two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
+    w1 = load_file(next((in_workdir / "runs" / "w1" / "final_model").glob("*.safetensors")))
+    w2 = load_file(next((in_workdir / "runs" / "w2" / "final_model").glob("*.safetensors")))
+    moved = 0.0
+    init = load_file(next((in_workdir / "artifacts" / "tiny-model" / "init").glob("*.safetensors")))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-6, rtol=1e-5)
+        moved = max(moved, float((w1[name] - init[name]).abs().max()))
+    assert moved > 0, "the step changed no weight"
