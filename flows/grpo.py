@@ -108,6 +108,7 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 timer, t_step = Timer(), time.perf_counter()
                 rows = role.sampler.next_batch()
                 t = time.perf_counter()
+                role.engine.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
                 completions = rollout(role.engine, role.prompts(rows), cfg.rollout.n, role.sampling(step),
                                       {"config": cfg_hash, "step": step, "version": version, "rows": rows})
                 timer.lap("rollout", t)
@@ -129,9 +130,12 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 timer.lap("sync", t)
                 step_s = time.perf_counter() - t_step
                 record = {"step": step, "data/prompt_rows": rows, **_mean_over_ranks(per_rank), **annotated.stats,
-                          **timer.laps, "perf/step_s": step_s,
+                          **timer.laps, "perf/step_s": step_s, "perf/generate_s": role.engine.last_generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version}
+                # orchestration overhead: step wall time not spent sampling or in forward/backward
+                record["perf/overhead_s"] = step_s - record["perf/generate_s"] - max(
+                    m["perf/train_compute_s"] for m in per_rank)
                 every = cfg.rl.validation.every_steps
                 if (every and step % every == 0) or step == cfg.rl.max_steps:
                     t = time.perf_counter()

@@ -24,11 +24,11 @@ class RunProgress:
         self.task = self.progress.add_task(name, total=total, completed=start, stats="")
         self.last_acc: float | None = None
 
-    def __enter__(self) -> "RunProgress":
+    def __enter__(self) -> RunProgress:
         self.progress.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
     def update(self, record: dict[str, Any]) -> None:

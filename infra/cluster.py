@@ -126,7 +126,7 @@ class Cluster(AbstractContextManager):
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self._connect()
             self._place_workers()
@@ -170,7 +170,7 @@ class Cluster(AbstractContextManager):
         ]
         ray.get([w.ready.remote() for w in self.workers])
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=10)

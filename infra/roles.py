@@ -5,8 +5,9 @@ Built once per flow run from the config; the flow hands its parts to the phase t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class RolloutRole:
     sampler: PromptSampler
 
     @classmethod
-    def build(cls, cfg: PosttrainConfig) -> "RolloutRole":
+    def build(cls, cfg: PosttrainConfig) -> RolloutRole:
         torch.manual_seed(cfg.job.seed)
         model, tokenizer = load_policy(cfg.model)
         model.eval()

@@ -6,8 +6,8 @@ one-row-per-completion table that the pandera gate checks before anything reache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import pandas as pd
 import torch

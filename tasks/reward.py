@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE

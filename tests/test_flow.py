@@ -107,8 +107,8 @@ def test_rollout_results_persist_under_the_run_directory(faulty_run):
 def test_a_second_identical_rollout_hits_the_cache(in_workdir, tmp_path):
     from prefect import flow
 
-    from rl_core.config import load_config
     from infra.roles import RolloutRole
+    from rl_core.config import load_config
     from tasks.rollout import rollout_task
 
     cfg = load_config(recipe("arithmetic"), FAST)

@@ -17,8 +17,9 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError

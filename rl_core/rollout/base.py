@@ -183,11 +183,14 @@ def build_completions(
 class RolloutEngine(abc.ABC):
     """Samples completions from the current policy weights.
 
+    `last_generate_s`: seconds the most recent `generate` call spent sampling (for perf metrics).
     `generate(prompt_ids, n, sampling)`: `prompt_ids` are unpadded token-id lists (as the
     tokenizer returns them, special tokens included); returns `n` completions per prompt.
     `update_weights(state_dict, version)`: load the trainer's weights; completions sampled
     afterwards carry `policy_version == version`.
     """
+
+    last_generate_s: float = 0.0
 
     @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions: ...

@@ -12,6 +12,8 @@ the prompts and the weights.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rl_core import faults
@@ -98,9 +100,11 @@ class HFEngine(RolloutEngine):
         model, device = self.model, self.device
         was_training = model.training
         model.eval()
+        started = time.perf_counter()
         try:
             return self._generate(prompt_ids, n, sampling, model, device)
         finally:
+            self.last_generate_s = time.perf_counter() - started
             model.train(was_training)
 
     def _generate(self, prompt_ids, n, sampling, model, device) -> Completions:

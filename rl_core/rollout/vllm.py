@@ -26,6 +26,7 @@ Mapping from the config / `SamplingParams`:
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -106,9 +107,11 @@ class VLLMEngine(RolloutEngine):
             detokenize=False,
             skip_special_tokens=False,
         )
+        started = time.perf_counter()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False
         )
+        self.last_generate_s = time.perf_counter() - started
         responses, logps = [], []
         for request in outputs:  # in prompt order
             for out in request.outputs:  # n completions
