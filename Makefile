@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: venv
-	@for r in $(RECIPES); do echo "== posttrain validate $$r"; $(VENV)/bin/posttrain validate $$r > /dev/null || exit 1; done
-	@echo "every recipe validates"
+	@for r in $(RECIPES); do $(VENV)/bin/posttrain validate $$r > /dev/null || exit 1; done
+	@echo "every recipe validates; running the arithmetic quickstart (builds the tiny model and data first)"
+	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true
+	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: venv
 	$(PY) -m pytest -q

@@ -42,11 +42,23 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         from flows.entry import run_recipe
 
-        run_recipe(args.recipe, overrides)
+        result = run_recipe(args.recipe, overrides)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    print(summary_line(result))
     return 0
+
+
+def summary_line(result: dict) -> str:
+    """One line a person reads at the end of a run: held-out accuracy first -> last, and where things are."""
+    from infra.tracking import MetricsLog
+
+    records = MetricsLog(result["metrics"]).read()
+    acc = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
+    trend = f"held-out accuracy {acc[0][1]:.3f} (step {acc[0][0]}) -> {acc[-1][1]:.3f} (step {acc[-1][0]}); " if acc else ""
+    return (f"{trend}metrics: {result['metrics']}; run directory: {result['run_dir']}; "
+            f"MLflow run {result.get('mlflow_run_id')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_run)
     try:
         from flows.build_commands import add_build_commands
+        from flows.report_commands import add_report_commands
     except ImportError:  # the build commands module is optional until the tiny model exists
         add_build_commands = None
     if add_build_commands is not None:
         add_build_commands(sub)
+        add_report_commands(sub)
     return parser
 
 

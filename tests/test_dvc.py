@@ -1,0 +1,507 @@
+"""DVC: the quickstart pipeline in a fresh clone, change propagation, local and S3 remotes, and
+`posttrain summarize`.
+
+The pipeline tests `git clone` this repository (its committed HEAD: what CI runs) into a temporary
+directory, shrink params.yaml there so the whole pipeline takes about a minute on a CPU, and run the
+real `dvc` and `posttrain` of this virtual environment. PYTHONPATH points at the clone, so the stages
+run the clone's code rather than the checkout the editable install points at. The S3 remote is moto
+in server mode on 127.0.0.1, started and stopped (by its pid) here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+QUICKSTART = ("arithmetic_data", "tiny_model", "warm_start", "train", "evaluate")
+UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
+GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
+UP_TO_DATE = "Data and pipelines are up to date."
+# Every output of the quickstart stages: what `dvc pull` must bring back.
+OUTPUTS = (
+    "data/arithmetic",
+    "artifacts/tiny-model/init",
+    "artifacts/tiny-model/warm",
+    "runs/arithmetic/final_model",
+    "runs/arithmetic/metrics.jsonl",
+    "runs/arithmetic/curve.png",
+    "runs/arithmetic/summary.json",
+    "runs/arithmetic/curve.json",
+)
+# A run small enough for CI; the validation cadence makes step 0, every step and the last step evaluated.
+TINY_RUN = ["rollout.prompts_per_step=2", "rollout.n=4", "rl.validation.max_prompts=8",
+            "rl.validation.every_steps=1"]
+SUMMARY_KEYS = {
+    "steps", "final_step", "initial_val_accuracy", "final_val_accuracy", "final_val_step",
+    "best_val_accuracy", "best_val_step", "final_reward_mean", "mean_reward_mean", "final_train_loss",
+    "mean_train_loss", "mean_step_s", "train_loop_s",
+}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _env(root: Path, clone: Path | None = None) -> dict[str, str]:
+    """The subprocess environment: this venv's tools, quiet local services, nothing of the user's config."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_", "MLFLOW_", "DVC_", "RAY_", "PREFECT_", "PYTHONPATH"))}
+    for name in ("prefect", "dvc-global", "dvc-system", "dvc-site"):
+        (root / "env" / name).mkdir(parents=True, exist_ok=True)
+    env.update({
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        "PREFECT_HOME": str(root / "env" / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DVC_NO_ANALYTICS": "1",
+        "DVC_STUDIO_OFFLINE": "true",
+        "DVC_GLOBAL_CONFIG_DIR": str(root / "env" / "dvc-global"),
+        "DVC_SYSTEM_CONFIG_DIR": str(root / "env" / "dvc-system"),
+        "DVC_SITE_CACHE_DIR": str(root / "env" / "dvc-site"),
+        "AWS_CONFIG_FILE": str(root / "env" / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(root / "env" / "no-aws-credentials"),
+    })
+    if clone is not None:
+        env["PYTHONPATH"] = str(clone)
+    return env
+
+
+def _sh(args: list[str], cwd: Path, env: dict[str, str], stdout_only: bool = False) -> str:
+    """Run a command; fail the test with its output when it exits non-zero. Returns stdout + stderr."""
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} (in {cwd}) exited {proc.returncode}:\n{output[-6000:]}")
+    return proc.stdout if stdout_only else output
+
+
+def _dvc(clone: Path, env: dict[str, str], *args: str) -> str:
+    return _sh([str(BIN / "dvc"), *args], clone, env)
+
+
+def _dvc_json(clone: Path, env: dict[str, str], *args: str):
+    return json.loads(_sh([str(BIN / "dvc"), *args, "--json"], clone, env, stdout_only=True))
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return _sh(["git", "-c", "user.name=posttrain-test", "-c", "user.email=test@localhost", *args], cwd,
+               dict(os.environ))
+
+
+def _status(clone: Path, env: dict[str, str], *targets: str) -> dict:
+    """`dvc status --json`: {} when up to date, else {stage: [what changed]}."""
+    return _dvc_json(clone, env, "status", *targets)
+
+
+def _lock(clone: Path) -> dict:
+    return yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+
+
+def _out_md5(lock: dict, stage: str, path: str) -> str:
+    return next(o["md5"] for o in lock[stage]["outs"] if o["path"] == path)
+
+
+def _file_hashes(base: Path, rel: str) -> dict[str, str]:
+    """{relative file path: sha256} of a file or every file under a directory."""
+    root = base / rel
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    assert files, f"{root} is missing or empty"
+    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def _set_run_overrides(clone: Path, max_steps: int) -> None:
+    params_path = clone / "params.yaml"
+    params = yaml.safe_load(params_path.read_text())
+    params["run"]["overrides"] = [f"rl.max_steps={max_steps}", *TINY_RUN]
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _max_steps(clone: Path) -> int:
+    overrides = yaml.safe_load((clone / "params.yaml").read_text())["run"]["overrides"]
+    return int(next(o.split("=", 1)[1] for o in overrides if o.startswith("rl.max_steps=")))
+
+
+def _commit_lock(clone: Path) -> None:
+    """Commit params.yaml and dvc.lock in the temporary clone, so a clone of it sees what was reproduced."""
+    _git(clone, "add", "params.yaml", "dvc.lock")
+    if _git(clone, "status", "--porcelain", "--", "params.yaml", "dvc.lock").strip():
+        _git(clone, "commit", "-q", "-m", "reproduced in the test")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _expected_summary(records: list[dict]) -> dict:
+    """The summary recomputed here, step by step, from the metrics records."""
+    acc = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
+    reward = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
+    loss = [r["train/loss"] for r in records if "train/loss" in r]
+    step_s = [r["perf/step_s"] for r in records if "perf/step_s" in r]
+    best_value = max(v for _, v in acc)
+    loop = sum(r.get("perf/step_s", 0.0) + r.get("perf/evaluate_s", 0.0) + r.get("perf/checkpoint_s", 0.0)
+               for r in records)
+    return {
+        "steps": len([r for r in records if r["step"] >= 1]),
+        "final_step": records[-1]["step"],
+        "initial_val_accuracy": records[0]["val/accuracy"] if records[0]["step"] == 0 else None,
+        "final_val_accuracy": acc[-1][1],
+        "final_val_step": acc[-1][0],
+        "best_val_accuracy": best_value,
+        "best_val_step": min(s for s, v in acc if v == best_value),
+        "final_reward_mean": reward[-1],
+        "mean_reward_mean": sum(reward) / len(reward),
+        "final_train_loss": loss[-1],
+        "mean_train_loss": sum(loss) / len(loss),
+        "mean_step_s": sum(step_s) / len(step_s),
+        "train_loop_s": loop,
+    }
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A fresh clone with tiny params in which `dvc repro` ran: (root, clone, env, repro output)."""
+    root = tmp_path_factory.mktemp("dvc")
+    clone = root / "clone"
+    _sh(["git", "clone", "-q", str(REPO), str(clone)], root, dict(os.environ))
+    assert (clone / "dvc.yaml").is_file(), "dvc.yaml is not committed: the clone has no pipeline"
+    env = _env(root, clone)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["warm_start"].update(steps=5, batch_size=8)
+    params_path = clone / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    _set_run_overrides(clone, max_steps=2)
+    started = time.monotonic()
+    output = _dvc(clone, env, "repro")
+    print(f"dvc repro of the quickstart: {time.monotonic() - started:.1f}s")
+    return root, clone, env, output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1:<free port>, stopped by its own pid at teardown; yields its URL."""
+    port = _free_port()
+    exe = BIN / "moto_server"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
+    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log_file:
+        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start within 30 s") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------- the pipeline
+
+
+@pytest.mark.slow
+def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
+    root, clone, env, output = pipeline
+    for stage in QUICKSTART:
+        assert f"Running stage '{stage}'" in output, output
+    assert "gsm8k" not in output  # the GSM8K pipeline is not part of the default target
+    for rel in OUTPUTS:
+        assert (clone / rel).exists(), rel
+    for model in ("artifacts/tiny-model/init", "artifacts/tiny-model/warm", "runs/arithmetic/final_model"):
+        assert (clone / model / "config.json").is_file(), model
+        assert list((clone / model).glob("*.safetensors")), model
+
+    lock = _lock(clone)
+    steps = _max_steps(clone)  # 2, or one more if the param-change test ran first
+    assert set(lock) == set(QUICKSTART)
+    assert lock["warm_start"]["params"]["params.yaml"]["warm_start"]["steps"] == 5
+    assert "--steps 5 " in lock["warm_start"]["cmd"]
+    assert lock["train"]["params"]["params.yaml"]["run"]["overrides"][0] == f"rl.max_steps={steps}"
+
+    # the run used the overrides of params.yaml plus the stage's fixed ones
+    config = yaml.safe_load((clone / "runs/arithmetic/config_resolved.yaml").read_text())
+    assert config["rl"]["max_steps"] == steps and config["rollout"]["n"] == 4
+    assert config["rl"]["resume"] == "off" and config["job"]["overwrite"] is True
+
+    records = _read_jsonl(clone / "runs/arithmetic/metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps + 1))
+    summary = json.loads((clone / "runs/arithmetic/summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
+    curve = json.loads((clone / "runs/arithmetic/curve.json").read_text())
+    assert curve == [{"step": r["step"], "reward_mean": r.get("rollout/reward_mean"),
+                      "accuracy": r.get("val/accuracy")} for r in records]
+
+    # DVC sees the metrics and the plots
+    (shown,) = _dvc_json(clone, env, "metrics", "show").values()  # the workspace, the only revision
+    assert shown["data"]["runs/arithmetic/summary.json"]["data"] == summary
+    plots = _dvc_json(clone, env, "plots", "show", "-o", str(root / "dvc_plots"))
+    assert "reward and held-out accuracy" in plots["data"]
+
+    # the MLflow run of the train stage is tagged with the dvc.lock hashes of its data and model
+    with sqlite3.connect(clone / "mlflow.db") as db:
+        tags = dict(db.execute("SELECT key, value FROM tags WHERE key LIKE 'posttrain.dvc.%'").fetchall())
+    assert tags == {
+        "posttrain.dvc.data/arithmetic": _out_md5(lock, "arithmetic_data", "data/arithmetic"),
+        "posttrain.dvc.artifacts/tiny-model/warm": _out_md5(lock, "warm_start", "artifacts/tiny-model/warm"),
+    }
+
+    assert UP_TO_DATE in _dvc(clone, env, "status", "dvc.yaml")
+    # `dvc status` of the whole repository lists only the GSM8K pipeline, unless its test built it
+    assert set(_status(clone, env)) == (set() if (clone / "data/gsm8k").exists() else {GSM8K_STAGE})
+    # every output is git-ignored: git sees only the edited params and the new lock file
+    porcelain = set(_git(clone, "status", "--porcelain").splitlines())
+    assert porcelain <= {" M params.yaml", "M  params.yaml", "?? dvc.lock", "A  dvc.lock"}, porcelain
+
+
+@pytest.mark.slow
+def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
+    _, clone, env, _ = pipeline
+    assert _status(clone, env, "dvc.yaml") == {}
+    before = _lock(clone)
+    steps = _max_steps(clone) + 1
+    _set_run_overrides(clone, max_steps=steps)
+
+    assert set(_status(clone, env, "dvc.yaml")) == {"train"}  # evaluate changes once train has run
+    output = _dvc(clone, env, "repro")
+    for stage in UPSTREAM_OF_TRAIN:
+        assert f"Stage '{stage}' didn't change, skipping" in output, output
+        assert f"Running stage '{stage}'" not in output
+    assert "Running stage 'train'" in output and "Running stage 'evaluate'" in output
+
+    after = _lock(clone)
+    for stage in UPSTREAM_OF_TRAIN:
+        assert after[stage]["outs"] == before[stage]["outs"]
+    assert after["train"]["outs"] != before["train"]["outs"]
+    records = _read_jsonl(clone / "runs/arithmetic/metrics.jsonl")
+    assert records[-1]["step"] == steps
+    summary = json.loads((clone / "runs/arithmetic/summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
+    assert _status(clone, env, "dvc.yaml") == {}
+
+
+@pytest.mark.slow
+def test_the_gsm8k_pipeline_builds_from_a_local_jsonl_directory(pipeline):
+    """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL."""
+    root, clone, env, _ = pipeline
+    source = root / "gsm8k-source"
+    source.mkdir()
+    splits = {
+        "train": [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\n#### 7"},
+                  {"question": "What is 10 minus 6?", "answer": "10-6=4\n#### 4"}],
+        "test": [{"question": "What is 2 times 5?", "answer": "2*5=10\n#### 10"}],
+    }
+    for split, records in splits.items():
+        (source / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    params_path = clone / "params.yaml"
+    params = yaml.safe_load(params_path.read_text())
+    params["gsm8k_data"]["source"] = str(source)
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+    assert _status(clone, env, "dvc.yaml") == {}  # the quickstart does not read gsm8k_data
+    output = _dvc(clone, env, "repro", "pipelines/gsm8k/dvc.yaml")
+    assert f"Running stage '{GSM8K_STAGE}'" in output and "Running stage 'train'" not in output
+    for split, records in splits.items():
+        assert _read_jsonl(clone / "data/gsm8k" / f"{split}.jsonl") == records
+    assert _status(clone, env) == {}  # now the whole repository is up to date
+
+
+# -------------------------------------------------------------------------------------- the remotes
+
+
+@pytest.mark.slow
+def test_local_remote_push_then_pull_into_a_fresh_clone(pipeline):
+    """`dvc push` to the default remote; a clone with no cache gets every output back with `dvc pull`."""
+    root, clone, env, _ = pipeline
+    assert _status(clone, env, "dvc.yaml") == {}
+    _dvc(clone, env, "push")
+    store = root / "posttrain-dvc-store"  # the default remote `local` is ../posttrain-dvc-store
+    assert store.is_dir() and any(p.is_file() for p in store.rglob("*"))
+
+    _commit_lock(clone)
+    pulled = root / "pulled"
+    _sh(["git", "clone", "-q", str(clone), str(pulled)], root, dict(os.environ))
+    env_pulled = _env(root, pulled)
+    assert not (pulled / ".dvc" / "cache").exists() and not (pulled / "data").exists()
+    output = _dvc(pulled, env_pulled, "pull")
+    assert "Running stage" not in output
+    for rel in OUTPUTS:
+        assert _file_hashes(pulled, rel) == _file_hashes(clone, rel), rel
+    assert UP_TO_DATE in _dvc(pulled, env_pulled, "status", "dvc.yaml")
+
+
+@pytest.mark.slow
+def test_s3_remote_push_and_pull_against_moto(pipeline, moto_s3):
+    """An S3 remote (moto's server via `endpointurl`): push the data stage, pull it into a clone."""
+    import boto3
+
+    root, clone, env, _ = pipeline
+    bucket = f"dvc-{uuid.uuid4().hex[:12]}"
+    credentials = {"AWS_ACCESS_KEY_ID": "testing-access-key", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+                   "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1",
+                      aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"])
+    s3.create_bucket(Bucket=bucket)
+
+    def add_remote(repo: Path, repo_env: dict[str, str]) -> None:
+        _dvc(repo, repo_env, "remote", "add", "--local", "s3remote", f"s3://{bucket}/dvc")
+        _dvc(repo, repo_env, "remote", "modify", "--local", "s3remote", "endpointurl", moto_s3)
+
+    env_s3 = {**env, **credentials}
+    add_remote(clone, env_s3)
+    _dvc(clone, env_s3, "push", "-r", "s3remote", "arithmetic_data")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="dvc/").get("Contents", [])}
+    dir_md5 = _out_md5(_lock(clone), "arithmetic_data", "data/arithmetic")
+    assert f"dvc/files/md5/{dir_md5[:2]}/{dir_md5[2:]}" in keys  # the directory manifest
+    assert len(keys) == 3  # the manifest, train.jsonl and val.jsonl: only the pushed stage
+
+    _commit_lock(clone)
+    pulled = root / "pulled-s3"
+    _sh(["git", "clone", "-q", str(clone), str(pulled)], root, dict(os.environ))
+    env_pulled = {**_env(root, pulled), **credentials}
+    add_remote(pulled, env_pulled)
+    _dvc(pulled, env_pulled, "pull", "-r", "s3remote", "arithmetic_data")
+    assert _file_hashes(pulled, "data/arithmetic") == _file_hashes(clone, "data/arithmetic")
+    assert _status(pulled, env_pulled, "arithmetic_data") == {}
+
+
+# ------------------------------------------------------------------------------ posttrain summarize
+
+HAND_WRITTEN = [
+    {"step": 0, "val/accuracy": 0.25, "val/mean_reward": 0.25, "val/n": 8},
+    {"step": 1, "train/loss": 0.5, "rollout/reward_mean": 0.2, "perf/step_s": 1.0},
+    {"step": 2, "train/loss": 0.3, "rollout/reward_mean": 0.4, "perf/step_s": 2.0, "val/accuracy": 0.5,
+     "perf/evaluate_s": 0.5},
+    {"step": 3, "train/loss": 0.1, "rollout/reward_mean": 0.6, "perf/step_s": 1.5, "perf/checkpoint_s": 0.25},
+    {"step": 4, "train/loss": -0.1, "rollout/reward_mean": 0.8, "perf/step_s": 1.5, "val/accuracy": 0.5,
+     "perf/evaluate_s": 0.5, "perf/checkpoint_s": 0.25},
+]
+
+
+def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
+    from flows.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in HAND_WRITTEN) + "\n")
+    summary_path, curve_path = tmp_path / "out" / "summary.json", tmp_path / "out" / "curve.json"
+    assert main(["summarize", str(run_dir), "--out-summary", str(summary_path),
+                 "--out-curve", str(curve_path)]) == 0
+    assert str(summary_path) in capsys.readouterr().out
+    summary = json.loads(summary_path.read_text())
+    assert summary == pytest.approx({
+        "steps": 4,
+        "final_step": 4,
+        "initial_val_accuracy": 0.25,
+        "final_val_accuracy": 0.5,
+        "final_val_step": 4,
+        "best_val_accuracy": 0.5,
+        "best_val_step": 2,  # the first step that reached the best accuracy
+        "final_reward_mean": 0.8,
+        "mean_reward_mean": 0.5,  # (0.2 + 0.4 + 0.6 + 0.8) / 4
+        "final_train_loss": -0.1,
+        "mean_train_loss": 0.2,  # (0.5 + 0.3 + 0.1 - 0.1) / 4
+        "mean_step_s": 1.5,
+        "train_loop_s": 7.5,  # steps 6.0 + evaluations 1.0 + checkpoints 0.5
+    })
+    assert json.loads(curve_path.read_text()) == [
+        {"step": 0, "reward_mean": None, "accuracy": 0.25},
+        {"step": 1, "reward_mean": 0.2, "accuracy": None},
+        {"step": 2, "reward_mean": 0.4, "accuracy": 0.5},
+        {"step": 3, "reward_mean": 0.6, "accuracy": None},
+        {"step": 4, "reward_mean": 0.8, "accuracy": 0.5},
+    ]
+    # default output paths: next to metrics.jsonl
+    assert main(["summarize", str(run_dir)]) == 0
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
+
+def test_summarize_without_validation_reports_none(tmp_path):
+    from flows.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(HAND_WRITTEN[1]) + "\n")
+    assert main(["summarize", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["final_reward_mean"] == 0.2
+    assert summary["initial_val_accuracy"] is None and summary["best_val_accuracy"] is None
+    assert summary["final_val_accuracy"] is None and summary["best_val_step"] is None
+
+
+def test_summarize_names_what_is_wrong_with_the_metrics_file(tmp_path, capsys):
+    from flows.cli import main
+
+    assert main(["summarize", str(tmp_path)]) == 1
+    assert f"{tmp_path / 'metrics.jsonl'}: no such file" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(HAND_WRITTEN[0]) + "\n{not json\n")
+    assert main(["summarize", str(tmp_path)]) == 1
+    assert "metrics.jsonl:2: not a JSON object" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"loss": 1.0}\n')
+    assert main(["summarize", str(tmp_path)]) == 1
+    assert "metrics.jsonl:1: a metrics record needs an integer 'step'" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------ posttrain run-params
+
+
+def test_run_params_refuses_bad_overrides_and_another_run_dir(tmp_path, capsys):
+    """The train stage's command: errors come before any flow starts, naming the key or the directory."""
+    from flows.cli import main
+
+    recipe = str(REPO / "recipes" / "arithmetic.py")
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"run": {"recipe": recipe, "overrides": ["rl.max_steps"]}}))
+    assert main(["run-params", recipe, "--params", str(params)]) == 1
+    assert "run.overrides must be a list of 'key=value' strings" in capsys.readouterr().err
+
+    params.write_text(yaml.safe_dump({"other": {}}))
+    assert main(["run-params", recipe, "--params", str(params)]) == 1
+    assert "no key 'run.overrides'" in capsys.readouterr().err
+
+    params.write_text(yaml.safe_dump({"run": {"recipe": recipe, "overrides": ["job.name=elsewhere"]}}))
+    assert main(["run-params", recipe, "--params", str(params), "--run-dir", "runs/arithmetic"]) == 1
+    err = capsys.readouterr().err
+    assert "the run directory is 'runs/elsewhere'" in err and "runs/arithmetic" in err
+    # the fixed overrides come last and win over the params file's
+    assert main(["run-params", recipe, "job.name=arithmetic", "rl.max_steps=x", "--params", str(params),
+                 "--run-dir", "runs/arithmetic"]) == 1
+    assert "rl.max_steps" in capsys.readouterr().err  # a config error (bad int), not a run-dir mismatch
