@@ -3,6 +3,7 @@
     posttrain validate RECIPE [-- key=value ...]   print the resolved config and the preflight report
     posttrain run RECIPE [-- key=value ...]        run the recipe's flow (GRPO family, OPD or DPO)
     posttrain init-model | warm-start | make-data  build the tiny model and data (what the DVC stages call)
+    posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml overrides
 
 Overrides come as a dotlist after `--`, e.g. `posttrain run recipes/arithmetic.py -- rl.max_steps=20`.
 """
@@ -70,14 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe's flow")
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
-    try:
-        from flows.build_commands import add_build_commands
-        from flows.report_commands import add_report_commands
-    except ImportError:  # the build commands module is optional until the tiny model exists
-        add_build_commands = None
-    if add_build_commands is not None:
-        add_build_commands(sub)
-        add_report_commands(sub)
+    from flows.build_commands import add_build_commands
+    from flows.report_commands import add_report_commands
+
+    add_build_commands(sub)
+    add_report_commands(sub)
     return parser
 
 
