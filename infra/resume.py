@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from infra.storage import CheckpointStore, checkpoint_step
 from rl_core.config import ConfigError, PosttrainConfig, flatten
 from rl_core.config.loader import config_dict
@@ -58,6 +60,16 @@ def _flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _refuse_math_changes(saved: dict, cfg: PosttrainConfig, source: str) -> None:
+    if not saved:
+        return
+    changed = math_changes(saved, cfg)
+    if changed:
+        raise ConfigError([f"resume from {source}: {key} changed since the run started (it changes the math or the "
+                           "data); restore it, or start a new run (another job.name, or rl.resume=off)"
+                           for key in changed])
+
+
 def read_run_state(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -75,24 +87,28 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
     run_dir = Path(cfg.run_dir)
     mode = cfg.rl.resume
     if mode == "off":
-        if run_dir.exists() and any(run_dir.iterdir()):
+        remote = store.list_remote()
+        if (run_dir.exists() and any(run_dir.iterdir())) or remote:
+            where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {cfg.tracking.checkpoint_uri}" if remote else "")
             if not cfg.job.overwrite:
-                raise ConfigError([f"rl.resume=off: run directory {str(run_dir)!r} already exists; resume it "
-                                   "(rl.resume=auto), pick another job.name, or set job.overwrite=true to delete it"])
-            shutil.rmtree(run_dir)
+                raise ConfigError([f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
+                                   "job.name, or set job.overwrite=true to delete it"])
+            shutil.rmtree(run_dir, ignore_errors=True)
+            store.delete_remote()  # else a later resume from S3 would continue the old run
         return ResumePlan(None, {})
     checkpoint = store.latest_valid()
     if checkpoint is None:
         if mode == "must":
             raise ConfigError([f"rl.resume=must: no valid checkpoint under {store.root} "
                                f"(nor at tracking.checkpoint_uri={cfg.tracking.checkpoint_uri!r})"])
+        # Killed before its first checkpoint: it restarts from step 0, in the same MLflow run, whose
+        # params are the old config's — so the math may not have changed here either.
+        resolved = run_dir / "config_resolved.yaml"
+        if resolved.is_file():
+            _refuse_math_changes(yaml.safe_load(resolved.read_text()) or {}, cfg, str(resolved))
         return ResumePlan(None, read_run_state(run_dir))
     parts, meta = store.load(checkpoint)
-    changed = math_changes(meta.get("config", {}), cfg)
-    if changed:
-        raise ConfigError([f"resume from {checkpoint}: {key} changed since the checkpoint (it changes the math or the "
-                           "data); restore it, or start a new run (another job.name, or rl.resume=off)"
-                           for key in changed])
+    _refuse_math_changes(meta.get("config", {}), cfg, str(checkpoint))
     state = read_run_state(run_dir) or {"mlflow_run_id": meta.get("mlflow_run_id")}
     return ResumePlan(checkpoint, state, parts, meta)
 

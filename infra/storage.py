@@ -722,6 +722,21 @@ class CheckpointStore:
         log.info("checkpoint step %d restored from %s to %s", step, remote, self.path_for(step))
         return self.path_for(step)
 
+    def delete_remote(self) -> int:
+        """Delete every checkpoint object under `remote_uri` (a fresh run that overwrites an old one).
+
+        Manifests go first, so an interrupted delete never leaves a step that looks complete.
+        Returns the number of objects deleted.
+        """
+        if self.bucket is None:
+            return 0
+        doomed = [k for keys in self._list_remote_keys().values() for k in keys]
+        doomed.sort(key=lambda k: not k.endswith("/" + MANIFEST))
+        for batch in _chunks(doomed, 1000):
+            self._retry(f"delete {len(batch)} objects under {self.remote_uri}", lambda batch=batch: self.s3.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
+        return len(doomed)
+
     def _prune_remote(self) -> None:
         by_step = self._list_remote_keys()
         complete = sorted(s for s, keys in by_step.items() if self._key(s, MANIFEST) in keys)

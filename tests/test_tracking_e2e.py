@@ -1,0 +1,315 @@
+"""MLflow contents of real flow runs: the default SQLite store in the working directory, and a real
+`mlflow server` on loopback. Expected values are computed here from the config, the run directory,
+git and package metadata, not read back from the tracker.
+
+Both runs carry credentials in the environment (and the server run one in its tracking URI); none of
+them may reach MLflow params, tags, metrics or artifacts, nor the run's printed output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import FAST, recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRETS = {
+    "HF_TOKEN": "hf_supersecret-xyz-5d1c9a",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-0b7e4f2a9c-do-not-log",
+    "WANDB_API_KEY": "wandb-key-6a3f81e2c4",
+    "DATABASE_PASSWORD": "db-pass-93be17d0",
+}
+URI_SECRET = "uri-pass-4f0e2b8d71"
+# the ephemeral Prefect API server may take longer than its default 20 s to start on a loaded machine
+STARTUP_TIMEOUT_S = 180
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def make_cwd(path: Path, workdir: Path) -> Path:
+    """A private working directory (own runs/ and mlflow.db) sharing the session's data and model."""
+    (path / "artifacts").mkdir(parents=True)
+    (path / "data").symlink_to(workdir / "data", target_is_directory=True)
+    (path / "artifacts" / "tiny-model").symlink_to(workdir / "artifacts" / "tiny-model", target_is_directory=True)
+    return path
+
+
+def git_head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_flow(cwd: Path, overrides: list[str], secrets: dict[str, str]) -> dict:
+    """One in-process flow run in `cwd` with `secrets` in the environment; what a test needs to check it."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    from flows.grpo import grpo
+
+    heads = {git_head()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        for name, value in secrets.items():
+            mp.setenv(name, value)
+        with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: STARTUP_TIMEOUT_S}):
+            state = grpo(recipe("arithmetic"), overrides, return_state=True)
+    heads.add(git_head())  # someone may commit while the run goes
+    assert state.is_completed(), state.message
+    return {"cwd": cwd, "overrides": overrides, "result": state.result(),
+            "flow_run_id": str(state.state_details.flow_run_id), "git_heads": heads}
+
+
+def all_artifacts(client, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out.extend(all_artifacts(client, run_id, f.path) if f.is_dir else [f.path])
+    return out
+
+
+def download_all(client, run_id: str, dst: Path) -> Path:
+    from mlflow.artifacts import download_artifacts
+
+    return Path(download_artifacts(run_id=run_id, artifact_path="", dst_path=str(dst),
+                                   tracking_uri=client._tracking_client.tracking_uri))
+
+
+def numeric_history(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                out.setdefault(k, []).append((r["step"], float(v)))
+    return out
+
+
+def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, str], resolved_yaml: dict) -> str:
+    """Everything MLflow holds for one finished flow run; returns the run id."""
+    from mlflow.entities import ViewType
+
+    from infra.cluster import BUILDERS
+    from rl_core.algorithms.context import ObjectiveContext
+    from rl_core.config import config_hash, load_config
+
+    cwd, overrides = run["cwd"], run["overrides"]
+    cfg = load_config(recipe("arithmetic"), overrides)
+    run_dir = cwd / "runs" / cfg.job.name
+    run_id = run["result"]["mlflow_run_id"]
+
+    experiment = client.get_experiment_by_name("posttrain")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{cfg.job.name}'",
+                              run_view_type=ViewType.ALL)
+    assert [r.info.run_id for r in runs] == [run_id]
+    mlrun = client.get_run(run_id)
+    assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == cfg.job.name
+
+    # params: every flattened config value, as MLflow stores it (str)
+    assert mlrun.data.params == expected_params
+
+    # tags
+    tags = mlrun.data.tags
+    identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
+        cfg.rl, ObjectiveContext.from_config(cfg)).identity
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    assert tags["posttrain.algorithm"] == cfg.job.algorithm == "legacy_pg"
+    assert tags["posttrain.job_name"] == cfg.job.name
+    assert tags["posttrain.recipe"] == recipe("arithmetic")
+    assert tags["posttrain.config_hash"] == config_hash(cfg)
+    assert json.loads(tags["posttrain.objective_identity"]) == json.loads(canonical)
+    assert tags["posttrain.objective_hash"] == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    assert tags["posttrain.git_sha"] in run["git_heads"]
+    assert tags["posttrain.git_dirty"] in ("true", "false")
+    assert tags["posttrain.prefect_flow_run_id"] == run["flow_run_id"]
+    assert tags["posttrain.version.torch"] == version("torch")
+    assert tags["posttrain.version.transformers"] == version("transformers")
+    assert tags["posttrain.attempts"] == "1"
+
+    # metrics: every numeric key of metrics.jsonl (train/*, rollout/*, perf/*, val/*) at its steps
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(cfg.rl.max_steps + 1))
+    want = numeric_history(records)
+    for family in ("train/", "rollout/", "perf/", "val/"):
+        assert any(k.startswith(family) for k in want), family
+    assert set(mlrun.data.metrics) == set(want)
+    for key, points in want.items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert got == points, key
+
+    # artifacts
+    names = all_artifacts(client, run_id)
+    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png", "model/model.safetensors",
+                 "model/config.json"):
+        assert name in names, (name, names)
+    assert not any(n.startswith("provenance/attempt_2") for n in names)
+    local = download_all(client, run_id, tmp_path / "artifacts")
+    assert yaml.safe_load((local / "config_resolved.yaml").read_text()) == resolved_yaml
+    prov = json.loads((local / "provenance" / "attempt_1.json").read_text())
+    assert prov["attempt"] == 1 and prov["config_hash"] == config_hash(cfg) and prov["resumed_from"] is None
+    assert prov["prefect_flow_run_id"] == run["flow_run_id"] and prov["git_sha"] == tags["posttrain.git_sha"]
+    assert (local / "plots" / "curve.png").read_bytes() == (run_dir / "curve.png").read_bytes()
+    assert (local / "plots" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    final = run_dir / "final_model"
+    assert sorted(p.name for p in (local / "model").iterdir()) == sorted(p.name for p in final.iterdir())
+    for p in final.iterdir():
+        assert (local / "model" / p.name).read_bytes() == p.read_bytes(), p.name
+    return run_id
+
+
+def assert_no_secret_in_mlflow(client, run_id: str, dst: Path, secrets: list[str]) -> None:
+    mlrun = client.get_run(run_id)
+    texts = [*mlrun.data.params, *mlrun.data.params.values(), *mlrun.data.tags, *mlrun.data.tags.values(),
+             *mlrun.data.metrics]
+    for secret in secrets:
+        assert not [t for t in texts if secret in t], secret
+    files = [p for p in download_all(client, run_id, dst).rglob("*") if p.is_file()]
+    assert len(files) >= 5
+    for path in files:
+        data = path.read_bytes()
+        for secret in secrets:
+            assert secret.encode() not in data, (secret, path)
+
+
+# -------------------------------------------------------------------------------------- SQLite
+
+@pytest.fixture(scope="module")
+def sqlite_run(tmp_path_factory, workdir) -> dict:
+    cwd = make_cwd(tmp_path_factory.mktemp("track") / "cwd", workdir)
+    return run_flow(cwd, [*FAST, "job.name=track-e2e", "rl.max_steps=3"], SECRETS)
+
+
+def test_sqlite_store_holds_params_tags_metrics_and_artifacts(sqlite_run, tmp_path):
+    from mlflow import MlflowClient
+
+    from rl_core.config import load_config
+    from rl_core.config.loader import config_dict, flatten
+
+    cwd = sqlite_run["cwd"]
+    assert (cwd / "mlflow.db").is_file()  # the default store: ./mlflow.db of the working directory
+    cfg = load_config(recipe("arithmetic"), sqlite_run["overrides"])
+    client = MlflowClient(tracking_uri="sqlite:///" + str((cwd / "mlflow.db").resolve()))
+    run_id = check_run(client, sqlite_run, tmp_path, expected_params={k: str(v) for k, v in flatten(cfg).items()},
+                       resolved_yaml=config_dict(cfg))
+    assert client.get_run(run_id).info.artifact_uri.startswith((cwd / "mlartifacts").resolve().as_uri())
+
+
+def test_sqlite_run_holds_no_secret_from_the_environment(sqlite_run, tmp_path):
+    from mlflow import MlflowClient
+
+    cwd = sqlite_run["cwd"]
+    client = MlflowClient(tracking_uri="sqlite:///" + str((cwd / "mlflow.db").resolve()))
+    assert_no_secret_in_mlflow(client, sqlite_run["result"]["mlflow_run_id"], tmp_path / "dl", list(SECRETS.values()))
+    # nor the local outputs of the run
+    for path in (cwd / "runs" / "track-e2e").rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".yaml"):
+            text = path.read_text(errors="replace")
+            assert not [s for s in SECRETS.values() if s in text], path
+
+
+# -------------------------------------------------------------------------------- mlflow server
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen, pgid: int) -> None:
+    """SIGTERM the server's own process group (its workers included), then SIGKILL what is left."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log_path = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{(tmp_path / 'server.db').resolve()}",
+             "--artifacts-destination", str((tmp_path / "server-artifacts").resolve())],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp_path)
+    pgid = proc.pid  # start_new_session: the server leads a process group of its own
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server not healthy in 120 s: {log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, tmp_path / "server-artifacts"
+    finally:
+        _stop_group(proc, pgid)
+
+
+@pytest.mark.slow
+def test_mlflow_server_holds_the_run_and_no_secret(mlflow_server, tmp_path, workdir, capfd):
+    """A flow run tracked by a loopback `mlflow server`, its URI carrying basic-auth credentials."""
+    from mlflow import MlflowClient
+
+    from rl_core.config import load_config
+    from rl_core.config.loader import config_dict, flatten
+
+    url, artifact_root = mlflow_server
+    host = url.removeprefix("http://")
+    uri = f"http://posttrain:{URI_SECRET}@{host}"
+    cwd = make_cwd(tmp_path / "cwd", workdir)
+    overrides = [*FAST, "job.name=track-server", "rl.max_steps=2", f"tracking.mlflow_uri={uri}"]
+    capfd.readouterr()
+    run = run_flow(cwd, overrides, SECRETS)
+    printed = capfd.readouterr()
+    assert not (cwd / "mlflow.db").exists()  # nothing fell back to the default store
+
+    cfg = load_config(recipe("arithmetic"), overrides)
+    scrubbed = f"http://posttrain:***@{host}"
+    params = {k: str(v) for k, v in flatten(cfg).items()}
+    assert params["tracking.mlflow_uri"] == uri
+    params["tracking.mlflow_uri"] = scrubbed
+    resolved = config_dict(cfg)
+    resolved["tracking"]["mlflow_uri"] = scrubbed
+    client = MlflowClient(tracking_uri=url)
+    run_id = check_run(client, run, tmp_path, expected_params=params, resolved_yaml=resolved)
+    assert client.get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:")
+    assert list(artifact_root.rglob("attempt_1.json")) and list(artifact_root.rglob("model.safetensors"))
+    tags = client.get_run(run_id).data.tags
+    assert f"tracking.mlflow_uri={scrubbed}" in json.loads(tags["posttrain.overrides"])
+
+    secrets = [*SECRETS.values(), URI_SECRET]
+    assert_no_secret_in_mlflow(client, run_id, tmp_path / "dl", secrets)
+    assert not [s for s in secrets if s in printed.out + printed.err]
+    assert f"posttrain:***@{host}" in printed.out  # MLflow's "View run ... at" line, scrubbed
