@@ -17,6 +17,12 @@ log = logging.getLogger("posttrain.preflight")
 _RL_DEFAULTS = RLConfig()
 _EMITTED: set[str] = set()
 GROUP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
+OPD_KNOBS = ("opd_kl_coef", "opd_discount", "opd_task_reward_weight")
+OPD_ADVANTAGE_ONLY_KNOBS = ("opd_kl_coef", "opd_task_reward_weight")
+# RL knobs the DPO loss never reads (it reads dpo_beta, temperature, reference and the trainer knobs)
+DPO_UNREAD_KNOBS = ("grpo_surrogate", "importance_sampling_level", "epsilon_low", "epsilon_high", "lower_bound_ratio",
+                    "loss_type", "unbiased_advantage", "advantage_eps", "kl_beta", "kl_estimator",
+                    "shared_prefix_min_tokens", "certified_deterministic_forward")
 
 
 class PreflightWarning(UserWarning):
@@ -103,9 +109,40 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     if algo != "opd" and _non_default(rl, "distillation_mode"):
         err(f"rl.distillation_mode={rl.distillation_mode!r}: only read by job.algorithm=opd")
     if opd_direct:
-        for knob in ("unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens"):
+        for knob in ("unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens") + OPD_ADVANTAGE_ONLY_KNOBS:
             if _non_default(rl, knob):
                 err(f"rl.{knob}={getattr(rl, knob)!r}: an advantage knob, not read by rl.distillation_mode=direct")
+    if algo != "opd":
+        for knob in OPD_KNOBS:
+            if _non_default(rl, knob):
+                err(f"rl.{knob}={getattr(rl, knob)!r}: only read by job.algorithm=opd")
+        if cfg.model.teacher is not None:
+            err(f"model.teacher={cfg.model.teacher!r}: only read by job.algorithm=opd (the teacher role)")
+    if algo != "dpo" and _non_default(rl, "dpo_beta"):
+        err(f"rl.dpo_beta={rl.dpo_beta!r}: only read by job.algorithm=dpo")
+    if algo == "opd":
+        if not clipped:
+            err(f"rl.grpo_surrogate={rl.grpo_surrogate}: OPD trains through the clipped surrogate in both "
+                "distillation modes; use rl.grpo_surrogate=clipped")
+        if rl.kl_beta > 0:
+            err(f"rl.kl_beta={rl.kl_beta}: OPD has no KL anchor to a reference (the teacher is its anchor); "
+                "set rl.kl_beta=0")
+        if opd_advantage and _non_default(rl, "shared_prefix_min_tokens"):
+            err(f"rl.shared_prefix_min_tokens={rl.shared_prefix_min_tokens}: not read by OPD (the teacher's "
+                "per-token signal is not shared across a group's common prefix)")
+        if opd_advantage and rl.opd_task_reward_weight == 0:
+            for knob in ("unbiased_advantage", "advantage_eps"):
+                if _non_default(rl, knob):
+                    err(f"rl.{knob}={getattr(rl, knob)!r}: a group-advantage knob, only read by OPD when "
+                        "rl.opd_task_reward_weight > 0")
+    if algo == "dpo":
+        for knob in DPO_UNREAD_KNOBS:
+            if _non_default(rl, knob):
+                err(f"rl.{knob}={getattr(rl, knob)!r}: not read by job.algorithm=dpo (offline pairs, no "
+                    "policy-gradient surrogate); remove it")
+        if rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
+            err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
+                "pairs, so a micro-batch must hold an even number of rows")
     if cfg.data.task != "gsm8k" and cfg.data.reward_mode != "strict":
         err(f"data.reward_mode={cfg.data.reward_mode!r}: only read by data.task=gsm8k")
 
@@ -163,6 +200,10 @@ def check(cfg: PosttrainConfig) -> PreflightReport:
     from rl_core.config.loader import ConfigError
 
     report = preflight(cfg)
+    if not report.errors:  # the machine is probed once the config itself is clean
+        from rl_core.config.environment import environment_problems
+
+        report.errors.extend(environment_problems(cfg))
     if report.errors:
         raise ConfigError(report.errors, "preflight")
     emit_warnings(report)

@@ -36,6 +36,7 @@ class ModelConfig(_Section):
     name_or_path: str = Field("artifacts/tiny-model/warm", min_length=1, description="Hub id or local directory of the policy (and its tokenizer).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the policy.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub; off unless you trust the repository.")
+    teacher: str | None = Field(None, description="OPD only: the frozen teacher (hub id or local directory), sharing the policy's tokenizer.")
 
 
 class RolloutConfig(_Section):
@@ -86,6 +87,10 @@ class RLConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out evaluation cadence.")
     distillation_mode: Literal["advantage", "direct"] = Field("advantage", description="OPD: teacher signal as per-token advantage, or direct reverse-KL minimisation.")
+    opd_kl_coef: float = Field(1.0, gt=0, description="OPD advantage mode: per-token advantage -opd_kl_coef * (logp - teacher_logp).")
+    opd_discount: float = Field(0.0, ge=0, le=1, description="OPD: discount over future tokens' teacher log-ratios; 0 is per token, 1 the undiscounted sum to the end.")
+    opd_task_reward_weight: float = Field(0.0, ge=0, description="OPD advantage mode: weight of the task-reward group advantage added to the teacher advantage; 0 disables.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: beta of the implicit reward beta * (logp - ref_logp) of a response.")
 
 
 class DataConfig(_Section):

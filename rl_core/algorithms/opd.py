@@ -1,0 +1,442 @@
+"""On-policy distillation (OPD): config -> Objective (SPEC.md §6, on the §4 contract).
+
+The student samples, a frozen teacher scores the student's sampled tokens at the loss temperature,
+and the teacher's log-probs reach the trainer as a declared batch field, `Trajectory.teacher_logp
+[B, T]` (0 off the loss mask). Notation: `ℓ_{i,t}` the student's log-prob of its sampled token,
+`ℓ^T_{i,t}` the teacher's, `ℓ^old` the sampling policy's (π_old = `rollout_logp` on-policy),
+`M` the loss mask, `γ = rl.opd_discount`, `sg[·]` stop-gradient.
+
+Both modes train through the clipped surrogate (`clipped_policy_gradient_loss`, token level, with
+per-token advantages `[B, T]`) and `reduce_policy_gradient_loss(rl.loss_type)`, `Reduction.TOKEN_SUM`
+with the chunk weight reported: the GRPO machinery, so micro-batch and data-parallel invariance hold
+by the same argument (PITFALLS: distillation normalisation).
+
+`rl.distillation_mode = "advantage"` (default). The advantage is an annotation made from batch
+fields before dispatch (`opd_annotate`, which calls the pure `opd_token_advantages`):
+
+    A_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} · (−kl_coef · sg[ℓ^old_{i,t'} − ℓ^T_{i,t'}])  +  w · A^group_i
+
+with `kl_coef = rl.opd_kl_coef`, `w = rl.opd_task_reward_weight` and `A^group` the task reward's
+group advantage (SPEC §1; `[B]` broadcast over tokens). `ℓ^old` is the *sampling* policy's
+log-prob (`rollout_logp`), not the current forward: the advantage is fixed when the batch is
+collected and shared by every mini-batch, exactly like a GRPO advantage. `γ = 0` is the per-token
+advantage `−kl_coef · (ℓ^old − ℓ^T)`; `γ = 1` the undiscounted log-ratio to go.
+
+`rl.distillation_mode = "direct"` minimises the sampled reverse KL `KL(π ‖ π_T)` of the student's
+own samples. `E_{y~π}[ℓ − ℓ^T]` depends on θ through the sampling distribution, so backpropagating
+through `ℓ − sg[ℓ^T]` alone has expected gradient `E[∇ℓ] = 0` on-policy; the correct estimator
+is the score-function (REINFORCE) form
+
+    c_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} sg[ℓ_{i,t'} − ℓ^T_{i,t'}]      (ℓ from the current forward)
+    ∇ ≈ Σ_t c_{i,t} ∇ℓ_{i,t},       on-policy surrogate  loss_{i,t} = sg[c_{i,t}] · ℓ_{i,t}
+
+(`reverse_kl_surrogate`). With `γ = 0` its expectation is the token-level (myopic) reverse-KL
+gradient `Σ_t E_{y<t}[∇_θ KL(π(·|y<t) ‖ π_T(·|y<t))]` (the prefix distribution held fixed); with
+`γ = 1` it is the exact gradient of the sequence-level `KL(π ‖ π_T) = E_y[Σ_t ℓ_t − ℓ^T_t]`
+(past-token terms have zero expectation). The objective applies it as the clipped surrogate with
+`A_{i,t} = −c_{i,t}` and π_old from the old-logp cache: on-policy (`n_mini = 1`) its value is
+`c_{i,t}` and its gradient exactly `c_{i,t} ∇ℓ_{i,t}`; with several mini-batches per batch the
+token ratio is the importance correction to the samples of π_old, clipped like GRPO.
+
+Advantage vs direct: on-policy with `kl_coef = 1`, `w = 0` and the same γ, both have the same
+expected gradient (a tested identity, up to `rollout_logp` vs the trainer's ℓ). Direct recomputes
+the coefficient from the trainer's current forward at every update (no engine log-prob noise, no
+stale coefficient on later mini-batches) and reports the sampled KL as its loss; advantage can mix
+in the task reward. Task reward and group advantage are not training signals in direct mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+import torch
+from pandera.typing import Series
+
+from rl_core.algorithms.context import ObjectiveContext
+from rl_core.primitives.logprobs import sequence_token_logprobs
+from rl_core.primitives.objective import (
+    OBJECTIVE_WEIGHT_SUM,
+    LogprobScorer,
+    MetricAdapter,
+    Objective,
+    OldLogpCache,
+    Reduction,
+)
+from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, reduce_policy_gradient_loss
+
+DISTILLATION_MODES = ("advantage", "direct")
+
+# algorithm-local name -> public suffix (published as train/<suffix>)
+OPD_METRIC_NAMES: dict[str, str] = {
+    "opd_loss": "loss",
+    "opd_pg_loss": "pg_loss",
+    "opd_reverse_kl": "reverse_kl",
+    "opd_clip_frac": "clip_frac",
+    "opd_clip_frac_low": "clip_frac_low",
+    "opd_clip_frac_high": "clip_frac_high",
+    "opd_dual_clip_frac": "dual_clip_frac",
+    "opd_ratio_mean": "ratio_mean",
+    "opd_ratio_min": "ratio_min",
+    "opd_ratio_max": "ratio_max",
+    "opd_approx_kl_old": "approx_kl_old",
+    "opd_entropy": "entropy",
+    "opd_advantage_mean": "advantage_mean",
+    "opd_advantage_std": "advantage_std",
+    "opd_rollout_logp_abs_diff": "rollout_logp_abs_diff",
+    "opd_rollout_logp_abs_diff_max": "rollout_logp_abs_diff_max",
+}
+
+
+# ---------------------------------------------------------------------------------- pure functions
+
+
+def discounted_future_sum(values: torch.Tensor, mask: torch.Tensor, discount: float) -> torch.Tensor:
+    """`R_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} v_{i,t'}` on loss positions, 0 off them. `[B, T]` -> `[B, T]`.
+
+    The exponent counts positions (`t' − t`); positions with `M = 0` add nothing (their values may
+    be anything, inf included) but still count in the exponent, so a masked hole inside a response
+    discounts what follows it. `γ = 0` returns `M · v`; `γ = 1` the masked reverse cumulative sum.
+    Keeps the dtype of `values`; differentiable (callers pass detached values where needed).
+    """
+    if mask.shape != values.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(values.shape)} to match the values")
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount={discount}: must be in [0, 1] (rl.opd_discount)")
+    on = mask.to(values.dtype) > 0
+    v = torch.where(on, values, torch.zeros_like(values))
+    if discount == 0.0 or v.shape[-1] == 0:
+        return v
+    if discount == 1.0:
+        out = v.flip(-1).cumsum(-1).flip(-1)
+    else:
+        cols = [None] * v.shape[-1]
+        running = torch.zeros_like(v[:, 0])
+        for t in range(v.shape[-1] - 1, -1, -1):
+            running = v[:, t] + discount * running
+            cols[t] = running
+        out = torch.stack(cols, dim=-1)
+    return torch.where(on, out, torch.zeros_like(out))
+
+
+def opd_token_advantages(rollout_logp: torch.Tensor, teacher_logp: torch.Tensor, loss_mask: torch.Tensor, *,
+                         kl_coef: float, discount: float = 0.0) -> torch.Tensor:
+    """Per-token OPD advantage (advantage mode, without the task term). `[B, T]` x3 -> `[B, T]`.
+
+        A_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} · (−kl_coef · sg[ℓ^old_{i,t'} − ℓ^T_{i,t'}])
+
+    `rollout_logp` is the sampling policy's log-prob ℓ^old, `teacher_logp` the teacher's, both at the
+    loss temperature. A stop-gradient annotation: the result is detached, 0 off the mask, and exactly
+    0 where student and teacher agree. Computed in float32 at least (float64 input stays float64).
+    """
+    if teacher_logp.shape != rollout_logp.shape or loss_mask.shape != rollout_logp.shape:
+        raise ValueError(f"rollout_logp {list(rollout_logp.shape)}, teacher_logp {list(teacher_logp.shape)} and "
+                         f"loss_mask {list(loss_mask.shape)} must all be [B, T]")
+    if not kl_coef > 0:
+        raise ValueError(f"kl_coef={kl_coef}: must be > 0 (rl.opd_kl_coef)")
+    dtype = torch.promote_types(rollout_logp.dtype, torch.float32)
+    with torch.no_grad():
+        log_ratio = rollout_logp.detach().to(dtype) - teacher_logp.detach().to(dtype)
+        return discounted_future_sum(-kl_coef * log_ratio, loss_mask, discount)
+
+
+def reverse_kl_coefficients(logp: torch.Tensor, teacher_logp: torch.Tensor, loss_mask: torch.Tensor, *,
+                            discount: float = 0.0) -> torch.Tensor:
+    """Direct mode's score-function coefficient `c_{i,t} = Σ_{t'≥t} γ^{t'−t} M sg[ℓ_{t'} − ℓ^T_{t'}]` (detached)."""
+    if teacher_logp.shape != logp.shape:
+        raise ValueError(f"teacher_logp has shape {tuple(teacher_logp.shape)}; expected {tuple(logp.shape)} to "
+                         "match logp")
+    with torch.no_grad():
+        return discounted_future_sum(logp.detach() - teacher_logp.detach().to(logp.dtype), loss_mask, discount)
+
+
+def reverse_kl_surrogate(logp: torch.Tensor, teacher_logp: torch.Tensor, loss_mask: torch.Tensor, *,
+                         discount: float = 0.0) -> torch.Tensor:
+    """On-policy direct-mode surrogate per token: value `c_{i,t}`, gradient `c_{i,t} ∇ℓ_{i,t}`. `[B, T]`.
+
+        loss_{i,t} = sg[c_{i,t}] · (ℓ_{i,t} − sg[ℓ_{i,t}] + 1)
+
+    For samples of π, `E[Σ_t c_t ∇ℓ_t]` is the token-level reverse-KL gradient (γ = 0) or the exact
+    sequence-level `∇ KL(π ‖ π_T)` (γ = 1); see the module docstring. Not masked: reduce it with
+    `reduce_policy_gradient_loss`. The objective uses the same estimator through the clipped
+    surrogate (`A = −c`, identical value and gradient on-policy).
+    """
+    c = reverse_kl_coefficients(logp, teacher_logp, loss_mask, discount=discount)
+    return c * (logp - logp.detach() + 1.0)
+
+
+# ---------------------------------------------------------------------------------- annotate phase
+
+
+def teacher_logprobs(teacher: torch.nn.Module, batch, *, temperature: float,
+                     micro_batch_size: int | None = None) -> torch.Tensor:
+    """The teacher role's per-token log-probs of the student's sampled tokens: `[B, T]` float32, 0 off the loss mask.
+
+    Same primitive as the trainer's forward (`LogprobScorer`, `log_softmax(logits / T)` at
+    `T = rl.temperature`), no grad, in chunks of `micro_batch_size` rows. The teacher must share the
+    student's tokenizer (the token ids are the student's). Store the result as
+    `batch.replace(teacher_logp=...)`.
+    """
+    scorer = LogprobScorer(temperature)
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        device = next(teacher.parameters()).device
+        chunks = batch.split(micro_batch_size) if micro_batch_size else [batch]
+        out = torch.cat([scorer(teacher, c.to(device)).float() for c in chunks], 0)
+    finally:
+        teacher.train(was_training)
+    mask = batch.loss_mask.to(out.device, out.dtype)
+    return (out * mask).to(batch.loss_mask.device)
+
+
+def check_teacher_logp(batch) -> None:
+    """`batch.teacher_logp` present, `[B, T]`, finite and ≤ 0 on loss tokens; ValueError naming the rows."""
+    t = getattr(batch, "teacher_logp", None)
+    if t is None:
+        raise ValueError("batch.teacher_logp is missing: OPD needs the teacher's log-probs of the sampled tokens; "
+                         "score the batch with rl_core.algorithms.opd.teacher_logprobs(teacher, batch, ...) first")
+    on = batch.loss_mask > 0
+    bad = on & ~(torch.isfinite(t) & (t <= 1e-6))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
+        raise ValueError(f"batch.teacher_logp is not a finite log-prob (<= 0) on the loss tokens of rows {rows[:8]}")
+
+
+class TeacherRows(pa.DataFrameModel):
+    """Per-row summary of `batch.teacher_logp` on the loss tokens, for the pandera gate."""
+
+    row: Series[int]
+    teacher_present: Series[bool] = pa.Field(isin=[True])
+    teacher_logp_finite: Series[bool] = pa.Field(isin=[True])
+    teacher_logp_max: Series[float] = pa.Field(le=1e-6)
+
+
+def validate_teacher_logp(batch) -> None:
+    """The gate's check of the teacher annotation: present, `[B, T]`, finite and ≤ 0 on every loss token.
+
+    Raises `rl_core.schemas.BatchValidationError` (a ValueError) naming the failing checks and rows.
+    Run it with the other gate checks (`validate_batch_tensors`) before dispatch.
+    """
+    from rl_core.schemas import BatchValidationError
+
+    t = getattr(batch, "teacher_logp", None)
+    b = batch.batch_size
+    if t is None or tuple(t.shape) != tuple(batch.loss_mask.shape):
+        got = "missing" if t is None else f"shape {list(t.shape)}"
+        why = (f"{got}; expected {list(batch.loss_mask.shape)} (score the batch with "
+               "rl_core.algorithms.opd.teacher_logprobs)")
+        failures = pd.DataFrame([("present", "teacher_logp", None, why)],
+                                columns=["check", "column", "index", "failure_case"])
+        raise BatchValidationError("teacher log-probs", failures)
+    on = batch.loss_mask > 0
+    logp = t.float()
+    finite = torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(-1)
+    top = torch.where(on & torch.isfinite(logp), logp, torch.full_like(logp, -math.inf)).amax(-1) if t.shape[1] else \
+        torch.full((b,), -math.inf)
+    rows = pd.DataFrame({
+        "row": np.arange(b, dtype=np.int64),
+        "teacher_present": np.ones(b, dtype=bool),
+        "teacher_logp_finite": finite.numpy(),
+        "teacher_logp_max": top.clamp_min(-1e30).double().numpy(),
+    })
+    try:
+        TeacherRows.validate(rows, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        fc = exc.failure_cases
+        failures = pd.DataFrame({"check": fc["check"].astype(str), "column": fc["column"], "index": fc["index"],
+                                 "failure_case": fc["failure_case"]})
+        raise BatchValidationError("teacher log-probs", failures, rows) from None
+
+
+def opd_annotate(batch, rl) -> tuple[Any, dict[str, float]]:
+    """The OPD annotate step, on complete groups, after the teacher scored the batch.
+
+    advantage mode: `advantages [B, T] = opd_token_advantages(rollout_logp, teacher_logp, loss_mask,
+    kl_coef, γ) + w · A^group` (the group advantage of the task reward with `rl.unbiased_advantage` /
+    `rl.advantage_eps`, only when `w = rl.opd_task_reward_weight > 0`), 0 off the loss mask.
+    direct mode: the batch is returned unchanged (its advantages, if any, are logged only).
+    Stats (`opd/...`): `teacher_reverse_kl` (mean of `ℓ^old − ℓ^T` over loss tokens, the sampled
+    per-token reverse KL), `teacher_logp_mean`, and in advantage mode `kl_advantage_mean` (mean of the
+    teacher term of the advantage over loss tokens).
+    """
+    check_teacher_logp(batch)
+    mask = batch.loss_mask.float()
+    n_tok = mask.sum().clamp_min(1)
+    k1 = torch.where(mask > 0, batch.rollout_logp.float() - batch.teacher_logp.float(), torch.zeros_like(mask))
+    stats = {
+        "opd/teacher_reverse_kl": float(k1.sum() / n_tok),
+        "opd/teacher_logp_mean": float((torch.where(mask > 0, batch.teacher_logp.float(), 0.0)).sum() / n_tok),
+    }
+    if rl.distillation_mode == "direct":
+        return batch, stats
+    if rl.distillation_mode != "advantage":
+        raise ValueError(f"rl.distillation_mode={rl.distillation_mode!r}; expected one of {DISTILLATION_MODES}")
+    adv = opd_token_advantages(batch.rollout_logp, batch.teacher_logp, batch.loss_mask,
+                               kl_coef=rl.opd_kl_coef, discount=rl.opd_discount).float()
+    stats["opd/kl_advantage_mean"] = float((adv * mask).sum() / n_tok)
+    if rl.opd_task_reward_weight > 0:
+        from rl_core.annotators.advantage import group_advantages
+
+        group = group_advantages(batch.rewards.float(), batch.group_ids, unbiased=rl.unbiased_advantage,
+                                 eps=rl.advantage_eps).float()
+        adv = adv + rl.opd_task_reward_weight * group.unsqueeze(-1) * mask
+    return batch.replace(advantages=adv), stats
+
+
+# -------------------------------------------------------------------------------------- objective
+
+
+@dataclass(frozen=True)
+class OPDSettings:
+    distillation_mode: str
+    discount: float
+    epsilon_low: float
+    epsilon_high: float
+    lower_bound_ratio: float
+    loss_type: str
+    max_response_length: int
+    temperature: float
+
+
+class OPDLoss:
+    """`fn(model, batch) -> (loss, metrics)` of OPD; `Reduction.TOKEN_SUM`.
+
+    Per token the clipped surrogate with `A [B, T]`: `batch.advantages` (advantage mode, from
+    `opd_annotate`) or `−reverse_kl_coefficients(ℓ, teacher_logp, M, γ)` of the current forward
+    (direct mode). `loss = numerator / weight` from `reduce_policy_gradient_loss(loss_type)`,
+    `metrics[OBJECTIVE_WEIGHT_SUM] = weight`. `opd_reverse_kl` is `sg[ℓ − ℓ^T]` (current ℓ) under
+    the same reduction, so it combines over chunks to the unsplit value.
+    """
+
+    def __init__(self, settings: OPDSettings, old_logp_cache: OldLogpCache | None):
+        self.settings = settings
+        self.old_logp_cache = old_logp_cache
+
+    def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        s = self.settings
+        check_teacher_logp(batch)
+        direct = s.distillation_mode == "direct"
+        if not direct:
+            adv = batch.advantages
+            if adv is None or adv.dim() != 2:
+                raise ValueError("batch.advantages must be per token ([B, T]) for rl.distillation_mode=advantage: "
+                                 "annotate the batch with rl_core.algorithms.opd.opd_annotate(batch, rl) first"
+                                 + ("" if adv is None else f" (got shape {list(adv.shape)})"))
+        logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
+                                                temperature=s.temperature, return_entropy=True)
+        entropy = entropy.detach()
+        mask = batch.loss_mask.to(logp.dtype)
+        teacher = batch.teacher_logp.to(logp.dtype)
+        if direct:
+            adv = -reverse_kl_coefficients(logp, teacher, mask, discount=s.discount)
+        if self.old_logp_cache is None:
+            old = batch.old_logp if batch.old_logp is not None else logp.detach()
+        else:
+            old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
+        per_token, stats = clipped_policy_gradient_loss(
+            logp, old, adv, mask, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
+            lower_bound_ratio=s.lower_bound_ratio, importance_sampling_level="token")
+        numerator, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
+                                                        max_response_length=s.max_response_length)
+        w = float(weight)
+        loss = numerator / weight if w > 0 else numerator * 0.0
+
+        with torch.no_grad():
+            denom = weight if w > 0 else torch.ones_like(weight)
+            on = mask > 0
+            n_tok = mask.sum().clamp_min(1)
+            k1 = torch.where(on, logp.detach() - teacher, torch.zeros_like(logp))
+            kl_num, _ = reduce_policy_gradient_loss(k1, mask, s.loss_type, max_response_length=s.max_response_length)
+            rows = on.any(-1)
+            row_adv = ((adv.detach() * mask).sum(-1) / mask.sum(-1).clamp_min(1))[rows].to(torch.float64)
+            diff = torch.where(on, (logp.detach() - batch.rollout_logp.to(logp.dtype)).abs(), torch.zeros_like(logp))
+            values = {
+                "opd_loss": loss.detach(),
+                "opd_pg_loss": numerator.detach() / denom,
+                "opd_reverse_kl": kl_num / denom,
+                "opd_entropy": (entropy * mask).sum() / n_tok,
+                "opd_advantage_mean": row_adv.mean() if row_adv.numel() else torch.zeros(()),
+                "opd_advantage_std": row_adv.std(unbiased=False) if row_adv.numel() else torch.zeros(()),
+                "opd_rollout_logp_abs_diff": diff.sum() / n_tok,
+                "opd_rollout_logp_abs_diff_max": diff.max() if diff.numel() else torch.zeros(()),
+            }
+            for key, value in stats.items():
+                values[f"opd_{key}"] = value
+            names = list(values)
+            floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
+        metrics = dict(zip(names, floats))
+        metrics[OBJECTIVE_WEIGHT_SUM] = w
+        return loss, metrics
+
+
+def opd_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
+    """Every value that changes the math of OPD (SPEC §4), as plain data."""
+    ident: dict[str, Any] = {
+        "objective": "opd",
+        "distillation_mode": rl.distillation_mode,
+        "opd_discount": rl.opd_discount,
+        "grpo_surrogate": "clipped",
+        "importance_sampling_level": "token",
+        "epsilon_low": rl.epsilon_low,
+        "epsilon_high": rl.epsilon_high,
+        "lower_bound_ratio": rl.lower_bound_ratio,
+        "loss_type": rl.loss_type,
+        "fixed_divisor": context.max_response_length if rl.loss_type == "seq-mean-token-sum-fixed" else None,
+        "temperature": rl.temperature,
+    }
+    if rl.distillation_mode == "advantage":
+        ident["opd_kl_coef"] = rl.opd_kl_coef
+        ident["opd_task_reward_weight"] = rl.opd_task_reward_weight
+        if rl.opd_task_reward_weight > 0:
+            ident["unbiased_advantage"] = rl.unbiased_advantage
+            if not rl.unbiased_advantage:
+                ident["advantage_eps"] = rl.advantage_eps
+    ident["policy"] = dict(context.policy_identity)
+    return ident
+
+
+def build_objective(rl, context: ObjectiveContext) -> Objective:
+    """OPD from the `rl` config section (an `RLConfig`) and the context.
+
+    Reads `distillation_mode`, `opd_discount`, (advantage mode: `opd_kl_coef`,
+    `opd_task_reward_weight` and the group-advantage knobs, through `opd_annotate`), the clipped
+    surrogate's `epsilon_low/high`, `lower_bound_ratio`, `certified_deterministic_forward`, and
+    `loss_type`, `temperature`. The teacher is not part of the objective: its log-probs arrive as
+    `batch.teacher_logp` (see `teacher_logprobs`).
+    """
+    if rl.distillation_mode not in DISTILLATION_MODES:
+        raise ValueError(f"rl.distillation_mode={rl.distillation_mode!r}; expected one of {DISTILLATION_MODES}")
+    if rl.grpo_surrogate != "clipped":
+        raise ValueError(f"rl.grpo_surrogate={rl.grpo_surrogate!r}: OPD trains through the clipped surrogate; "
+                         "use rl.grpo_surrogate=clipped")
+    if rl.importance_sampling_level != "token":
+        raise ValueError("rl.importance_sampling_level=sequence: OPD's advantages are per token; use token")
+    if rl.kl_beta > 0:
+        raise ValueError(f"rl.kl_beta={rl.kl_beta}: OPD has no KL anchor to a reference; set rl.kl_beta=0")
+    if 0 < rl.lower_bound_ratio <= 1:
+        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: must be > 1, or 0 to disable the dual clip")
+    settings = OPDSettings(
+        distillation_mode=rl.distillation_mode,
+        discount=rl.opd_discount,
+        epsilon_low=rl.epsilon_low,
+        epsilon_high=rl.epsilon_high,
+        lower_bound_ratio=rl.lower_bound_ratio,
+        loss_type=rl.loss_type,
+        max_response_length=context.max_response_length,
+        temperature=rl.temperature,
+    )
+    cache = OldLogpCache(LogprobScorer(rl.temperature),
+                         certified_deterministic_forward=rl.certified_deterministic_forward)
+    return Objective(
+        fn=OPDLoss(settings, cache),
+        reduction=Reduction.TOKEN_SUM,
+        metric_adapter=MetricAdapter(dict(OPD_METRIC_NAMES)),
+        old_logp_cache=cache,
+        reference_scorer=None,
+        identity=opd_identity(rl, context),
+    )

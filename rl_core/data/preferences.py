@@ -1,0 +1,341 @@
+"""Preference pairs for DPO: loading, the pandera gate, the arithmetic pair builder and the batch layout.
+
+A pair is `{"prompt": str, "chosen": str, "rejected": str}` (optional `"pair_id": int`, unique and
+≥ 0; the line index when absent; other keys, e.g. `"source"`, are kept and ignored). Sources: a
+JSONL file, or a Hugging Face dataset id `org/name[:split]` with the same columns (needs the
+optional `datasets` package).
+
+The gate (`validate_preference_pairs`, schema `PreferencePairs`): non-empty (after stripping)
+prompt/chosen/rejected, `chosen != rejected`, unique pair ids, and — with a tokenizer — token
+lengths within the limits given as parameters (`prompt_tokens <= max_prompt_tokens`,
+`chosen_tokens`/`rejected_tokens <= max_response_tokens`, responses counted with their EOS). A
+refusal raises `PreferencePairsError` naming every failing check and a few rows.
+
+Batch layout (`pairs_to_trajectory`). The trainer takes a `Trajectory`, so a DPO batch is one, with
+two rows per pair: pair k of the batch is rows `2k` (chosen) and `2k + 1` (rejected). Each row is the
+prompt, left-padded to the longest prompt, then the response tokens and EOS, padded on the right
+(the rollout layout); `loss_mask` is 1 on the response tokens and EOS. `rewards` is 1.0 on chosen
+rows and 0.0 on rejected rows (a label, not a reward), `group_ids` is the pair id on both rows,
+`sample_ids` is `2 · pair_id + (0 | 1)`, `rollout_logp` is 0 (no rollout) and `ref_logp` carries the
+reference model's per-token log-probs once computed (`rl_core.algorithms.dpo.with_reference_logps`).
+Consecutive splits of an even number of rows keep pairs whole (`check_pair_layout` refuses others);
+`pair_rows(k)` gives the rows of a selection of pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+import torch
+from pandera.typing import Series
+
+from rl_core.schemas import BatchValidationError
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+CHOSEN_LABEL = 1.0  # rewards on chosen rows
+REJECTED_LABEL = 0.0  # rewards on rejected rows
+
+
+class PreferencePairsError(BatchValidationError):
+    """Preference pairs refused by the gate; `.failures` lists (check, column, index, failure_case)."""
+
+
+class PreferencePairs(pa.DataFrameModel):
+    """One row per preference pair."""
+
+    pair_id: Series[int] = pa.Field(ge=0, unique=True)
+    prompt: Series[str] = pa.Field()
+    chosen: Series[str] = pa.Field()
+    rejected: Series[str] = pa.Field()
+
+    class Config:
+        strict = False  # extra columns (e.g. "source") are kept
+        coerce = False
+
+    @pa.check("prompt", "chosen", "rejected", name="non_empty")
+    def _non_empty(cls, s: Series[str]) -> Series[bool]:
+        return s.astype(str).str.strip().str.len() > 0
+
+    @pa.dataframe_check(name="chosen!=rejected")
+    def _different(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["chosen"].astype(str).str.strip() != df["rejected"].astype(str).str.strip()
+
+
+def preference_pairs_schema(*, max_prompt_tokens: int | None = None,
+                            max_response_tokens: int | None = None) -> pa.DataFrameSchema:
+    """`PreferencePairs` plus token-length columns bounded by the given limits (None: unbounded)."""
+    schema = PreferencePairs.to_schema()
+    columns = {}
+
+    def at_most(col: str, limit: int, param: str) -> pa.Column:
+        return pa.Column(int, pa.Check(lambda s, n=int(limit): s <= n, name=f"{col}<={param}({limit})"))
+
+    if max_prompt_tokens is not None:
+        columns["prompt_tokens"] = at_most("prompt_tokens", max_prompt_tokens, "max_prompt_tokens")
+    if max_response_tokens is not None:
+        for col in ("chosen_tokens", "rejected_tokens"):
+            columns[col] = at_most(col, max_response_tokens, "max_response_tokens")
+    return schema.add_columns(columns) if columns else schema
+
+
+def _as_frame(pairs: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
+    df = pairs.copy() if isinstance(pairs, pd.DataFrame) else pd.DataFrame(list(pairs))
+    missing = [c for c in PAIR_FIELDS if c not in df.columns]
+    if missing:
+        raise ValueError(f"preference pairs need columns {list(PAIR_FIELDS)}; missing {missing}")
+    if "pair_id" not in df.columns:
+        df.insert(0, "pair_id", np.arange(len(df), dtype=np.int64))
+    for col in PAIR_FIELDS:  # None/NaN become "" so that non_empty names them
+        df[col] = df[col].map(lambda v: "" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
+    df["pair_id"] = df["pair_id"].astype(np.int64)
+    return df.reset_index(drop=True)
+
+
+def pair_token_lengths(df: pd.DataFrame, tokenizer, *, task: str = "arithmetic",
+                       template: str = "plain") -> pd.DataFrame:
+    """`prompt_tokens`, `chosen_tokens`, `rejected_tokens` as `pairs_to_trajectory` lays them out (responses + EOS)."""
+    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template)
+    return pd.DataFrame({
+        "prompt_tokens": np.array([len(p) for p in prompts], dtype=np.int64),
+        "chosen_tokens": np.array([len(r) for r in _encode_responses(tokenizer, df["chosen"])], dtype=np.int64),
+        "rejected_tokens": np.array([len(r) for r in _encode_responses(tokenizer, df["rejected"])], dtype=np.int64),
+    }, index=df.index)
+
+
+def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer=None,
+                              max_prompt_tokens: int | None = None, max_response_tokens: int | None = None,
+                              task: str = "arithmetic", template: str = "plain") -> pd.DataFrame:
+    """The pair gate: returns the validated frame (with `pair_id`, and token-length columns when a tokenizer is given).
+
+    Raises `PreferencePairsError` naming each failing check (`non_empty`, `chosen!=rejected`,
+    `field_uniqueness` on pair_id, `chosen_tokens<=max_response_tokens(N)`, ...). Token limits need a
+    tokenizer (ValueError otherwise).
+    """
+    df = _as_frame(pairs)
+    if (max_prompt_tokens is not None or max_response_tokens is not None) and tokenizer is None:
+        raise ValueError("token-length limits need the tokenizer that will encode the pairs")
+    if tokenizer is not None:
+        lengths = pair_token_lengths(df, tokenizer, task=task, template=template)
+        for col in lengths:
+            df[col] = lengths[col]
+    schema = preference_pairs_schema(max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
+    try:
+        return schema.validate(df, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        fc = exc.failure_cases
+        failures = pd.DataFrame({"check": fc["check"].astype(str), "column": fc["column"], "index": fc["index"],
+                                 "failure_case": fc["failure_case"]})
+        raise PreferencePairsError("preference pairs", failures, df) from None
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_preference_pairs(source: str | Path) -> pd.DataFrame:
+    """Pairs of a JSONL file, or of a hub dataset `org/name[:split]` (default split `train`); not yet validated."""
+    path = Path(source)
+    if path.is_file():
+        records = []
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+                if not isinstance(rec, dict) or any(k not in rec for k in PAIR_FIELDS):
+                    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                    raise ValueError(f"{path}:{lineno}: a preference pair needs {list(PAIR_FIELDS)}, got {keys}")
+                records.append(rec)
+        if not records:
+            raise ValueError(f"{path}: no preference pairs")
+        return _as_frame(records)
+    if path.suffix in (".jsonl", ".json") or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"preference pairs {str(source)!r} do not exist (build the arithmetic pairs with "
+                                "rl_core.data.preferences.make_arithmetic_pairs)")
+    try:
+        import datasets  # optional: only for hub sources
+    except ImportError as exc:
+        raise ImportError(f"preference pairs {str(source)!r} look like a hub dataset id, which needs the optional "
+                          "'datasets' package (pip install datasets); or pass a JSONL file") from exc
+    name, _, split = str(source).partition(":")
+    ds = datasets.load_dataset(name, split=split or "train")
+    return _as_frame({k: row[k] for k in PAIR_FIELDS} for row in ds)
+
+
+def write_pairs_jsonl(df: pd.DataFrame, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = ["pair_id", *PAIR_FIELDS] + [c for c in df.columns if c not in ("pair_id", *PAIR_FIELDS)
+                                        and not c.endswith("_tokens")]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for rec in df[cols].to_dict("records"):
+            rec["pair_id"] = int(rec["pair_id"])
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------ arithmetic builder
+
+
+def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
+    """A wrong integer answer: one digit (chosen by `rng`) moved by ±1, never a new leading zero.
+
+    `"46"` -> e.g. `"47"`, `"36"`; `"-7"` -> `"-6"` or `"-8"`; `"0"` -> `"1"`. Always `!= answer`.
+    """
+    text = str(answer).strip()
+    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+    if not digits.isdigit():
+        raise ValueError(f"off_by_one_digit needs an integer answer, got {answer!r}")
+    pos = int(rng.integers(len(digits)))
+    d = int(digits[pos])
+    options = [x for x in (d - 1, d + 1) if 0 <= x <= 9 and not (pos == 0 and x == 0 and len(digits) > 1)]
+    new = options[int(rng.integers(len(options)))]
+    return sign + digits[:pos] + str(new) + digits[pos + 1:]
+
+
+def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them."""
+    from rl_core.config import ModelConfig
+    from rl_core.data import Example, encode_prompts
+    from rl_core.models import load_policy
+    from rl_core.rollout.base import SamplingParams
+    from rl_core.rollout.hf import HFEngine
+
+    model, tokenizer = load_policy(ModelConfig(name_or_path=str(model_dir)))
+    engine = HFEngine(model, tokenizer)
+    greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
+    out: list[str] = []
+    for start in range(0, len(prompts), 256):
+        chunk = [Example(p, "") for p in prompts[start:start + 256]]
+        completions = engine.generate(encode_prompts(tokenizer, chunk, "arithmetic", "plain"), 1, greedy)
+        out.extend(t.strip() for t in completions.decode_responses(tokenizer))
+    return out
+
+
+def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed: int,
+                          model_dir: str | Path | None = None, max_pairs: int | None = None,
+                          max_tokens: int = 4) -> dict:
+    """Preference pairs from the arithmetic split: chosen = the correct answer, rejected = a wrong one.
+
+    Rejected: without `model_dir`, `off_by_one_digit(answer)` with a generator seeded by
+    `(seed, crc32(prompt))` (deterministic and independent of file order). With `model_dir`, the
+    model's own greedy answer (up to `max_tokens` tokens) where it is wrong and non-empty (a hard
+    negative the policy actually produces), the off-by-one answer elsewhere. `max_pairs` keeps the
+    first pairs of the file. Writes validated JSONL records `{pair_id, prompt, chosen, rejected,
+    source}` (`source`: "off_by_one" | "model") and returns `{"path", "n_pairs", "n_model_negatives"}`.
+    """
+    from rl_core.data import load_examples
+    from rl_core.rewards.arithmetic import arithmetic_reward
+
+    examples = load_examples(train_jsonl, "arithmetic")
+    if max_pairs is not None:
+        examples = examples[:max_pairs]
+    if not examples:
+        raise ValueError(f"{train_jsonl}: no examples")
+    model_answers = _model_answers(model_dir, [e.prompt for e in examples], max_tokens) if model_dir else None
+    records = []
+    for k, ex in enumerate(examples):
+        rng = np.random.default_rng([int(seed), zlib.crc32(ex.prompt.encode("utf-8"))])
+        rejected, source = off_by_one_digit(ex.answer, rng), "off_by_one"
+        if model_answers is not None:
+            guess = model_answers[k]
+            if guess and arithmetic_reward(guess, ex.answer) == 0.0:
+                rejected, source = guess, "model"
+        records.append({"pair_id": k, "prompt": ex.prompt, "chosen": ex.answer, "rejected": rejected,
+                        "source": source})
+    df = validate_preference_pairs(records)
+    path = write_pairs_jsonl(df, out_path)
+    return {"path": str(path), "n_pairs": len(df), "n_model_negatives": int((df["source"] == "model").sum())}
+
+
+# ------------------------------------------------------------------------------------ batch layout
+
+
+def _encode_prompts(tokenizer, prompts: Sequence[str], task: str, template: str) -> list[list[int]]:
+    from rl_core.data import Example, encode_prompts
+
+    return encode_prompts(tokenizer, [Example(str(p), "") for p in prompts], task, template)
+
+
+def _encode_responses(tokenizer, responses: Iterable[str]) -> list[list[int]]:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id; DPO responses end with EOS as sampled completions do")
+    return [list(tokenizer(str(r), add_special_tokens=False)["input_ids"]) + [int(eos)] for r in responses]
+
+
+def pairs_to_trajectory(pairs: pd.DataFrame | Iterable[dict], tokenizer, *, task: str = "arithmetic",
+                        template: str = "plain"):
+    """Tensorise pairs into the DPO batch layout (module docstring): a `Trajectory` of `2P` rows.
+
+    Prompts are encoded exactly as the rollout encodes them (`encode_prompts` with `task` and
+    `template`), responses as `tokenizer(text, add_special_tokens=False) + [EOS]`.
+    """
+    from rl_core.trajectory import Trajectory
+
+    df = _as_frame(pairs)
+    if len(df) == 0:
+        raise ValueError("pairs_to_trajectory: no pairs")
+    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template)
+    chosen = _encode_responses(tokenizer, df["chosen"])
+    rejected = _encode_responses(tokenizer, df["rejected"])
+    rows_prompt = [p for p in prompts for _ in range(2)]
+    rows_resp = [r for pair in zip(chosen, rejected) for r in pair]
+    P = max(len(p) for p in rows_prompt)
+    R = max(len(r) for r in rows_resp)
+    n = len(rows_prompt)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((n, P + R), int(pad), dtype=torch.long)
+    attention = torch.zeros((n, P + R), dtype=torch.long)
+    loss_mask = torch.zeros((n, P + R), dtype=torch.float32)
+    for j, (p, r) in enumerate(zip(rows_prompt, rows_resp)):
+        input_ids[j, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        input_ids[j, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[j, P - len(p):P + len(r)] = 1
+        loss_mask[j, P:P + len(r)] = 1.0
+    pair_ids = torch.tensor([int(k) for k in df["pair_id"]], dtype=torch.long).repeat_interleave(2)
+    side = torch.arange(n) % 2
+    return Trajectory(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        rollout_logp=torch.zeros((n, P + R), dtype=torch.float32),
+        rewards=torch.where(side == 0, CHOSEN_LABEL, REJECTED_LABEL).float(),
+        group_ids=pair_ids,
+        sample_ids=2 * pair_ids + side,
+        policy_version=0,
+    )
+
+
+def pair_rows(pair_positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Row indices `[2k, 2k + 1, ...]` of the pairs at positions `k` of a pair batch (for `Trajectory.select`)."""
+    k = torch.as_tensor(pair_positions, dtype=torch.long).reshape(-1)
+    return torch.stack([2 * k, 2 * k + 1], dim=1).reshape(-1)
+
+
+def check_pair_layout(batch: Any) -> None:
+    """Refuse a batch that is not whole pairs in the layout (rows 2k chosen, 2k + 1 rejected, same pair id)."""
+    n = batch.batch_size
+    if n % 2:
+        raise ValueError(f"a DPO batch holds (chosen, rejected) row pairs, got {n} rows: micro- and mini-batch sizes "
+                         "must be even numbers of rows so that splits keep pairs whole")
+    ids = batch.group_ids
+    if not bool((ids[0::2] == ids[1::2]).all()):
+        raise ValueError("DPO rows 2k and 2k+1 must belong to the same pair (group_ids): the batch was split or "
+                         "reordered across pairs; select pairs with rl_core.data.preferences.pair_rows")
+    if not (bool((batch.rewards[0::2] == CHOSEN_LABEL).all()) and bool((batch.rewards[1::2] == REJECTED_LABEL).all())):
+        raise ValueError("DPO rows 2k must be chosen (rewards 1.0) and rows 2k+1 rejected (rewards 0.0); build the "
+                         "batch with rl_core.data.preferences.pairs_to_trajectory")
+    if bool((batch.loss_mask.sum(-1) <= 0).any()):
+        raise ValueError("a DPO row has no response token in loss_mask")
