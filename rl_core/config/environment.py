@@ -1,0 +1,149 @@
+"""Preflight of the environment: does this machine have what the config asks for?
+
+`preflight()` judges the config alone (pure, no probing). `environment_problems(cfg)` looks at the
+machine: GPUs for `cluster.gpus_per_worker > 0` / `rollout.backend=vllm`, the vLLM package, and
+whether `model.name_or_path` (and `model.teacher`, `rl.reference`) and the arithmetic/GSM8K data
+splits can be found — a local
+directory, the Hugging Face cache, or a quick (seconds) reachability check of the hub; never a
+download. `check()` calls it once the config itself is clean, so a GPU recipe on a laptop fails
+in seconds, before Ray, placement or model construction, with the override that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+from rl_core.config.schema import PosttrainConfig
+
+HUB_TIMEOUT_S = 5.0
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# Built on demand by the flow (infra.artifacts.ensure_quickstart_artifacts) when missing.
+QUICKSTART_MODELS = ("artifacts/tiny-model/init", "artifacts/tiny-model/warm")
+QUICKSTART_DATA = ("data/arithmetic/train.jsonl", "data/arithmetic/val.jsonl")
+CPU_OVERRIDES = "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path=artifacts/tiny-model/warm"
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).resolve()
+
+
+def _looks_local(name: str) -> bool:
+    """The rule of `rl_core.models.load_policy`: a hub id is `name` or `org/name`; ./x, /x, a/b/c are paths."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _cpu_variant_hint(cfg: PosttrainConfig) -> str:
+    candidate = RECIPES_DIR / f"{cfg.job.name.replace('-', '_')}_cpu.py"
+    return f", or use recipes/{candidate.name}" if candidate.is_file() else ""
+
+
+def visible_gpus() -> int:
+    """CUDA devices torch sees on this machine (0 without CUDA or without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - a broken driver reads as "no usable GPU"
+        return 0
+
+
+def _hub_model_problem(key: str, name: str) -> str | None:
+    """None when hub model `name` is in the local HF cache or answers on the hub within seconds."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return f"{key}={name!r} is not a local directory and huggingface_hub is not installed to fetch it"
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - an invalid repo id
+        cached = None
+    if isinstance(cached, str) and Path(cached).is_file():
+        return None
+    fix = (f"download it on a connected machine (`hf download {name}`) and point {key} at the local directory, "
+           "or warm the Hugging Face cache")
+    if _offline():
+        return (f"{key}={name!r} is neither a local directory nor in the Hugging Face cache, and the hub is "
+                f"offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE); {fix}")
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - not found, gated, no network: all mean "cannot load it"
+        reason = type(exc).__name__
+        return (f"{key}={name!r} is neither a local directory nor in the Hugging Face cache, and the hub did not "
+                f"answer for it within {HUB_TIMEOUT_S:g} s ({reason}); {fix}")
+    return None
+
+
+def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
+    """Why the model at `name` (the value of config key `key`) cannot be loaded here, or None."""
+    if any(_same_path(name, q) for q in QUICKSTART_MODELS):
+        return None  # the flow builds the tiny model / warm start when it is missing
+    if Path(name).expanduser().is_dir():
+        return None
+    if _looks_local(name):
+        return (f"{key}={name!r}: no such local directory; build the tiny model (`posttrain init-model`, "
+                f"`posttrain warm-start`), or point {key} at a saved model directory or a hub id")
+    return _hub_model_problem(key, name)
+
+
+def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
+    """Why the data split at `source` cannot be read here, or None (hub dataset ids are not probed)."""
+    if cfg.data.task not in ("arithmetic", "gsm8k"):
+        return None  # other tasks' splits may be built on demand by their flow
+    if cfg.data.task == "arithmetic" and any(_same_path(source, q) for q in QUICKSTART_DATA):
+        return None  # built by the flow when missing
+    path = Path(source.partition(":")[0] if cfg.data.task == "gsm8k" and not Path(source).exists() else source)
+    local = _looks_local(source) or path.suffix in (".jsonl", ".json")
+    if not local or path.expanduser().exists():
+        return None
+    build = ("`dvc repro pipelines/gsm8k/dvc.yaml` or `posttrain make-data gsm8k`" if cfg.data.task == "gsm8k"
+             else "`posttrain make-data arithmetic --out data/arithmetic`")
+    return f"{key}={source!r}: no such file; build it with {build}, or point {key} at an existing split"
+
+
+def environment_problems(cfg: PosttrainConfig) -> list[str]:
+    """What this machine lacks for `cfg`: each message names the key, what is missing and the fix."""
+    problems: list[str] = []
+    gpu_keys = []
+    if cfg.cluster.gpus_per_worker > 0:
+        gpu_keys.append(f"cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g}")
+    if cfg.rollout.backend == "vllm":
+        gpu_keys.append("rollout.backend=vllm")
+    remote_ray = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    # On an existing Ray cluster the GPUs are on its nodes, not necessarily on this driver machine.
+    if gpu_keys and not remote_ray:
+        have = visible_gpus()
+        need = max(math.ceil(cfg.cluster.num_workers * cfg.cluster.gpus_per_worker), 1)
+        if have == 0:
+            problems.append(
+                f"no GPU on this machine (torch.cuda.device_count() == 0), but {' and '.join(gpu_keys)} need one; "
+                f"run on a GPU machine or an existing Ray cluster (cluster.address / RAY_ADDRESS), or run on CPU "
+                f"with the overrides `{CPU_OVERRIDES}`{_cpu_variant_hint(cfg)}")
+        elif have < need:
+            problems.append(
+                f"cluster.num_workers={cfg.cluster.num_workers} x cluster.gpus_per_worker="
+                f"{cfg.cluster.gpus_per_worker:g} need {need} GPUs; this machine has {have}; "
+                f"set cluster.num_workers={max(int(have // cfg.cluster.gpus_per_worker), 1)} or join a Ray cluster")
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("rollout.backend=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a "
+                        "GPU machine, or use rollout.backend=hf")
+    models = (("model.name_or_path", cfg.model.name_or_path), ("model.teacher", getattr(cfg.model, "teacher", None)),
+              ("rl.reference", cfg.rl.reference))
+    for key, name in models:
+        if name and (problem := model_problem(key, name, cfg)):
+            problems.append(problem)
+    for key, source in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+        if problem := data_problem(key, source, cfg):
+            problems.append(problem)
+    return problems
