@@ -36,3 +36,9 @@ lint: venv
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Local services on 127.0.0.1: Prefect server, work pool posttrain-process and a worker, MLflow server.
+# State, logs and services.env in .posttrain/services/; stop with `$(VENV)/bin/posttrain services down`.
+.PHONY: services
+services: venv
+	$(VENV)/bin/posttrain services up

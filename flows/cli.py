@@ -73,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_run)
     from flows.build_commands import add_build_commands
     from flows.report_commands import add_report_commands
+    from flows.service_commands import add_service_commands
 
     add_build_commands(sub)
     add_report_commands(sub)
+    add_service_commands(sub)
     return parser
 
 

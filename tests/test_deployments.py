@@ -1,0 +1,315 @@
+"""Deployments (prefect.yaml) on a real Prefect server and worker, and an MLflow server, on loopback.
+
+The services are started and stopped by `infra.services` with a temporary state directory; the
+deployments are created by `posttrain deploy` (`prefect deploy --all`) and run with
+`prefect deployment run ... --param overrides=...`. The worker runs flows in the project directory
+(the deployments' pull step), so the quickstart run points model, data and outputs at absolute paths
+of the test's work directory. Also here: the environment preflight (rl_core/config/environment.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from infra.services import WORK_POOL, Services, _bin, _http_ok
+from rl_core.config import ConfigError, check, load_config
+from rl_core.config.environment import environment_problems, visible_gpus
+from tests.conftest import FAST, REPO, recipe
+
+DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
+               "regression/nightly-regression"}
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+# ------------------------------------------------------------------------------ prefect.yaml
+
+
+def test_prefect_yaml_declares_the_deployments():
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    assert not spec.get("build") and not spec.get("push")
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory":
+                             {"directory": "{{ $POSTTRAIN_PROJECT_DIR }}"}}]
+    by_name = {d["name"]: d for d in spec["deployments"]}
+    assert set(by_name) == {d.split("/")[1] for d in DEPLOYMENTS}
+    for name, file in (("gspo-gsm8k", "gspo_gsm8k"), ("grpo-gsm8k", "grpo_gsm8k"), ("dr-grpo-gsm8k", "dr_grpo_gsm8k"),
+                       ("arithmetic", "arithmetic")):
+        d = by_name[name]
+        assert d["entrypoint"] == "flows/grpo.py:grpo"
+        assert d["parameters"] == {"recipe": f"recipes/{file}.py", "overrides": []}
+        assert (REPO / d["parameters"]["recipe"]).is_file()
+    nightly = by_name["nightly-regression"]
+    assert nightly["entrypoint"] == "flows/regression.py:regression"
+    assert nightly["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}]
+    for d in spec["deployments"]:
+        assert d["work_pool"]["name"] == WORK_POOL
+
+
+# --------------------------------------------------------------------- environment preflight
+
+
+@pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
+def test_gpu_recipe_without_gpu_fails_preflight_naming_the_fix(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(recipe("gspo_gsm8k"), [])
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        check(cfg)
+    assert time.monotonic() - started < 30
+    problems = info.value.problems
+    gpu = [p for p in problems if "no GPU on this machine" in p]
+    assert gpu and "cluster.gpus_per_worker=1" in gpu[0] and "rollout.backend=vllm" in gpu[0]
+    assert "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path=artifacts/tiny-model/warm" in gpu[0]
+    assert "recipes/gspo_gsm8k_cpu.py" in gpu[0]
+    if not any("model.name_or_path" in p for p in problems):
+        pytest.skip("Qwen/Qwen2.5-3B-Instruct is in this machine's Hugging Face cache")
+    model = [p for p in problems if p.startswith("model.name_or_path=")]
+    assert model and "Qwen/Qwen2.5-3B-Instruct" in model[0] and "offline" in model[0]
+
+
+def test_environment_is_probed_only_after_the_config_is_clean():
+    cfg = load_config(recipe("gspo_gsm8k"), ["rl.lower_bound_ratio=3", "rollout.temperature=0.5"])
+    with pytest.raises(ConfigError) as info:
+        check(cfg)
+    assert len(info.value.problems) == 2 and not any("GPU" in p for p in info.value.problems)
+
+
+def test_quickstart_and_local_models_pass_and_a_missing_directory_is_named(in_workdir):
+    assert environment_problems(load_config(recipe("arithmetic"), [])) == []  # warm model: built on demand
+    assert environment_problems(load_config(recipe("arithmetic"), FAST)) == []
+    cfg = load_config(recipe("arithmetic"), ["model.name_or_path=./no/such/model"])
+    (problem,) = environment_problems(cfg)
+    assert problem.startswith("model.name_or_path='./no/such/model': no such local directory")
+
+
+def test_an_existing_ray_cluster_is_not_judged_by_this_machine(monkeypatch, in_workdir):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(recipe("arithmetic"), [*FAST, "cluster.gpus_per_worker=1", "cluster.address=ray://head:10001"])
+    assert environment_problems(cfg) == []
+
+
+def test_too_few_gpus_and_a_missing_vllm_are_named(monkeypatch, in_workdir):
+    import importlib.util
+
+    from rl_core.config import environment
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(environment, "visible_gpus", lambda: 1)  # what torch.cuda.device_count() would say
+    cfg = load_config(recipe("arithmetic"), [*FAST, "cluster.num_workers=4", "cluster.gpus_per_worker=1",
+                                             "rollout.prompts_per_step=4", "rollout.backend=vllm"])
+    problems = environment_problems(cfg)
+    assert any("need 4 GPUs; this machine has 1; set cluster.num_workers=1" in p for p in problems), problems
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert any(p.startswith("rollout.backend=vllm: the vllm package is not installed") for p in problems) != has_vllm
+
+
+def test_deploy_without_services_fails_clearly(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(tmp_path / "none")],
+                         capture_output=True, text=True, cwd=REPO, check=False)
+    assert out.returncode == 1
+    assert "not up" in out.stderr and "posttrain services up" in out.stderr
+
+
+# --------------------------------------------------------------------- server, worker, runs
+
+
+def prefect(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([_bin("prefect"), "--no-prompt", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, check=False)
+
+
+def api(url: str, coro_fn):
+    from prefect.client.orchestration import PrefectClient
+
+    async def go():
+        async with PrefectClient(api=url) as client:
+            return await coro_fn(client)
+
+    return asyncio.run(go())
+
+
+def wait_for_flow_run(url: str, flow_run_id: str, timeout: float = 420):
+    deadline = time.monotonic() + timeout
+    while True:
+        run = api(url, lambda c: c.read_flow_run(flow_run_id))
+        if run.state and run.state.type.value in TERMINAL:
+            return run
+        if time.monotonic() > deadline:
+            raise AssertionError(f"flow run {flow_run_id} still {run.state.type.value if run.state else None} "
+                                 f"after {timeout:.0f} s")
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    svc = Services.at(tmp_path_factory.mktemp("services"))
+    env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
+                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
+    try:
+        yield svc, env
+    finally:
+        svc.down(announce=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def client_env(services) -> dict:
+    svc, env = services
+    out = {**os.environ, "PREFECT_API_URL": env["PREFECT_API_URL"], "PREFECT_HOME": str(svc.prefect_home)}
+    out.pop("PREFECT_PROFILE", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deployed(services, client_env):
+    svc, _ = services
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(svc.root)],
+                         capture_output=True, text=True, cwd=REPO, env=client_env, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_services_are_up_with_state_files(services, client_env):
+    svc, env = services
+    assert all(svc.running().values())
+    for name in ("prefect-server", "prefect-worker", "mlflow"):
+        assert svc.pid_file(name).is_file() and svc.log_file(name).is_file()
+    assert _http_ok(env["PREFECT_API_URL"] + "/health") and _http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
+    assert (svc.prefect_home / "prefect.db").is_file()  # the server's own home, not ~/.prefect
+    text = svc.env_file.read_text()
+    assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
+    assert f"export MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in text
+    status = subprocess.run([sys.executable, "-m", "flows.cli", "services", "status", "--state-dir", str(svc.root)],
+                            capture_output=True, text=True, cwd=REPO, check=False)
+    assert status.returncode == 0 and status.stdout.count(" running ") == 3, status.stdout
+    pools = prefect(client_env, "work-pool", "inspect", WORK_POOL)
+    assert pools.returncode == 0 and "type='process'" in pools.stdout, pools.stdout
+
+
+@pytest.mark.slow
+def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed):
+    _, env = services
+
+    async def read(client):
+        return await client.read_deployments()
+
+    deployments = api(env["PREFECT_API_URL"], read)
+    names = set()
+    for d in deployments:
+        flow = api(env["PREFECT_API_URL"], lambda c, fid=d.flow_id: c.read_flow(fid))
+        names.add(f"{flow.name}/{d.name}")
+        assert d.work_pool_name == WORK_POOL
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    assert names == DEPLOYMENTS
+
+
+@pytest.mark.slow
+def test_nightly_regression_schedule_produces_scheduled_runs(services, deployed):
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    url = services[1]["PREFECT_API_URL"]
+    deployment = api(url, lambda c: c.read_deployment_by_name("regression/nightly-regression"))
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.cron == "0 3 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
+
+    async def scheduled(client):
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["nightly-regression"])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED]))))
+
+    deadline = time.monotonic() + 120  # the server's scheduler service runs on a loop
+    while not (runs := api(url, scheduled)) and time.monotonic() < deadline:
+        time.sleep(3)
+    assert runs, "no scheduled runs of regression/nightly-regression"
+    for run in runs:
+        assert run.deployment_id == deployment.id
+        start = run.expected_start_time.astimezone(__import__("datetime").UTC)
+        assert (start.hour, start.minute) == (3, 0)
+    # Keep tonight's 03:00 run from starting on this test worker.
+    api(url, lambda c: c.pause_deployment(deployment.id))
+
+
+@pytest.mark.slow
+def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed, client_env, workdir, tmp_path):
+    from mlflow import MlflowClient
+
+    _, env = services
+    # The worker runs the flow in the project directory: model, data and outputs are absolute paths.
+    overrides = [o for o in FAST if not o.startswith("model.")] + [
+        f"model.name_or_path={workdir / 'artifacts' / 'tiny-model' / 'init'}",
+        f"data.train={workdir / 'data' / 'arithmetic' / 'train.jsonl'}",
+        f"data.val={workdir / 'data' / 'arithmetic' / 'val.jsonl'}",
+        f"job.out_dir={tmp_path / 'runs'}", "job.name=deployed-arithmetic", "rl.max_steps=2",
+        "tracking.experiment=posttrain-deployments"]
+    out = prefect(client_env, "deployment", "run", "grpo/arithmetic", "--param", f"overrides={json.dumps(overrides)}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.parameters["overrides"] == overrides and run.parameters["recipe"] == "recipes/arithmetic.py"
+
+    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-arithmetic" / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])  # the worker's MLflow: the services' server
+    exp = client.get_experiment_by_name("posttrain-deployments")
+    (mlflow_run,) = client.search_runs([exp.experiment_id],
+                                       filter_string=f"tags.`posttrain.prefect_flow_run_id` = '{flow_run_id}'")
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.run_name == "deployed-arithmetic"
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
+def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, client_env):
+    _, env = services
+    out = prefect(client_env, "deployment", "run", "grpo/gspo-gsm8k")
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id, timeout=300)
+    assert run.state.type.value == "FAILED"
+    message = run.state.message or ""
+    assert "invalid configuration (preflight)" in message and "no GPU on this machine" in message, message
+    assert "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path=artifacts/tiny-model/warm" in message
+    assert "model.name_or_path='Qwen/Qwen2.5-3B-Instruct'" in message  # HF_HUB_OFFLINE=1 on the worker
+    # fast: failed within seconds of starting, before Ray or any model was set up
+    assert (run.end_time - run.start_time).total_seconds() < 60
+
+
+@pytest.mark.slow
+def test_down_stops_exactly_the_service_processes(services):
+    import psutil
+
+    svc, env = services
+    records = {name: json.loads(svc.pid_file(name).read_text()) for name in ("prefect-server", "prefect-worker",
+                                                                               "mlflow")}
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        lines = svc.down(announce=lambda _: None)
+        assert all(": stopped (pid" in line for line in lines), lines
+        for rec in records.values():
+            assert not psutil.pid_exists(rec["pid"]) or psutil.Process(rec["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert not any(svc.pid_file(n).exists() for n in records) and not svc.env_file.exists()
+        assert not _http_ok(env["PREFECT_API_URL"] + "/health") and not _http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
+        assert bystander.poll() is None  # an unrelated process is untouched
+    finally:
+        bystander.kill()
+        bystander.wait()
