@@ -162,10 +162,15 @@ def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):
         (in_workdir / "runs" / "gate" / "checkpoints").glob("step_*"))
 
 
-def test_one_and_two_workers_agree(in_workdir):
+def test_one_and_two_workers_agree(in_workdir, tmp_path):
     from flows.grpo import grpo
+    from rl_core.models import build_tiny_model
 
-    common = [*FAST, "rl.max_steps=1", "rl.validation.before_training=false", "rollout.prompts_per_step=4"]
+    # The random-init policy earns no reward (zero advantages), so a KL anchor to another random
+    # model gives the step a non-zero gradient to compare.
+    reference = build_tiny_model(tmp_path / "reference", seed=1)
+    common = [*FAST, "rl.max_steps=1", "rl.validation.before_training=false", "rollout.prompts_per_step=4",
+              "rl.kl_beta=0.1", f"rl.reference={reference}", "rl.optimizer.lr=1e-3"]
     grpo(recipe("arithmetic"), [*common, "job.name=w1", "cluster.num_workers=1"])
     grpo(recipe("arithmetic"), [*common, "job.name=w2", "cluster.num_workers=2"])
     one, two = read_metrics(in_workdir / "runs" / "w1")[0], read_metrics(in_workdir / "runs" / "w2")[0]

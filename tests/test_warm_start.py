@@ -80,11 +80,11 @@ def test_short_warm_start_is_deterministic_and_saves_a_loadable_model(setup):
 
 @pytest.mark.slow
 def test_default_warm_start_lands_in_target_band(setup):
-    """Random init scores ~0; the default warm start lands in 0.4-0.6 held-out greedy accuracy."""
+    """Random init scores ~0; the default warm start lands in its band (0.6-0.8): well below the 0.9 RL reaches."""
     root, init, data = setup
     m = warm_start(init, data["train"], data["val"], root / "warm")
     assert m["val_accuracy_before"] <= 0.02
-    assert 0.4 <= m["val_accuracy"] <= 0.6, m
+    assert 0.6 <= m["val_accuracy"] <= 0.8, m
     # the saved snapshot reproduces the reported accuracy
     model, tok = load_policy(ModelConfig(name_or_path=str(root / "warm")))
     again = evaluate_accuracy(model, tok, load_examples(data["val"], "arithmetic"), max_tokens=4)
