@@ -2,7 +2,7 @@
 
 Default paths used by the recipes: `artifacts/tiny-model/init` (random init),
 `artifacts/tiny-model/warm` (warm-started), `data/arithmetic/{train,val}.jsonl`,
-`data/gsm8k/{train,test}.jsonl`.
+`data/gsm8k/{train,test}.jsonl`, DPO pairs `data/arithmetic-pairs/{train,val}.jsonl`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 TINY_INIT_DIR = "artifacts/tiny-model/init"
 TINY_WARM_DIR = "artifacts/tiny-model/warm"
 ARITHMETIC_DIR = "data/arithmetic"
+ARITHMETIC_PAIRS_DIR = "data/arithmetic-pairs"
 GSM8K_DIR = "data/gsm8k"
 
 
@@ -63,6 +64,16 @@ def cmd_make_arithmetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_arithmetic_pairs(args: argparse.Namespace) -> int:
+    from infra.artifacts import make_arithmetic_pair_splits
+
+    r = make_arithmetic_pair_splits(args.data, args.out, seed=args.seed, max_pairs=args.max_pairs,
+                                    max_val_pairs=args.max_val_pairs)
+    print(f"make-data arithmetic-pairs: {r['n_train']} train pairs -> {r['train']}, {r['n_val']} held-out pairs -> "
+          f"{r['val']}")
+    return 0
+
+
 def cmd_make_gsm8k(args: argparse.Namespace) -> int:
     from rl_core.data import prepare_gsm8k
 
@@ -106,6 +117,14 @@ def add_build_commands(subparsers) -> None:
     a.add_argument("--val-size", type=int, default=500)
     a.add_argument("--train-size", type=int, default=None, help="default: every problem not held out")
     a.set_defaults(handler=cmd_make_arithmetic)
+    pp = kinds.add_parser("arithmetic-pairs", help="DPO preference pairs (answer vs off-by-one digit) of both "
+                          "arithmetic splits")
+    pp.add_argument("--data", default=ARITHMETIC_DIR, help="directory with train.jsonl/val.jsonl")
+    pp.add_argument("--out", default=ARITHMETIC_PAIRS_DIR, help="writes train.jsonl and val.jsonl here")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--max-pairs", type=int, default=None, help="keep the first N train pairs")
+    pp.add_argument("--max-val-pairs", type=int, default=None, help="keep the first N held-out pairs")
+    pp.set_defaults(handler=cmd_make_arithmetic_pairs)
     g = kinds.add_parser("gsm8k", help="official GSM8K JSONL from a directory, or a hub dataset id")
     g.add_argument(
         "--source",

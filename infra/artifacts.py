@@ -19,7 +19,9 @@ log = logging.getLogger("posttrain.artifacts")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_INIT = Path("artifacts/tiny-model/init")
 TINY_WARM = Path("artifacts/tiny-model/warm")
+TINY_TEACHER = Path("artifacts/tiny-model/teacher")  # OPD's CPU teacher: the same warm start, trained longer
 ARITHMETIC_DIR = Path("data/arithmetic")
+ARITHMETIC_PAIRS_DIR = Path("data/arithmetic-pairs")  # DPO pairs: {train,val}.jsonl from the arithmetic splits
 
 
 def load_params(path: str | Path | None = None) -> dict:
@@ -54,7 +56,16 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
         announce(f"building the arithmetic data in {ARITHMETIC_DIR}/ (missing)")
         make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
         built.append("arithmetic_data")
-    wants_tiny = _is(cfg.model.name_or_path, TINY_WARM) or _is(cfg.model.name_or_path, TINY_INIT)
+    teacher = getattr(cfg.model, "teacher", None)
+    wants_teacher = bool(teacher) and _is(teacher, TINY_TEACHER) and not _model_complete(TINY_TEACHER)
+    if wants_teacher and not needs_data and not (ARITHMETIC_DIR / "train.jsonl").is_file():
+        from rl_core.data.arithmetic import make_arithmetic_data
+
+        params = params or load_params()
+        announce(f"building the arithmetic data in {ARITHMETIC_DIR}/ (missing)")
+        make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
+        built.append("arithmetic_data")
+    wants_tiny = _is(cfg.model.name_or_path, TINY_WARM) or _is(cfg.model.name_or_path, TINY_INIT) or wants_teacher
     if wants_tiny and not _model_complete(TINY_INIT):
         from rl_core.models import build_tiny_model
 
@@ -71,4 +82,41 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
                              **params["warm_start"])
         announce(f"warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> {metrics['val_accuracy']:.3f}")
         built.append("warm_start")
+    if wants_teacher:
+        from rl_core.warm_start import warm_start
+
+        params = params or load_params()
+        announce(f"warm-starting the tiny teacher into {TINY_TEACHER}/ (missing)")
+        metrics = warm_start(TINY_INIT, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_TEACHER,
+                             **params["teacher_warm_start"])
+        announce(f"teacher warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
+                 f"{metrics['val_accuracy']:.3f}")
+        built.append("teacher_warm_start")
+    if cfg.data.task == "arithmetic" and any(
+            _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not Path(source).is_file()
+            for source, split in ((cfg.data.train, "train"), (cfg.data.val, "val"))):
+        if not (ARITHMETIC_DIR / "val.jsonl").is_file():
+            from rl_core.data.arithmetic import make_arithmetic_data
+
+            params = params or load_params()
+            announce(f"building the arithmetic data in {ARITHMETIC_DIR}/ (missing)")
+            make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
+            built.append("arithmetic_data")
+        params = params or load_params()
+        announce(f"building the arithmetic preference pairs in {ARITHMETIC_PAIRS_DIR}/ (missing)")
+        make_arithmetic_pair_splits(ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR, **params["arithmetic_pairs"])
+        built.append("arithmetic_pairs")
     return built
+
+
+def make_arithmetic_pair_splits(data_dir: str | Path, out_dir: str | Path, *, seed: int,
+                                max_pairs: int | None = None, max_val_pairs: int | None = None) -> dict:
+    """DPO pairs of both arithmetic splits: `out_dir/train.jsonl` from `train.jsonl`, `out_dir/val.jsonl` from
+    `val.jsonl` (chosen: the answer; rejected: an off-by-one-digit answer); what `posttrain make-data
+    arithmetic-pairs` and the DVC stage `arithmetic_pairs` run."""
+    from rl_core.data.preferences import make_arithmetic_pairs
+
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    train = make_arithmetic_pairs(data_dir / "train.jsonl", out_dir / "train.jsonl", seed=seed, max_pairs=max_pairs)
+    val = make_arithmetic_pairs(data_dir / "val.jsonl", out_dir / "val.jsonl", seed=seed, max_pairs=max_val_pairs)
+    return {"train": train["path"], "n_train": train["n_pairs"], "val": val["path"], "n_val": val["n_pairs"]}

@@ -70,6 +70,13 @@ class PolicyWorker:
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()}
 
+    def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
+        """DPO: held-out pair metrics (`val/loss`, `val/reward_accuracy`, ...) of this rank's policy, no grad."""
+        from rl_core.algorithms.dpo import evaluate_pairs
+
+        return evaluate_pairs(self.trainer.objective, self.trainer.model, batch,
+                              micro_batch_size=self.cfg.rl.micro_batch_per_replica, split=split)
+
     def trainer_state(self, full: bool) -> dict[str, Any]:
         """Rank 0: the whole trainer state; other ranks: only their RNG (weights and optimizer are identical)."""
         state = self.trainer.state_dict()
@@ -195,6 +202,10 @@ class Cluster(AbstractContextManager):
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         return ray.get(self.workers[0].policy_state.remote())
+
+    def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
+        """DPO: held-out pair metrics of the policy, computed on rank 0 (the ranks hold identical weights)."""
+        return ray.get(self.workers[0].evaluate_pairs.remote(batch, split))
 
     def trainer_parts(self) -> dict[str, Any]:
         """Checkpoint parts: `trainer` (rank 0's whole state) and `rng_rank<r>` for every rank."""

@@ -26,6 +26,7 @@ from rl_core.config.environment import environment_problems, visible_gpus
 from tests.conftest import FAST, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
+               "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
                "regression/nightly-regression"}
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -47,6 +48,12 @@ def test_prefect_yaml_declares_the_deployments():
         assert d["entrypoint"] == "flows/grpo.py:grpo"
         assert d["parameters"] == {"recipe": f"recipes/{file}.py", "overrides": []}
         assert (REPO / d["parameters"]["recipe"]).is_file()
+    for algo in ("opd", "dpo"):
+        for task in ("arithmetic", "gsm8k"):
+            d = by_name[f"{algo}-{task}"]
+            assert d["entrypoint"] == f"flows/{algo}.py:{algo}"
+            assert d["parameters"] == {"recipe": f"recipes/{algo}_{task}.py", "overrides": []}
+            assert (REPO / d["parameters"]["recipe"]).is_file()
     nightly = by_name["nightly-regression"]
     assert nightly["entrypoint"] == "flows/regression.py:regression"
     assert nightly["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}]

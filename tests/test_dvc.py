@@ -26,13 +26,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-QUICKSTART = ("arithmetic_data", "tiny_model", "warm_start", "train", "evaluate")
+QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start", "train", "evaluate")
 UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
 GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
     "data/arithmetic",
+    "data/arithmetic-pairs",
     "artifacts/tiny-model/init",
     "artifacts/tiny-model/warm",
     "runs/arithmetic/final_model",

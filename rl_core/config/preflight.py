@@ -45,9 +45,14 @@ class PreflightReport:
         return "\n".join(lines)
 
 
+def rows_per_prompt(cfg: PosttrainConfig) -> int:
+    """Training rows per prompt: `rollout.n` completions, or DPO's two rows (chosen, rejected) per pair."""
+    return 2 if cfg.job.algorithm == "dpo" else cfg.rollout.n
+
+
 def per_replica_batch(cfg: PosttrainConfig) -> int:
-    """Completions each data-parallel worker trains on per step (0 when it does not divide)."""
-    total = cfg.rollout.prompts_per_step * cfg.rollout.n
+    """Completions (DPO: pair rows) each data-parallel worker trains on per step (0 when it does not divide)."""
+    total = cfg.rollout.prompts_per_step * rows_per_prompt(cfg)
     return total // cfg.cluster.num_workers if total % cfg.cluster.num_workers == 0 else 0
 
 
@@ -149,13 +154,19 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     # -- group size and batch shape
     if algo in GROUP_ALGORITHMS and ro.n < 2 and not opd_direct:
         err(f"rollout.n={ro.n}: group-relative advantages need at least 2 completions per prompt")
-    total = ro.prompts_per_step * ro.n
-    if total % cfg.cluster.num_workers:
+    total = ro.prompts_per_step * rows_per_prompt(cfg)
+    if algo == "dpo" and ro.prompts_per_step % cfg.cluster.num_workers:
+        err(f"rollout.prompts_per_step={ro.prompts_per_step} (DPO: pairs per step) does not split into whole pairs "
+            f"across cluster.num_workers={cfg.cluster.num_workers}")
+    elif total % cfg.cluster.num_workers:
         err(f"rollout.prompts_per_step x rollout.n = {total} completions do not split evenly across "
             f"cluster.num_workers={cfg.cluster.num_workers}")
     else:
         per = total // cfg.cluster.num_workers
         mini = rl.mini_batch_per_replica or per
+        if algo == "dpo" and mini % 2:
+            err(f"rl.mini_batch_per_replica={mini}: DPO rows come in (chosen, rejected) pairs, so a mini-batch must "
+                "hold an even number of rows")
         if per % mini:
             err(f"rl.mini_batch_per_replica={mini} does not divide the {per} completions per worker "
                 f"(prompts_per_step x n / num_workers)")

@@ -1,0 +1,37 @@
+"""DPO on CPU: the warm-started tiny model learns from (correct, off-by-one) answer pairs of two-digit addition.
+
+Pairs: `data/arithmetic-pairs/{train,val}.jsonl`, made from the arithmetic train/val splits by
+`posttrain make-data arithmetic-pairs` (DVC stage `arithmetic_pairs`; the flow builds them when
+missing): chosen = the correct answer, rejected = the answer with one digit moved by ±1.
+`rollout.prompts_per_step` is reused as PAIRS PER STEP (2 rows each; it must divide by
+`cluster.num_workers` so every worker gets whole pairs); `rollout.n` is not read. The reference is
+the frozen initial policy (`rl.reference=None`), scored once before training. `rollout.max_tokens`
+bounds the pairs' response length (the pair gate) and the greedy held-out evaluation.
+Held-out metrics: `val/loss`, `val/reward_accuracy`, `val/margin` of the val pairs, and
+`val/accuracy`, greedy exact match on the val prompts.
+
+    posttrain run recipes/dpo_arithmetic.py -- rl.max_steps=40
+"""
+
+from rl_core.config import PosttrainConfig
+
+
+def build_config() -> PosttrainConfig:
+    cfg = PosttrainConfig()
+    cfg.job.algorithm = "dpo"
+    cfg.job.name = "dpo-arithmetic"
+    cfg.model.name_or_path = "artifacts/tiny-model/warm"
+    cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
+    cfg.rollout.prompts_per_step = 32  # pairs per step
+    cfg.rl.dpo_beta = 0.1
+    cfg.rl.temperature = 1.0
+    cfg.rl.max_steps = 60
+    cfg.rl.optimizer.lr = 1e-4
+    cfg.rl.optimizer.max_grad_norm = 1.0
+    cfg.rl.validation.every_steps = 20
+    cfg.rl.validation.max_prompts = 200
+    cfg.rl.save_every = 20
+    cfg.data.task = "arithmetic"
+    cfg.data.train = "data/arithmetic-pairs/train.jsonl"
+    cfg.data.val = "data/arithmetic-pairs/val.jsonl"
+    return cfg

@@ -1,0 +1,41 @@
+"""On-policy distillation on CPU: the warm-started tiny model (student) learns from a longer-trained copy.
+
+Student: `artifacts/tiny-model/warm` (held-out greedy accuracy ~0.5). Teacher:
+`artifacts/tiny-model/teacher`, the same warm start run for `teacher_warm_start.steps` of
+params.yaml (built by the flow when missing, or by hand:
+`posttrain warm-start --out artifacts/tiny-model/teacher --steps 2000`); it shares the tokenizer.
+The student samples 4 completions per prompt; the teacher scores every sampled token; the per-token
+advantage `−(ℓ^old − ℓ^teacher)` trains through the clipped surrogate (`rl.distillation_mode=advantage`).
+
+    posttrain run recipes/opd_arithmetic.py -- rl.max_steps=40
+"""
+
+from rl_core.config import PosttrainConfig
+
+
+def build_config() -> PosttrainConfig:
+    cfg = PosttrainConfig()
+    cfg.job.algorithm = "opd"
+    cfg.job.name = "opd-arithmetic"
+    cfg.model.name_or_path = "artifacts/tiny-model/warm"
+    cfg.model.teacher = "artifacts/tiny-model/teacher"
+    cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
+    cfg.rollout.temperature = 1.0
+    cfg.rollout.n = 4
+    cfg.rollout.prompts_per_step = 16
+    cfg.rl.grpo_surrogate = "clipped"
+    cfg.rl.temperature = 1.0  # the teacher scores at the loss temperature (= the sampling temperature)
+    cfg.rl.distillation_mode = "advantage"
+    cfg.rl.opd_kl_coef = 1.0
+    cfg.rl.opd_discount = 1.0  # an early wrong digit is charged with the teacher's disagreement that follows it
+    cfg.rl.loss_type = "token-mean"
+    cfg.rl.max_steps = 60
+    cfg.rl.optimizer.lr = 2e-4
+    cfg.rl.optimizer.max_grad_norm = 1.0
+    cfg.rl.validation.every_steps = 20
+    cfg.rl.validation.max_prompts = 200
+    cfg.rl.save_every = 20
+    cfg.data.task = "arithmetic"
+    cfg.data.train = "data/arithmetic/train.jsonl"
+    cfg.data.val = "data/arithmetic/val.jsonl"
+    return cfg

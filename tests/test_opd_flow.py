@@ -1,0 +1,158 @@
+"""The OPD flow end to end on CPU: real Prefect, Ray (policy workers + the teacher actor) and MLflow on SQLite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import recipe
+from tests.test_flow import read_metrics, task_runs
+
+PHASES = ("rollout", "reward", "annotate", "teacher", "distill", "validate", "train", "sync")
+# the random-init student, a briefly warm-started teacher (different weights: a non-zero signal)
+OPD_FAST = [
+    "model.name_or_path=artifacts/tiny-model/init",
+    "model.teacher=artifacts/tiny-model/fast-teacher",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "rl.validation.max_prompts=16",
+    "rl.validation.every_steps=2",
+    "rl.optimizer.lr=1e-3",
+]
+
+
+@pytest.fixture(scope="module")
+def opd_dir(workdir, tmp_path_factory) -> Path:
+    """A copy of the work directory with a fast teacher (20 supervised steps from the init)."""
+    from rl_core.warm_start import warm_start
+
+    root = tmp_path_factory.mktemp("opd")
+    shutil.copytree(workdir / "data", root / "data")
+    shutil.copytree(workdir / "artifacts", root / "artifacts")
+    warm_start(root / "artifacts/tiny-model/init", root / "data/arithmetic/train.jsonl",
+               root / "data/arithmetic/val.jsonl", root / "artifacts/tiny-model/fast-teacher", steps=20,
+               max_val_examples=8)
+    return root
+
+
+@pytest.fixture(scope="module")
+def opd_run(opd_dir):
+    import os
+
+    from flows.opd import opd
+
+    cwd = os.getcwd()
+    os.chdir(opd_dir)
+    try:
+        state = opd(recipe("opd_arithmetic"), [*OPD_FAST, "job.name=opd-fast", "rl.max_steps=3", "rl.save_every=2"],
+                    return_state=True)
+    finally:
+        os.chdir(cwd)
+    return state, opd_dir / "runs" / "opd-fast"
+
+
+def test_every_phase_runs_each_step(opd_run):
+    state, _ = opd_run
+    assert state.is_completed(), state.message
+    names = Counter(r.name.rsplit("-", 1)[0] for r in task_runs(state.state_details.flow_run_id))
+    for phase in PHASES:
+        assert names[phase] == 3, f"{phase}: {names[phase]} task runs for 3 steps"
+    assert names["evaluate"] == 3  # before training, step 2 (every_steps) and the final step 3
+    assert names["checkpoint"] == 2
+
+
+def test_metrics_keys_and_teacher_signal(opd_run):
+    _, run_dir = opd_run
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert "val/accuracy" in records[0]
+    step1 = records[1]
+    for key in ("train/loss", "train/reverse_kl", "train/grad_norm", "train/entropy", "rollout/reward_mean",
+                "rollout/logp_abs_diff", "opd/teacher_reverse_kl", "opd/teacher_logp_mean",
+                "opd/kl_advantage_mean", "perf/teacher_s", "perf/distill_s", "perf/train_s", "perf/step_s"):
+        assert key in step1, key
+    # the student samples its own tokens; the teacher disagrees: a non-zero reverse KL on them
+    assert step1["opd/teacher_reverse_kl"] != 0.0 and step1["opd/teacher_logp_mean"] < 0
+    assert step1["rollout/logp_abs_diff"] < 1e-4
+    assert "val/accuracy" in records[2] and "val/accuracy" in records[3]
+
+
+def test_checkpoints_and_mlflow_run(opd_run):
+    from mlflow import MlflowClient
+
+    _, run_dir = opd_run
+    from tests.test_resume import checkpoint_steps
+
+    assert checkpoint_steps(run_dir) == [2, 3]
+    assert (run_dir / "final_model" / "config.json").is_file()
+    run_id = json.loads((run_dir / "run_state.json").read_text())["mlflow_run_id"]
+    client = MlflowClient(tracking_uri="sqlite:///" + str((run_dir.parents[1] / "mlflow.db").resolve()))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["job.algorithm"] == "opd"
+    assert [m.step for m in client.get_metric_history(run_id, "opd/teacher_reverse_kl")] == [1, 2, 3]
+
+
+def test_exact_resume(opd_dir, monkeypatch):
+    from flows.opd import opd
+    from tests.test_resume import assert_same_math
+
+    monkeypatch.chdir(opd_dir)
+    common = [*OPD_FAST, "rl.save_every=2", "rl.validation.before_training=false"]
+    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-straight", "rl.max_steps=4"])
+    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-resumed", "rl.max_steps=2"])
+    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-resumed", "rl.max_steps=4"])
+    straight = read_metrics(opd_dir / "runs" / "opd-straight")
+    resumed = read_metrics(opd_dir / "runs" / "opd-resumed")
+    assert_same_math(resumed, straight)
+
+
+def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.chdir(opd_dir)
+    rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST[:1], "model.teacher=null", "job.name=no-teacher",
+               "rl.max_steps=1"])
+    assert rc == 1
+    assert "model.teacher is not set" in capsys.readouterr().err
+    assert not (opd_dir / "runs" / "no-teacher" / "metrics.jsonl").exists()
+
+
+def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.chdir(opd_dir)
+    rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST, "job.name=opd-cli", "rl.max_steps=1"])
+    assert rc == 0
+    assert "held-out accuracy" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(opd_dir / "runs" / "opd-cli")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_opd_moves_the_student_toward_the_teacher(workdir, tmp_path, monkeypatch):
+    """Warm student (~0.5) and the longer-trained teacher of params.yaml, both built by the flow."""
+    from flows.opd import opd
+    from infra.artifacts import load_params
+    from rl_core.config import ModelConfig
+    from rl_core.data import load_examples
+    from rl_core.evaluation import evaluate_accuracy
+    from rl_core.models import load_policy
+
+    shutil.copytree(workdir / "data", tmp_path / "data")
+    shutil.copytree(workdir / "artifacts", tmp_path / "artifacts")
+    monkeypatch.chdir(tmp_path)
+    assert load_params()["teacher_warm_start"]["steps"] > load_params()["warm_start"]["steps"]
+    result = opd(recipe("opd_arithmetic"), ["job.name=opd-learn", "rl.max_steps=40", "rl.validation.every_steps=20",
+                                            "rl.validation.max_prompts=200", "rl.save_every=0"])
+    records = read_metrics(Path(result["run_dir"]))
+    acc = [r["val/accuracy"] for r in records if "val/accuracy" in r]
+    model, tok = load_policy(ModelConfig(name_or_path="artifacts/tiny-model/teacher"))
+    teacher = evaluate_accuracy(model, tok, load_examples("data/arithmetic/val.jsonl", "arithmetic")[:200],
+                                task="arithmetic", max_tokens=4)["accuracy"]
+    print(f"student {acc[0]:.3f} -> {acc[-1]:.3f}, teacher {teacher:.3f}")
+    assert teacher > acc[0] + 0.1, "the teacher must be better than the student"
+    assert acc[-1] >= acc[0] + 0.05, f"OPD did not move the student toward the teacher: {acc}"
