@@ -23,7 +23,7 @@ demo: venv
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-quick: venv
 	$(PY) -m pytest -q -m "not slow"

@@ -183,6 +183,8 @@ def test_one_and_two_workers_agree(in_workdir, tmp_path):
     moved = 0.0
     init = load_file(next((in_workdir / "artifacts" / "tiny-model" / "init").glob("*.safetensors")))
     for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=1e-6, rtol=1e-5)
+        # Adam's first step moves each weight by ~lr * g / (|g| + eps): elements whose gradient is
+        # near eps are sensitive to the ranks' float summation order, hence 1% of lr (1e-3).
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-5)
         moved = max(moved, float((w1[name] - init[name]).abs().max()))
     assert moved > 0, "the step changed no weight"
