@@ -285,6 +285,31 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
 
 
 @pytest.mark.slow
+def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
+    """The DPO entry through the worker: its own flow (`dpo`), pairs and reference on CPU."""
+    from rl_core.data.preferences import make_arithmetic_pairs
+
+    _, env = services
+    pairs = {split: make_arithmetic_pairs(workdir / "data" / "arithmetic" / f"{src}.jsonl",
+                                          tmp_path / f"pairs_{split}.jsonl", seed=0, max_pairs=64)["path"]
+             for split, src in (("train", "train"), ("val", "val"))}
+    overrides = [f"model.name_or_path={workdir / 'artifacts' / 'tiny-model' / 'init'}",
+                 f"data.train={pairs['train']}", f"data.val={pairs['val']}", "rollout.prompts_per_step=8",
+                 "rl.validation.max_prompts=16", f"job.out_dir={tmp_path / 'runs'}", "job.name=deployed-dpo",
+                 "rl.max_steps=2", "rl.save_every=0", "tracking.experiment=posttrain-deployments"]
+    out = prefect(client_env, "deployment", "run", "dpo/dpo-arithmetic", "--param", f"overrides={json.dumps(overrides)}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.parameters["recipe"] == "recipes/dpo_arithmetic.py"
+    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
+    # before any update the policy is its own reference: the held-out DPO loss is log 2
+    assert metrics[0]["val/loss"] == pytest.approx(0.6931471805599453, abs=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
 def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, client_env):
     _, env = services
