@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -26,14 +27,16 @@ from infra.provenance import dvc_hashes
 from infra.resume import checkpoint_meta, plan_resume, write_run_state
 from infra.roles import RolloutRole
 from infra.storage import CheckpointStore
+from infra.teacher import TeacherRole
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.config import check, config_hash, load_config, write_resolved
+from rl_core.config import PosttrainConfig, check, config_hash, load_config, write_resolved
 from tasks.annotate import annotate_task
 from tasks.checkpoint import checkpoint_task, save_model_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
 from tasks.rollout import rollout_task, sync_task
+from tasks.teacher import distill_task, teacher_task
 from tasks.train import train_task
 from tasks.validate import validate_task
 
@@ -42,7 +45,9 @@ from tasks.validate import validate_task
 logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
-GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg")
+# The annotations table's advantage is a group advantage (for OPD too: the teacher's per-token signal
+# is a separate batch field, checked by the teacher task).
+GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
 # trainer-side diagnostics that describe the rollout, published under rollout/*
 ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
                 "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}
@@ -67,6 +72,15 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
     overrides = list(overrides or [])
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
+    return run_on_policy(cfg, recipe, overrides)
+
+
+def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, with_teacher: bool = False) -> dict:
+    """The on-policy step loop shared by the GRPO family and OPD (called inside their flows).
+
+    `with_teacher` (OPD) adds a frozen teacher role and, after `annotate`, the `teacher` and
+    `distill` phases; everything else — resume, tracking, cadence, checkpoints — is the same.
+    """
     logger = get_run_logger()
     run_dir = Path(cfg.run_dir)
     store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
@@ -86,7 +100,8 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
 
     role = RolloutRole.build(cfg)
     step, version = plan.start_step, 0
-    with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster:
+    with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster, \
+            (TeacherRole(cfg, recipe, overrides) if with_teacher else nullcontext()) as teacher:
         run_id = tracker.start(cfg, recipe=recipe, overrides=overrides, objective_identity=identity,
                                run_id=plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
                                dvc_hashes=dvc_hashes(cfg), config_path=config_path,
@@ -126,6 +141,13 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 t = time.perf_counter()
                 annotated = annotate_task(completions, rewards, rows, cfg.rl, (step - 1) * len(rewards))
                 timer.lap("annotate", t)
+                if teacher is not None:
+                    t = time.perf_counter()
+                    scored = teacher_task(teacher, annotated.batch)
+                    timer.lap("teacher", t)
+                    t = time.perf_counter()
+                    annotated = distill_task(annotated, scored, cfg.rl)
+                    timer.lap("distill", t)
                 t = time.perf_counter()
                 validate_task(annotated, cfg.rollout.max_tokens, cfg.job.algorithm in GROUP_RELATIVE)
                 timer.lap("validate", t)
