@@ -89,13 +89,18 @@ def test_metrics_have_every_key_family(faulty_run):
     assert len(step1["data/prompt_rows"]) == 4
 
 
-def test_reward_mean_matches_the_completions(faulty_run):
-    """rollout/reward_mean is the mean of exact-match rewards: recompute from the cached rollout."""
+def test_rollout_and_train_stats_agree(faulty_run):
+    """Cross-checks by formula: 16 completions give rewards in sixteenths; a step whose groups all have
+    equal rewards has zero advantages (SPEC §1), hence a legacy-PG loss of exactly 0."""
     _, run_dir = faulty_run
-    records = read_metrics(run_dir)
-    for r in records:
-        assert 0.0 <= r["rollout/reward_mean"] <= 1.0
-        assert r["rollout/zero_adv_group_frac"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    for r in read_metrics(run_dir):
+        assert (r["rollout/reward_mean"] * 16) == pytest.approx(round(r["rollout/reward_mean"] * 16))
+        assert r["rollout/zero_adv_group_frac"] * 4 == pytest.approx(round(r["rollout/zero_adv_group_frac"] * 4))
+        if r["rollout/zero_adv_group_frac"] == 1.0:
+            assert r["train/advantage_mean"] == 0.0 and r["train/advantage_std"] == 0.0
+            assert r["train/loss"] == 0.0 and r["train/pg_loss"] == 0.0
+        else:
+            assert r["train/advantage_std"] > 0.0
 
 
 def test_rollout_results_persist_under_the_run_directory(faulty_run):
