@@ -34,8 +34,12 @@ class RunProgress:
     def update(self, record: dict[str, Any]) -> None:
         if "val/accuracy" in record:
             self.last_acc = record["val/accuracy"]
-        parts = [f"reward {record.get('rollout/reward_mean', float('nan')):.3f}",
-                 f"loss {record.get('train/loss', float('nan')):+.4f}"]
+        parts = []
+        if "rollout/reward_mean" in record:
+            parts.append(f"reward {record['rollout/reward_mean']:.3f}")
+        if "train/reward_accuracy" in record:  # DPO: no rollout; its pairs' preference accuracy instead
+            parts.append(f"pref acc {record['train/reward_accuracy']:.2f}")
+        parts.append(f"loss {record.get('train/loss', float('nan')):+.4f}")
         if self.last_acc is not None:
             parts.append(f"acc {self.last_acc:.3f}")
         parts.append(f"{record.get('perf/tokens_per_s', 0.0):,.0f} tok/s")

@@ -10,7 +10,7 @@ bounds the pairs' response length (the pair gate) and the greedy held-out evalua
 Held-out metrics: `val/loss`, `val/reward_accuracy`, `val/margin` of the val pairs, and
 `val/accuracy`, greedy exact match on the val prompts.
 
-    posttrain run recipes/dpo_arithmetic.py -- rl.max_steps=40
+    posttrain run recipes/dpo_arithmetic.py
 """
 
 from rl_core.config import PosttrainConfig
@@ -25,12 +25,11 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.prompts_per_step = 32  # pairs per step
     cfg.rl.dpo_beta = 0.1
     cfg.rl.temperature = 1.0
-    cfg.rl.max_steps = 60
-    cfg.rl.optimizer.lr = 1e-4
+    cfg.rl.max_steps = 150
+    cfg.rl.optimizer.lr = 3e-5
     cfg.rl.optimizer.max_grad_norm = 1.0
-    cfg.rl.validation.every_steps = 20
-    cfg.rl.validation.max_prompts = 200
-    cfg.rl.save_every = 20
+    cfg.rl.validation.every_steps = 25
+    cfg.rl.save_every = 50
     cfg.data.task = "arithmetic"
     cfg.data.train = "data/arithmetic-pairs/train.jsonl"
     cfg.data.val = "data/arithmetic-pairs/val.jsonl"
