@@ -91,7 +91,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
     metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)
-    retry = dict(retries=cfg.job.task_retries, retry_delay_seconds=cfg.job.retry_delay_s)
+    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
     rollout = rollout_task.with_options(result_storage=(run_dir / "cache").resolve(), **retry)
     reward = reward_task.with_options(**retry)
     identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Self
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,7 +24,7 @@ class RunProgress:
         self.task = self.progress.add_task(name, total=total, completed=start, stats="")
         self.last_acc: float | None = None
 
-    def __enter__(self) -> RunProgress:
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 

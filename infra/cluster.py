@@ -9,6 +9,7 @@ across it (SPEC §4). The driver splits a validated batch into equal shards, one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -16,7 +17,7 @@ import tempfile
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import ray
 import torch
@@ -133,7 +134,7 @@ class Cluster(AbstractContextManager):
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         try:
             self._connect()
             self._place_workers()
@@ -179,10 +180,8 @@ class Cluster(AbstractContextManager):
 
     def __exit__(self, *exc: object) -> None:
         for w in self.workers:
-            try:
+            with contextlib.suppress(Exception):  # the worker may already be dead
                 ray.get(w.shutdown.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - the worker may already be dead
-                pass
             ray.kill(w, no_restart=True)
         self.workers = []
         if self.started_ray and ray.is_initialized():

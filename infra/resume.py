@@ -91,16 +91,16 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
         if (run_dir.exists() and any(run_dir.iterdir())) or remote:
             where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {cfg.tracking.checkpoint_uri}" if remote else "")
             if not cfg.job.overwrite:
-                raise ConfigError([f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
-                                   "job.name, or set job.overwrite=true to delete it"])
+                raise ConfigError([(f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
+                                    "job.name, or set job.overwrite=true to delete it")])
             shutil.rmtree(run_dir, ignore_errors=True)
             store.delete_remote()  # else a later resume from S3 would continue the old run
         return ResumePlan(None, {})
     checkpoint = store.latest_valid()
     if checkpoint is None:
         if mode == "must":
-            raise ConfigError([f"rl.resume=must: no valid checkpoint under {store.root} "
-                               f"(nor at tracking.checkpoint_uri={cfg.tracking.checkpoint_uri!r})"])
+            raise ConfigError([(f"rl.resume=must: no valid checkpoint under {store.root} "
+                                f"(nor at tracking.checkpoint_uri={cfg.tracking.checkpoint_uri!r})")])
         # Killed before its first checkpoint: it restarts from step 0, in the same MLflow run, whose
         # params are the old config's — so the math may not have changed here either.
         resolved = run_dir / "config_resolved.yaml"

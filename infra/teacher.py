@@ -12,10 +12,11 @@ the `Cluster` context) and kills it on exit. On a GPU cluster the teacher takes
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import ray
 import torch
@@ -59,7 +60,7 @@ class TeacherRole(AbstractContextManager):
         self.cfg, self.recipe, self.overrides = cfg, str(Path(recipe).resolve()), list(overrides)
         self.actor: Any = None
 
-    def __enter__(self) -> TeacherRole:
+    def __enter__(self) -> Self:
         c = self.cfg.cluster
         on_gpu = c.gpus_per_worker > 0
         actor = ray.remote(TeacherWorker).options(num_cpus=c.cpus_per_worker if on_gpu else 0,
@@ -77,8 +78,6 @@ class TeacherRole(AbstractContextManager):
 
     def __exit__(self, *exc: object) -> None:
         if self.actor is not None:
-            try:
+            with contextlib.suppress(Exception):  # already dead, or Ray already stopped
                 ray.kill(self.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or Ray already stopped
-                pass
             self.actor = None

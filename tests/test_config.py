@@ -176,7 +176,7 @@ def test_fractional_ints_are_refused(override):
 @pytest.mark.parametrize("override", ["rollout.n=0", "rollout.max_tokens=-4", "rl.optimizer.lr=0", "rl.temperature=-1.0",
                                       "cluster.num_workers=0", "rl.advantage_eps=0"])
 def test_positive_fields_reject_zero_and_negatives(override):
-    key, value = override.split("=")
+    key, _ = override.split("=")
     (msg,) = errors_of(ARITH, override)
     assert msg.startswith(f"{key}=") and "must be >" in msg
 
@@ -341,7 +341,8 @@ def test_check_raises_with_every_preflight_error():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          check=False)
 
 
 def test_cli_validate_refuses_dual_clip_on_gspo():

@@ -310,6 +310,32 @@ def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, t
 
 
 @pytest.mark.slow
+def test_opd_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
+    """The OPD entry through the worker: its own flow (`opd`), the teacher Ray actor scoring the student's samples."""
+    from rl_core.warm_start import warm_start
+
+    _, env = services
+    data = workdir / "data" / "arithmetic"
+    warm_start(workdir / "artifacts" / "tiny-model" / "init", data / "train.jsonl", data / "val.jsonl",
+               tmp_path / "teacher", steps=10, max_val_examples=8)  # differs from the student
+    overrides = [f"model.name_or_path={workdir / 'artifacts' / 'tiny-model' / 'init'}", f"model.teacher={tmp_path / 'teacher'}",
+                 f"data.train={data / 'train.jsonl'}", f"data.val={data / 'val.jsonl'}", "rollout.prompts_per_step=4",
+                 "rollout.n=4", "rl.validation.max_prompts=16", f"job.out_dir={tmp_path / 'runs'}",
+                 "job.name=deployed-opd", "rl.max_steps=2", "rl.save_every=0", "tracking.experiment=posttrain-deployments"]
+    out = prefect(client_env, "deployment", "run", "opd/opd-arithmetic", "--param", f"overrides={json.dumps(overrides)}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.parameters["recipe"] == "recipes/opd_arithmetic.py"
+    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-opd" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    # the teacher scored the samples: a different model gives a non-zero sampled reverse KL at every step
+    assert all(abs(m["train/reverse_kl"]) > 1e-4 for m in steps)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
 def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, client_env):
     _, env = services

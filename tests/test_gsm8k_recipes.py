@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_gsm8k_cpu_recipe_runs_every_phase(name, gsm8k_files, in_workdir):
                  "model.name_or_path=artifacts/tiny-model/init", "rl.max_steps=1"]
     cfg = load_config(recipe(name), overrides)
     result = grpo(recipe(name), overrides)
-    records = [json.loads(line) for line in open(result["metrics"])]
+    records = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     step = records[1]
     assert math.isfinite(step["train/loss"]) and math.isfinite(step["train/grad_norm"])
