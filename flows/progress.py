@@ -39,10 +39,12 @@ class RunProgress:
             parts.append(f"reward {record['rollout/reward_mean']:.3f}")
         if "train/reward_accuracy" in record:  # DPO: no rollout; its pairs' preference accuracy instead
             parts.append(f"pref acc {record['train/reward_accuracy']:.2f}")
-        parts.append(f"loss {record.get('train/loss', float('nan')):+.4f}")
+        if "train/loss" in record:
+            parts.append(f"loss {record['train/loss']:+.4f}")
         if self.last_acc is not None:
             parts.append(f"acc {self.last_acc:.3f}")
-        parts.append(f"{record.get('perf/tokens_per_s', 0.0):,.0f} tok/s")
+        if "perf/tokens_per_s" in record:
+            parts.append(f"{record['perf/tokens_per_s']:,.0f} tok/s")
         stats = " | ".join(parts)
         step = record["step"]
         self.progress.update(self.task, completed=step, stats=stats)

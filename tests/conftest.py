@@ -38,6 +38,55 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ray_session():
+    """One local Ray (127.0.0.1) for the in-process flows of the session, stopped at its end.
+
+    `Cluster` joins a Ray that is already initialised instead of starting its own, so each flow
+    still places and kills its own worker (and teacher) actors, but does not pay Ray's start and
+    stop (~4 s) every time. The start-your-own path (`Cluster` starting and stopping a local Ray)
+    is exercised by every test that runs `posttrain` in a subprocess: the SIGKILL resumes, the
+    deployments' worker, `dvc repro`. With RAY_ADDRESS set the flows join that cluster instead.
+    """
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        yield None
+        return
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(8, os.cpu_count() or 1),
+             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _build_warm(root: Path, workdir: Path, which: str) -> tuple[Path, dict]:
+    """`which` in {"warm_start", "teacher_warm_start"} of params.yaml, built from the workdir's init model and data
+    exactly as `infra.artifacts.ensure_quickstart_artifacts` builds a missing artifact."""
+    from infra.artifacts import load_params
+    from rl_core.warm_start import warm_start
+
+    params = load_params(REPO / "params.yaml")
+    data = workdir / "data" / "arithmetic"
+    out = root / which
+    metrics = warm_start(workdir / "artifacts" / "tiny-model" / "init", data / "train.jsonl", data / "val.jsonl", out,
+                         **params[which])
+    return out, metrics
+
+
+@pytest.fixture(scope="session")
+def warm_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
+    """The quickstart's warm start (`warm_start` of params.yaml), built once per session: (directory, metrics)."""
+    return _build_warm(tmp_path_factory.mktemp("warm"), workdir, "warm_start")
+
+
+@pytest.fixture(scope="session")
+def teacher_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
+    """OPD's CPU teacher (`teacher_warm_start` of params.yaml), built once per session: (directory, metrics)."""
+    return _build_warm(tmp_path_factory.mktemp("teacher"), workdir, "teacher_warm_start")
+
+
 @pytest.fixture
 def in_workdir(workdir, monkeypatch) -> Path:
     monkeypatch.chdir(workdir)

@@ -139,11 +139,11 @@ def test_preflight_needs_whole_pairs_per_worker():
 
 
 @pytest.mark.slow
-def test_dpo_raises_held_out_preference_and_accuracy(workdir, tmp_path, monkeypatch):
+def test_dpo_raises_held_out_preference_and_accuracy(workdir, warm_model, tmp_path, monkeypatch):
     from flows.dpo import dpo
 
-    shutil.copytree(workdir / "data", tmp_path / "data")
-    shutil.copytree(workdir / "artifacts", tmp_path / "artifacts")
+    shutil.copytree(workdir / "data", tmp_path / "data")  # the flow builds the pairs from it
+    shutil.copytree(warm_model[0], tmp_path / "artifacts" / "tiny-model" / "warm")  # the recipe's policy
     monkeypatch.chdir(tmp_path)
     result = dpo(recipe("dpo_arithmetic"), ["job.name=dpo-learn", "rl.max_steps=50", "rl.validation.every_steps=25",
                                             "rl.save_every=0"])
@@ -171,3 +171,7 @@ def test_progress_line_shows_what_the_algorithm_has(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("step 1/2: pref acc 0.75 | loss +0.5000") and "reward" not in lines[0]
     assert lines[1].startswith("step 2/2: reward 0.500 | loss +0.2500 | acc 0.900")
+    # step 0 (validation only) has no loss: nothing is printed in its place
+    with RunProgress(total=2, name="x", every=1) as progress:
+        progress.update({"step": 0, "val/accuracy": 0.5})
+    assert capsys.readouterr().err.strip() == "step 0/2: acc 0.500"

@@ -133,8 +133,9 @@ def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_opd_moves_the_student_toward_the_teacher(workdir, tmp_path, monkeypatch):
-    """Warm student (~0.5) and the longer-trained teacher of params.yaml, both built by the flow."""
+def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_model, tmp_path, monkeypatch):
+    """The recipe's warm student (0.72) and the longer-trained teacher of params.yaml (session fixtures, built
+    by the same params as the flow's auto-build)."""
     from flows.opd import opd
     from infra.artifacts import load_params
     from rl_core.config import ModelConfig
@@ -143,7 +144,8 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, tmp_path, monkeypatch
     from rl_core.models import load_policy
 
     shutil.copytree(workdir / "data", tmp_path / "data")
-    shutil.copytree(workdir / "artifacts", tmp_path / "artifacts")
+    shutil.copytree(warm_model[0], tmp_path / "artifacts" / "tiny-model" / "warm")
+    shutil.copytree(teacher_model[0], tmp_path / "artifacts" / "tiny-model" / "teacher")
     monkeypatch.chdir(tmp_path)
     assert load_params()["teacher_warm_start"]["steps"] > load_params()["warm_start"]["steps"]
     result = opd(recipe("opd_arithmetic"), ["job.name=opd-learn", "rl.max_steps=40", "rl.validation.every_steps=20",

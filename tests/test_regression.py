@@ -2,9 +2,9 @@
 MLflow on SQLite, the real fixed run on the warm-started tiny model.
 
 It passes on the current code; with one threshold tightened beyond what the run achieves it fails,
-naming that check (and only that one). The warm model is copied from the repository's
-`artifacts/tiny-model/warm` when it is there (the DVC-built artifact the nightly run uses; the
-trajectory check compares its hash); otherwise the flow builds it (minutes).
+naming that check (and only that one). The warm model is the session's `warm_model` (built with
+params.yaml's `warm_start`, as the DVC stage builds the nightly run's; the trajectory check
+compares its hash).
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def regression_dir(workdir, tmp_path_factory) -> Path:
-    """A working directory with the arithmetic data and the warm tiny model (if the repository has it)."""
+def regression_dir(workdir, warm_model, tmp_path_factory) -> Path:
+    """A working directory with the arithmetic data and the warm tiny model (built by params.yaml, as DVC does)."""
     root = tmp_path_factory.mktemp("regression")
     shutil.copytree(workdir / "data", root / "data")
-    warm = REPO / "artifacts" / "tiny-model" / "warm"
-    if (warm / "config.json").is_file() and any(warm.glob("*.safetensors")):
-        shutil.copytree(warm, root / "artifacts" / "tiny-model" / "warm")
+    shutil.copytree(warm_model[0], root / "artifacts" / "tiny-model" / "warm")
     return root
 
 
