@@ -87,6 +87,24 @@ def teacher_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
     return _build_warm(tmp_path_factory.mktemp("teacher"), workdir, "teacher_warm_start")
 
 
+@pytest.fixture(scope="module")
+def moto_server(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 for one test module (`tests/servers.py`); yields its URL."""
+    from tests.servers import moto_server as serve
+
+    with serve(tmp_path_factory.mktemp("moto")) as url:
+        yield url
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """An `mlflow server` on 127.0.0.1 for one test (`tests/servers.py`); yields `(url, artifact_root)`."""
+    from tests.servers import mlflow_server as serve
+
+    with serve(tmp_path) as served:
+        yield served
+
+
 @pytest.fixture
 def in_workdir(workdir, monkeypatch) -> Path:
     monkeypatch.chdir(workdir)

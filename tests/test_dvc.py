@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -197,43 +196,6 @@ def pipeline(tmp_path_factory):
     return root, clone, env, output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_s3(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1:<free port>, stopped by its own pid at teardown; yields its URL."""
-    port = _free_port()
-    exe = BIN / "moto_server"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log_file:
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start within 30 s") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # ------------------------------------------------------------------------------------- the pipeline
 
 
@@ -370,7 +332,7 @@ def test_local_remote_push_then_pull_into_a_fresh_clone(pipeline):
 
 
 @pytest.mark.slow
-def test_s3_remote_push_and_pull_against_moto(pipeline, moto_s3):
+def test_s3_remote_push_and_pull_against_moto(pipeline, moto_server):
     """An S3 remote (moto's server via `endpointurl`): push the data stage, pull it into a clone."""
     import boto3
 
@@ -378,14 +340,14 @@ def test_s3_remote_push_and_pull_against_moto(pipeline, moto_s3):
     bucket = f"dvc-{uuid.uuid4().hex[:12]}"
     credentials = {"AWS_ACCESS_KEY_ID": "testing-access-key", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
                    "AWS_DEFAULT_REGION": "us-east-1"}
-    s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1",
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1",
                       aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
                       aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"])
     s3.create_bucket(Bucket=bucket)
 
     def add_remote(repo: Path, repo_env: dict[str, str]) -> None:
         _dvc(repo, repo_env, "remote", "add", "--local", "s3remote", f"s3://{bucket}/dvc")
-        _dvc(repo, repo_env, "remote", "modify", "--local", "s3remote", "endpointurl", moto_s3)
+        _dvc(repo, repo_env, "remote", "modify", "--local", "s3remote", "endpointurl", moto_server)
 
     env_s3 = {**env, **credentials}
     add_remote(clone, env_s3)

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -302,43 +301,6 @@ def test_corrupted_newest_checkpoint_is_skipped_not_loaded(cwd, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- S3
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_server(tmp_path_factory):
-    """moto in server mode on 127.0.0.1:<free port>; stopped by its own pid at teardown."""
-    port = _free_port()
-    exe = VENV_BIN / "moto_server"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log_file:
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start within 30 s") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
 
 @pytest.fixture
 def bucket(moto_server, monkeypatch, tmp_path) -> str:

@@ -11,14 +11,9 @@ import logging
 import math
 import random
 import shutil
-import socket
 import struct
-import subprocess
-import sys
-import time
 import traceback
 import uuid
-from pathlib import Path
 
 import boto3
 import numpy as np
@@ -245,44 +240,6 @@ def test_bad_arguments_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- S3 (moto)
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_server(tmp_path_factory):
-    """moto in server mode on 127.0.0.1:<free port>; stopped by its own pid at teardown."""
-    port = _free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log_file:  # the child keeps its own fd
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start within 30 s") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
 
 @pytest.fixture
 def s3(moto_server, monkeypatch, tmp_path):

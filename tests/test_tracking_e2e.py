@@ -12,13 +12,7 @@ import hashlib
 import importlib
 import json
 import math
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
@@ -221,61 +215,6 @@ def test_sqlite_run_holds_no_secret_from_the_environment(sqlite_run, tmp_path):
 
 
 # -------------------------------------------------------------------------------- mlflow server
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_group(proc: subprocess.Popen, pgid: int) -> None:
-    """SIGTERM the server's own process group (its workers included), then SIGKILL what is left."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(pgid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    log_path = tmp_path / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{(tmp_path / 'server.db').resolve()}",
-             "--artifacts-destination", str((tmp_path / "server-artifacts").resolve())],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp_path)
-    pgid = proc.pid  # start_new_session: the server leads a process group of its own
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server not healthy in 120 s: {log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url, tmp_path / "server-artifacts"
-    finally:
-        _stop_group(proc, pgid)
-
 
 @pytest.mark.slow
 def test_mlflow_server_holds_the_run_and_no_secret(mlflow_server, tmp_path, workdir, capfd):
