@@ -17,27 +17,19 @@ then `checkpoint` (trainer parts + the pair sampler's state: exact resume as GRP
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
-from flows.grpo import Timer, _mean_over_ranks
 from flows.progress import RunProgress
-from infra.artifacts import ensure_quickstart_artifacts
-from infra.cluster import BUILDERS, Cluster
-from infra.provenance import dvc_hashes
-from infra.resume import checkpoint_meta, plan_resume, write_run_state
-from infra.storage import CheckpointStore
-from infra.tracking import MetricsLog, RunTracker
-from rl_core.algorithms.context import ObjectiveContext
+from flows.runner import Timer, TrainingRun, mean_over_ranks
+from infra.cluster import Cluster
+from infra.tracking import RunTracker
 from rl_core.algorithms.dpo import with_reference_logps
-from rl_core.config import PosttrainConfig, check, config_hash, load_config, write_resolved
+from rl_core.config import PosttrainConfig, check, load_config
 from rl_core.config.loader import ConfigError
 from rl_core.data import Example, PromptSampler
 from rl_core.data.preferences import (
@@ -48,7 +40,6 @@ from rl_core.data.preferences import (
 )
 from rl_core.models import load_policy
 from rl_core.rollout import make_engine
-from tasks.checkpoint import checkpoint_task, save_model_task
 from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task
 from tasks.rollout import sync_task
@@ -90,17 +81,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     if cfg.job.algorithm != "dpo":
         raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the dpo flow trains job.algorithm=dpo only"])
     logger = get_run_logger()
-    run_dir = Path(cfg.run_dir)
-    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                            remote_uri=cfg.tracking.checkpoint_uri)
-    plan = plan_resume(cfg, store)
-    config_path = write_resolved(cfg, run_dir)
-    ensure_quickstart_artifacts(cfg, announce=logger.info)
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
-    metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)
-    identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
-        cfg.rl, ObjectiveContext.from_config(cfg)).identity
-    cfg_hash = config_hash(cfg)
+    run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
 
     # -- the driver: policy (the frozen reference unless rl.reference names one), pairs, cached reference log-probs
     torch.manual_seed(cfg.job.seed)
@@ -127,24 +108,13 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     val_examples = accuracy_examples(val_df, cfg.data.task)
     sampler = PromptSampler(len(train_df), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
 
-    step, version = plan.start_step, 0
+    step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster:
-        run_id = tracker.start(cfg, recipe=recipe, overrides=overrides, objective_identity=identity,
-                               run_id=plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
-                               dvc_hashes=dvc_hashes(cfg), config_path=config_path,
-                               resumed_from=str(plan.checkpoint) if plan.checkpoint else None)
-        write_run_state(run_dir, {"mlflow_run_id": run_id, "config_hash": cfg_hash})
-        if plan.checkpoint is not None:
-            logger.info("resuming from %s (step %d)", plan.checkpoint, step)
-            cluster.load_trainer_parts(plan.parts)
-            sampler.load_state_dict(plan.parts["driver"]["sampler"])
-            version = int(plan.parts["driver"]["policy_version"])
-            engine.update_weights(plan.parts["trainer"]["model"], version)
+        run.start(tracker)
+        version = run.restore(cluster, sampler, engine, logger.info)
 
         def log(record: dict) -> None:
-            metrics_log.append(record)
-            tracker.log_metrics(record, step=record["step"])
-            bar.update(record)
+            run.log(record, bar)
 
         def evaluate() -> dict:
             out = evaluate_pairs_task(cluster, val_pairs)
@@ -168,9 +138,8 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 t = time.perf_counter()
                 per_rank = train_task(cluster, batch)
                 timer.lap("train", t)
-                record = {"step": step, "data/pair_rows": idx, **_mean_over_ranks(per_rank), **timer.laps}
-                every = cfg.rl.validation.every_steps
-                if (every and step % every == 0) or step == cfg.rl.max_steps:
+                record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps}
+                if run.due(cfg.rl.validation.every_steps, step):
                     t = time.perf_counter()
                     version = sync_task(cluster, engine, step)
                     record["perf/sync_s"] = time.perf_counter() - t
@@ -181,14 +150,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 record.update({"perf/step_s": step_s,
                                "perf/tokens_per_s": float(batch.loss_mask.sum()) / step_s,
                                "perf/policy_version": version})
-                if (cfg.rl.save_every and step % cfg.rl.save_every == 0) or step == cfg.rl.max_steps:
-                    t = time.perf_counter()
-                    driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step}
-                    checkpoint_task(store, cluster, step, driver, checkpoint_meta(cfg, mlflow_run_id=run_id))
-                    record["perf/checkpoint_s"] = time.perf_counter() - t
+                if run.due(cfg.rl.save_every, step):
+                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, sampler, version)
                 log(record)
-        model_dir = save_model_task(cluster, run_dir / "final_model")
-        tracker.log_curve(metrics_log.read(), run_dir / "curve.png")
-        tracker.log_model_dir(model_dir)
-    logger.info("run finished: %s (metrics: %s, MLflow run %s)", run_dir, metrics_log.path, run_id)
-    return {"run_dir": str(run_dir), "metrics": str(metrics_log.path), "mlflow_run_id": run_id, "step": step}
+        return run.finish(cluster, step, logger.info)

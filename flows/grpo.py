@@ -9,30 +9,22 @@ Each step runs `rollout -> reward -> annotate -> validate -> train -> sync`, the
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
 from flows.progress import RunProgress
-from infra.artifacts import ensure_quickstart_artifacts
-from infra.cluster import BUILDERS, Cluster
-from infra.provenance import dvc_hashes
-from infra.resume import checkpoint_meta, plan_resume, write_run_state
+from flows.runner import Timer, TrainingRun, mean_over_ranks
+from infra.cluster import Cluster
 from infra.roles import RolloutRole
-from infra.storage import CheckpointStore
 from infra.teacher import TeacherRole
-from infra.tracking import MetricsLog, RunTracker
-from rl_core.algorithms.context import ObjectiveContext
-from rl_core.config import PosttrainConfig, check, config_hash, load_config, write_resolved
+from infra.tracking import RunTracker
+from rl_core.config import PosttrainConfig, check, load_config
 from tasks.annotate import annotate_task
-from tasks.checkpoint import checkpoint_task, save_model_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
 from tasks.rollout import rollout_task, sync_task
@@ -44,27 +36,9 @@ from tasks.validate import validate_task
 # Failures, retries and the flow's own lines still show; set POSTTRAIN_TASK_LOG_LEVEL=INFO to see all.
 logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
 
-PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
 # The annotations table's advantage is a group advantage (for OPD too: the teacher's per-token signal
 # is a separate batch field, checked by the teacher task).
 GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
-# trainer-side diagnostics that describe the rollout, published under rollout/*
-ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
-                "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}
-
-
-def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    merged = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
-    return {ROLLOUT_KEYS.get(k, k): v for k, v in merged.items() if k.startswith(PUBLIC_PREFIXES)}
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-
-    def lap(self, name: str, started: float) -> None:
-        self.laps[f"perf/{name}_s"] = time.perf_counter() - started
-
 
 @flow(name="grpo", log_prints=True)
 def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
@@ -82,42 +56,20 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     `distill` phases; everything else — resume, tracking, cadence, checkpoints — is the same.
     """
     logger = get_run_logger()
-    run_dir = Path(cfg.run_dir)
-    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                            remote_uri=cfg.tracking.checkpoint_uri)
-    plan = plan_resume(cfg, store)
-    config_path = write_resolved(cfg, run_dir)
-    ensure_quickstart_artifacts(cfg, announce=logger.info)
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
-    # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
-    metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)
+    run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
-    rollout = rollout_task.with_options(result_storage=(run_dir / "cache").resolve(), **retry)
+    rollout = rollout_task.with_options(result_storage=(run.run_dir / "cache").resolve(), **retry)
     reward = reward_task.with_options(**retry)
-    identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
-        cfg.rl, ObjectiveContext.from_config(cfg)).identity
-    cfg_hash = config_hash(cfg)
 
     role = RolloutRole.build(cfg)
-    step, version = plan.start_step, 0
+    step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster, \
             (TeacherRole(cfg, recipe, overrides) if with_teacher else nullcontext()) as teacher:
-        run_id = tracker.start(cfg, recipe=recipe, overrides=overrides, objective_identity=identity,
-                               run_id=plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
-                               dvc_hashes=dvc_hashes(cfg), config_path=config_path,
-                               resumed_from=str(plan.checkpoint) if plan.checkpoint else None)
-        write_run_state(run_dir, {"mlflow_run_id": run_id, "config_hash": cfg_hash})
-        if plan.checkpoint is not None:
-            logger.info("resuming from %s (step %d)", plan.checkpoint, step)
-            cluster.load_trainer_parts(plan.parts)
-            role.sampler.load_state_dict(plan.parts["driver"]["sampler"])
-            version = int(plan.parts["driver"]["policy_version"])
-            role.engine.update_weights(plan.parts["trainer"]["model"], version)
+        run.start(tracker)
+        version = run.restore(cluster, role.sampler, role.engine, logger.info)
 
         def log(record: dict) -> None:
-            metrics_log.append(record)
-            tracker.log_metrics(record, step=record["step"])
-            bar.update(record)
+            run.log(record, bar)
 
         def evaluate() -> dict:
             return evaluate_task(role.engine, role.tokenizer, role.val, cfg.data, cfg.rollout.max_tokens)
@@ -132,7 +84,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 t = time.perf_counter()
                 role.engine.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
                 completions = rollout(role.engine, role.prompts(rows), cfg.rollout.n, role.sampling(step),
-                                      {"config": cfg_hash, "step": step, "version": version, "rows": rows})
+                                      {"config": run.cfg_hash, "step": step, "version": version, "rows": rows})
                 timer.lap("rollout", t)
                 t = time.perf_counter()
                 answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
@@ -158,30 +110,22 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 version = sync_task(cluster, role.engine, version + 1)
                 timer.lap("sync", t)
                 step_s = time.perf_counter() - t_step
-                record = {"step": step, "data/prompt_rows": rows, **_mean_over_ranks(per_rank), **annotated.stats,
+                record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
                           **timer.laps, "perf/step_s": step_s, "perf/generate_s": role.engine.last_generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version}
                 # orchestration overhead: step wall time not spent sampling or in forward/backward
                 record["perf/overhead_s"] = step_s - record["perf/generate_s"] - max(
                     m["perf/train_compute_s"] for m in per_rank)
-                every = cfg.rl.validation.every_steps
-                if (every and step % every == 0) or step == cfg.rl.max_steps:
+                if run.due(cfg.rl.validation.every_steps, step):
                     t = time.perf_counter()
                     record.update(evaluate())
                     timer.lap("evaluate", t)
                     record["perf/evaluate_s"] = timer.laps["perf/evaluate_s"]
-                if (cfg.rl.save_every and step % cfg.rl.save_every == 0) or step == cfg.rl.max_steps:
-                    t = time.perf_counter()
-                    driver = {"sampler": role.sampler.state_dict(), "policy_version": version, "step": step}
-                    checkpoint_task(store, cluster, step, driver, checkpoint_meta(cfg, mlflow_run_id=run_id))
-                    record["perf/checkpoint_s"] = time.perf_counter() - t
+                if run.due(cfg.rl.save_every, step):
+                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, role.sampler, version)
                 log(record)
-        model_dir = save_model_task(cluster, run_dir / "final_model")
-        tracker.log_curve(metrics_log.read(), run_dir / "curve.png")
-        tracker.log_model_dir(model_dir)
-    logger.info("run finished: %s (metrics: %s, MLflow run %s)", run_dir, metrics_log.path, run_id)
-    return {"run_dir": str(run_dir), "metrics": str(metrics_log.path), "mlflow_run_id": run_id, "step": step}
+        return run.finish(cluster, step, logger.info)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""What every training flow does around its own step loop (GRPO family, OPD, DPO).
+
+Before the loop (`TrainingRun.prepare`): the checkpoint store and resume plan (a changed math key
+is refused here), the resolved config, missing quickstart artifacts, the metrics log cut back to
+the checkpoint, the objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
+run, continued on resume, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
+version and the driver engine's weights), `log` (metrics.jsonl + MLflow + progress), `due`
+(cadence), `checkpoint`, and `finish` (final model, curve, model artifact, the flow's return value).
+The flows keep only the phases of a step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.runtime import flow_run
+
+from infra.artifacts import ensure_quickstart_artifacts
+from infra.cluster import BUILDERS
+from infra.provenance import dvc_hashes
+from infra.resume import ResumePlan, checkpoint_meta, plan_resume, write_run_state
+from infra.storage import CheckpointStore
+from infra.tracking import MetricsLog, RunTracker
+from rl_core.algorithms.context import ObjectiveContext
+from rl_core.config import PosttrainConfig, config_hash, write_resolved
+from tasks.checkpoint import checkpoint_task, save_model_task
+
+PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
+# trainer-side diagnostics that describe the rollout, published under rollout/*
+ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
+                "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str, started: float) -> None:
+        self.laps[f"perf/{name}_s"] = time.perf_counter() - started
+
+
+def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The ranks' public metrics averaged (the ranks hold identical weights; their shards differ)."""
+    merged = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+    return {ROLLOUT_KEYS.get(k, k): v for k, v in merged.items() if k.startswith(PUBLIC_PREFIXES)}
+
+
+@dataclass
+class TrainingRun:
+    cfg: PosttrainConfig
+    recipe: str
+    overrides: list[str]
+    run_dir: Path
+    store: CheckpointStore
+    plan: ResumePlan
+    config_path: Path
+    metrics_log: MetricsLog
+    identity: dict[str, Any]
+    cfg_hash: str
+    tracker: RunTracker | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
+                announce: Callable[[str], None]) -> TrainingRun:
+        run_dir = Path(cfg.run_dir)
+        store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
+                                remote_uri=cfg.tracking.checkpoint_uri)
+        plan = plan_resume(cfg, store)
+        config_path = write_resolved(cfg, run_dir)
+        ensure_quickstart_artifacts(cfg, announce=announce)
+        metrics_log = MetricsLog(run_dir / "metrics.jsonl")
+        # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
+        metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)
+        identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
+            cfg.rl, ObjectiveContext.from_config(cfg)).identity
+        return cls(cfg, recipe, list(overrides), run_dir, store, plan, config_path, metrics_log, identity,
+                   config_hash(cfg))
+
+    @property
+    def start_step(self) -> int:
+        return self.plan.start_step
+
+    def start(self, tracker: RunTracker) -> str:
+        """Open (or, on resume, continue) the MLflow run and record it in `run_state.json`."""
+        self.tracker = tracker
+        self.run_id = tracker.start(
+            self.cfg, recipe=self.recipe, overrides=self.overrides, objective_identity=self.identity,
+            run_id=self.plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
+            dvc_hashes=dvc_hashes(self.cfg), config_path=self.config_path,
+            resumed_from=str(self.plan.checkpoint) if self.plan.checkpoint else None)
+        write_run_state(self.run_dir, {"mlflow_run_id": self.run_id, "config_hash": self.cfg_hash})
+        return self.run_id
+
+    def restore(self, cluster: Any, sampler: Any, engine: Any, announce: Callable[..., None]) -> int:
+        """Load the checkpoint (if any) into the workers, the sampler and the driver's engine; the policy version."""
+        if self.plan.checkpoint is None:
+            return 0
+        announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
+        parts = self.plan.parts
+        cluster.load_trainer_parts(parts)
+        sampler.load_state_dict(parts["driver"]["sampler"])
+        version = int(parts["driver"]["policy_version"])
+        engine.update_weights(parts["trainer"]["model"], version)
+        return version
+
+    def log(self, record: dict, bar: Any) -> None:
+        self.metrics_log.append(record)
+        self.tracker.log_metrics(record, step=record["step"])
+        bar.update(record)
+
+    def due(self, every: int, step: int) -> bool:
+        """Cadence: every `every` steps (0: never) and always at the last step."""
+        return bool(every and step % every == 0) or step == self.cfg.rl.max_steps
+
+    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int) -> float:
+        """Save the trainer parts and the driver's state (sampler cursor, policy version); returns seconds."""
+        t = time.perf_counter()
+        driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step}
+        checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
+        return time.perf_counter() - t
+
+    def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
+        """Save the final model, log the curve and the model to MLflow; the flow's return value."""
+        model_dir = save_model_task(cluster, self.run_dir / "final_model")
+        self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")
+        self.tracker.log_model_dir(model_dir)
+        announce("run finished: %s (metrics: %s, MLflow run %s)", self.run_dir, self.metrics_log.path, self.run_id)
+        return {"run_dir": str(self.run_dir), "metrics": str(self.metrics_log.path), "mlflow_run_id": self.run_id,
+                "step": step}
