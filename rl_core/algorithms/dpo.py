@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.data.preferences import check_pair_layout, pair_rows
 from rl_core.primitives.logprobs import sequence_token_logprobs
-from rl_core.primitives.objective import LogprobScorer, MetricAdapter, Objective, Reduction
+from rl_core.primitives.objective import MetricAdapter, Objective, Reduction, frozen_token_logprobs
 
 DPO_METRIC_NAMES: dict[str, str] = {
     "dpo_loss": "loss",
@@ -89,19 +89,9 @@ def reference_token_logps(ref_model: torch.nn.Module, batch, *, temperature: flo
                           micro_batch_size: int | None = None) -> torch.Tensor:
     """Reference per-token log-probs `[B, T]` float32 of a pair batch, 0 off the loss mask, without grad.
 
-    Same primitive as the training forward (`LogprobScorer`), in chunks of `micro_batch_size` rows.
+    Same primitive as the training forward (`frozen_token_logprobs`), in chunks of `micro_batch_size` rows.
     """
-    scorer = LogprobScorer(temperature)
-    was_training = ref_model.training
-    ref_model.eval()
-    try:
-        device = next(ref_model.parameters()).device
-        chunks = batch.split(micro_batch_size) if micro_batch_size else [batch]
-        out = torch.cat([scorer(ref_model, c.to(device)).float() for c in chunks], 0)
-    finally:
-        ref_model.train(was_training)
-    mask = batch.loss_mask.to(out.device, out.dtype)
-    return (out * mask).to(batch.loss_mask.device)
+    return frozen_token_logprobs(ref_model, batch, temperature=temperature, micro_batch_size=micro_batch_size)
 
 
 def with_reference_logps(ref_model: torch.nn.Module, batch, *, temperature: float = 1.0,

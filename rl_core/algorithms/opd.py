@@ -66,6 +66,7 @@ from rl_core.primitives.objective import (
     Objective,
     OldLogpCache,
     Reduction,
+    frozen_token_logprobs,
 )
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, reduce_policy_gradient_loss
 
@@ -181,17 +182,7 @@ def teacher_logprobs(teacher: torch.nn.Module, batch, *, temperature: float,
     student's tokenizer (the token ids are the student's). Store the result as
     `batch.replace(teacher_logp=...)`.
     """
-    scorer = LogprobScorer(temperature)
-    was_training = teacher.training
-    teacher.eval()
-    try:
-        device = next(teacher.parameters()).device
-        chunks = batch.split(micro_batch_size) if micro_batch_size else [batch]
-        out = torch.cat([scorer(teacher, c.to(device)).float() for c in chunks], 0)
-    finally:
-        teacher.train(was_training)
-    mask = batch.loss_mask.to(out.device, out.dtype)
-    return (out * mask).to(batch.loss_mask.device)
+    return frozen_token_logprobs(teacher, batch, temperature=temperature, micro_batch_size=micro_batch_size)
 
 
 def check_teacher_logp(batch) -> None:

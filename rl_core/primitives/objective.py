@@ -88,6 +88,27 @@ class LogprobScorer:
                                            temperature=self.temperature)
 
 
+def frozen_token_logprobs(model: torch.nn.Module, batch, *, temperature: float,
+                          micro_batch_size: int | None = None) -> torch.Tensor:
+    """A frozen model's (reference, teacher) per-token log-probs of a batch: `[B, T]` float32, 0 off the loss mask.
+
+    `LogprobScorer(temperature)` — the training forward's primitive — without grad, in chunks of
+    `micro_batch_size` rows, on the model's device; the model's train/eval mode is restored and the
+    result is returned on the batch's device.
+    """
+    scorer = LogprobScorer(temperature)
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        chunks = batch.split(micro_batch_size) if micro_batch_size else [batch]
+        out = torch.cat([scorer(model, c.to(device)).float() for c in chunks], 0)
+    finally:
+        model.train(was_training)
+    mask = batch.loss_mask.to(out.device, out.dtype)
+    return (out * mask).to(batch.loss_mask.device)
+
+
 class OldLogpCacheError(RuntimeError):
     """π_old log-probs requested that the cache does not hold (miss, stale or invalidated)."""
 
