@@ -151,6 +151,6 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
                                "perf/tokens_per_s": float(batch.loss_mask.sum()) / step_s,
                                "perf/policy_version": version})
                 if run.due(cfg.rl.save_every, step):
-                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, sampler, version)
+                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, sampler, version, record)
                 log(record)
         return run.finish(cluster, step, logger.info)

@@ -123,7 +123,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     timer.lap("evaluate", t)
                     record["perf/evaluate_s"] = timer.laps["perf/evaluate_s"]
                 if run.due(cfg.rl.save_every, step):
-                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, role.sampler, version)
+                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, role.sampler, version, record)
                 log(record)
         return run.finish(cluster, step, logger.info)
 

@@ -2,7 +2,9 @@
 
 Before the loop (`TrainingRun.prepare`): the checkpoint store and resume plan (a changed math key
 is refused here), the resolved config, missing quickstart artifacts, the metrics log cut back to
-the checkpoint, the objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
+the checkpoint (or restored from it: every checkpoint carries the metrics.jsonl lines up to its
+step, so a resume on a machine without the run directory, from S3, keeps the whole history), the
+objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
 run, continued on resume, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
 version and the driver engine's weights), `log` (metrics.jsonl + MLflow + progress), `due`
 (cadence), `checkpoint`, and `finish` (final model, curve, model artifact, the flow's return value).
@@ -12,6 +14,7 @@ The flows keep only the phases of a step.
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +37,26 @@ PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
 # trainer-side diagnostics that describe the rollout, published under rollout/*
 ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
                 "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}
+
+
+METRICS_PART = "metrics_jsonl"  # key of the driver part that carries metrics.jsonl up to the checkpoint's step
+
+
+def restore_metrics(metrics_log: MetricsLog, saved_text: str | None) -> list[int]:
+    """Fill the metrics log from a checkpoint's copy when the log lacks steps the copy has; the steps restored.
+
+    A log that already holds every saved step (the same machine, cut back to the checkpoint) is kept
+    as it is; otherwise (a fresh machine, a lost or damaged file) the checkpoint's lines replace it.
+    """
+    if not saved_text:
+        return []
+    saved = [json.loads(line) for line in saved_text.splitlines() if line.strip()]
+    have = {r.get("step") for r in metrics_log.read()}
+    missing = sorted({r["step"] for r in saved} - have)
+    if not missing:
+        return []
+    metrics_log.replace(saved)
+    return missing
 
 
 class Timer:
@@ -77,6 +100,10 @@ class TrainingRun:
         metrics_log = MetricsLog(run_dir / "metrics.jsonl")
         # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
         metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)
+        if plan.checkpoint is not None:
+            restored = restore_metrics(metrics_log, plan.parts.get("driver", {}).get(METRICS_PART))
+            if restored:
+                announce(f"metrics.jsonl: steps {restored[0]}..{restored[-1]} restored from {plan.checkpoint}")
         identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
             cfg.rl, ObjectiveContext.from_config(cfg)).identity
         return cls(cfg, recipe, list(overrides), run_dir, store, plan, config_path, metrics_log, identity,
@@ -118,10 +145,12 @@ class TrainingRun:
         """Cadence: every `every` steps (0: never) and always at the last step."""
         return bool(every and step % every == 0) or step == self.cfg.rl.max_steps
 
-    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int) -> float:
-        """Save the trainer parts and the driver's state (sampler cursor, policy version); returns seconds."""
+    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int, record: dict) -> float:
+        """Save the trainer parts and the driver's state (sampler cursor, policy version, the metrics.jsonl
+        lines up to this step: those logged and `record`, this step's, still to be logged); returns seconds."""
         t = time.perf_counter()
-        driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step}
+        driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step,
+                  METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
         return time.perf_counter() - t
 

@@ -42,8 +42,13 @@ class MetricsLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
+    @staticmethod
+    def line(record: dict[str, Any]) -> str:
+        """One record as its metrics.jsonl line (no newline)."""
+        return json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False)
+
     def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False)
+        line = self.line(record)
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()
@@ -58,11 +63,17 @@ class MetricsLog:
                 out.append(json.loads(line))
         return out
 
+    def text(self) -> str:
+        return self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+
     def truncate_after(self, step: int) -> None:
         """Drop lines past `step` (a resumed run rewrites the steps after its checkpoint)."""
-        keep = [r for r in self.read() if r.get("step", -1) <= step]
+        self.replace([r for r in self.read() if r.get("step", -1) <= step])
+
+    def replace(self, records: Iterable[dict[str, Any]]) -> None:
+        """Rewrite the file with exactly `records` (atomically: a temporary file, then rename)."""
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
         os.replace(tmp, self.path)
 
 

@@ -362,6 +362,40 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
 
 
+def test_resume_on_a_fresh_machine_restores_metrics_from_the_s3_checkpoint(cwd, bucket, tmp_path):
+    """The whole run directory is gone (another machine): checkpoint, metrics history and MLflow run come from S3."""
+    run_dir = cwd / "runs" / "fresh"
+    s3 = [f"tracking.checkpoint_uri=s3://{bucket}/fresh", "rl.save_every=2", "job.name=fresh",
+          "rl.validation.every_steps=1"]
+    first = run_flow(*s3, "rl.max_steps=2")
+    before = read_metrics(run_dir)
+    assert [r["step"] for r in before] == [0, 1, 2] and "perf/checkpoint_s" in before[2]
+
+    shutil.rmtree(run_dir)
+    second = run_flow(*s3, "rl.max_steps=3", "rl.resume=must")
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[:2] == before[:2]  # logged before the checkpoint: restored as they were, timings too
+    # step 2's line was saved with the checkpoint, before its own checkpoint time was known
+    assert records[2] == {k: v for k, v in before[2].items() if k != "perf/checkpoint_s"}
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]  # from the checkpoint's meta
+
+
+def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
+    from flows.runner import restore_metrics
+    from infra.tracking import MetricsLog
+
+    saved = [{"step": 0, "val/accuracy": 0.5}, {"step": 1, "train/loss": 0.25}]
+    text = "".join(MetricsLog.line(r) + "\n" for r in saved)
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    assert restore_metrics(log, text) == [0, 1] and log.read() == saved  # no file: restored
+    log.replace([{"step": 0, "val/accuracy": 0.5, "extra": 1.0}, {"step": 1, "train/loss": 0.25}])
+    assert restore_metrics(log, text) == [] and log.read()[0]["extra"] == 1.0  # complete: kept as it is
+    log.replace([{"step": 1, "train/loss": 0.25}])
+    assert restore_metrics(log, text) == [0] and log.read() == saved  # a step missing: the saved copy wins
+    assert restore_metrics(log, None) == [] and restore_metrics(log, "") == []  # an older checkpoint: nothing
+
+
 # ----------------------------------------------------------------- exact resume after a real SIGKILL
 
 MARKER_ENV = "POSTTRAIN_TEST_KILL_MARKER"
