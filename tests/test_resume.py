@@ -362,6 +362,31 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
 
 
+@pytest.mark.slow
+def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
+    """A run resumed from a checkpoint at the end of an epoch trains the remaining steps (verl #5725 trained zero
+    and exited cleanly). 8 train prompts, 4 per step: epochs end at steps 2, 4 and 6."""
+    from safetensors.torch import load_file
+
+    small = cwd / "train8.jsonl"
+    small.write_text("".join((cwd / "data" / "arithmetic" / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    common = [f"data.train={small}", "rl.save_every=2", "rl.validation.every_steps=2"]
+    run_flow(*common, "job.name=epoch-straight", "rl.max_steps=6")
+    run_flow(*common, "job.name=epoch-resumed", "rl.max_steps=2")  # stops on the first epoch's last step
+    result = run_flow(*common, "job.name=epoch-resumed", "rl.max_steps=6")
+    assert result["step"] == 6
+    straight, resumed = (read_metrics(cwd / "runs" / n) for n in ("epoch-straight", "epoch-resumed"))
+    assert [r["step"] for r in resumed if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert_same_math(resumed, straight)
+    rows = [r["data/prompt_rows"] for r in resumed if "data/prompt_rows" in r]
+    for epoch in range(3):  # every epoch, the resumed one included, visits each prompt once
+        assert sorted(rows[2 * epoch] + rows[2 * epoch + 1]) == list(range(8))
+    assert len({tuple(rows[2 * e] + rows[2 * e + 1]) for e in range(3)}) > 1  # and reshuffles
+    a, b = (load_file(cwd / "runs" / n / "final_model" / "model.safetensors") for n in ("epoch-straight", "epoch-resumed"))
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_resume_on_a_fresh_machine_restores_metrics_from_the_s3_checkpoint(cwd, bucket, tmp_path):
     """The whole run directory is gone (another machine): checkpoint, metrics history and MLflow run come from S3."""
     run_dir = cwd / "runs" / "fresh"
