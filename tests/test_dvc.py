@@ -25,7 +25,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start", "train", "evaluate")
+QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start", "teacher_warm_start", "train",
+              "evaluate")
 UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
 GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
 UP_TO_DATE = "Data and pipelines are up to date."
@@ -35,6 +36,7 @@ OUTPUTS = (
     "data/arithmetic-pairs",
     "artifacts/tiny-model/init",
     "artifacts/tiny-model/warm",
+    "artifacts/tiny-model/teacher",
     "runs/arithmetic/final_model",
     "runs/arithmetic/metrics.jsonl",
     "runs/arithmetic/curve.png",
@@ -187,6 +189,7 @@ def pipeline(tmp_path_factory):
     env = _env(root, clone)
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["warm_start"].update(steps=5, batch_size=8)
+    params["teacher_warm_start"].update(steps=7, batch_size=8)
     params_path = clone / "params.yaml"
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     _set_run_overrides(clone, max_steps=2)
