@@ -19,7 +19,7 @@ log = logging.getLogger("posttrain.artifacts")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_INIT = Path("artifacts/tiny-model/init")
 TINY_WARM = Path("artifacts/tiny-model/warm")
-TINY_TEACHER = Path("artifacts/tiny-model/teacher")  # OPD's CPU teacher: the same warm start, trained longer
+TINY_TEACHER = Path("artifacts/tiny-model/teacher")  # OPD's CPU teacher: the warm start, trained further
 ARITHMETIC_DIR = Path("data/arithmetic")
 ARITHMETIC_PAIRS_DIR = Path("data/arithmetic-pairs")  # DPO pairs: {train,val}.jsonl from the arithmetic splits
 
@@ -73,7 +73,7 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
         announce(f"building the tiny model in {TINY_INIT}/ (missing)")
         build_tiny_model(TINY_INIT, **params["tiny_model"])
         built.append("tiny_model")
-    if _is(cfg.model.name_or_path, TINY_WARM) and not _model_complete(TINY_WARM):
+    if (_is(cfg.model.name_or_path, TINY_WARM) or wants_teacher) and not _model_complete(TINY_WARM):
         from rl_core.warm_start import warm_start
 
         params = params or load_params()
@@ -86,8 +86,8 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
         from rl_core.warm_start import warm_start
 
         params = params or load_params()
-        announce(f"warm-starting the tiny teacher into {TINY_TEACHER}/ (missing)")
-        metrics = warm_start(TINY_INIT, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_TEACHER,
+        announce(f"training the warm start further into the tiny teacher {TINY_TEACHER}/ (missing)")
+        metrics = warm_start(TINY_WARM, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_TEACHER,
                              **params["teacher_warm_start"])
         announce(f"teacher warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
                  f"{metrics['val_accuracy']:.3f}")

@@ -61,8 +61,8 @@ def ray_session():
         ray.shutdown()
 
 
-def _build_warm(root: Path, workdir: Path, which: str) -> tuple[Path, dict]:
-    """`which` in {"warm_start", "teacher_warm_start"} of params.yaml, built from the workdir's init model and data
+def _build_warm(start: Path, root: Path, workdir: Path, which: str) -> tuple[Path, dict]:
+    """`which` in {"warm_start", "teacher_warm_start"} of params.yaml, trained from `start` on the workdir's data
     exactly as `infra.artifacts.ensure_quickstart_artifacts` builds a missing artifact."""
     from infra.artifacts import load_params
     from rl_core.warm_start import warm_start
@@ -70,21 +70,23 @@ def _build_warm(root: Path, workdir: Path, which: str) -> tuple[Path, dict]:
     params = load_params(REPO / "params.yaml")
     data = workdir / "data" / "arithmetic"
     out = root / which
-    metrics = warm_start(workdir / "artifacts" / "tiny-model" / "init", data / "train.jsonl", data / "val.jsonl", out,
-                         **params[which])
+    metrics = warm_start(start, data / "train.jsonl", data / "val.jsonl", out, **params[which])
     return out, metrics
 
 
 @pytest.fixture(scope="session")
 def warm_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
-    """The quickstart's warm start (`warm_start` of params.yaml), built once per session: (directory, metrics)."""
-    return _build_warm(tmp_path_factory.mktemp("warm"), workdir, "warm_start")
+    """The quickstart's warm start (`warm_start` of params.yaml from the init), built once per session:
+    (directory, metrics)."""
+    return _build_warm(workdir / "artifacts" / "tiny-model" / "init", tmp_path_factory.mktemp("warm"), workdir,
+                       "warm_start")
 
 
 @pytest.fixture(scope="session")
-def teacher_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
-    """OPD's CPU teacher (`teacher_warm_start` of params.yaml), built once per session: (directory, metrics)."""
-    return _build_warm(tmp_path_factory.mktemp("teacher"), workdir, "teacher_warm_start")
+def teacher_model(workdir, warm_model, tmp_path_factory) -> tuple[Path, dict]:
+    """OPD's CPU teacher (`teacher_warm_start` of params.yaml: the warm start trained further), built once per
+    session: (directory, metrics)."""
+    return _build_warm(warm_model[0], tmp_path_factory.mktemp("teacher"), workdir, "teacher_warm_start")
 
 
 @pytest.fixture(scope="module")

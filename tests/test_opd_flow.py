@@ -134,7 +134,7 @@ def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_model, tmp_path, monkeypatch):
-    """The recipe's warm student (0.72) and the longer-trained teacher of params.yaml (session fixtures, built
+    """The recipe's warm student (0.72) and its teacher, the warm start trained further (session fixtures, built
     by the same params as the flow's auto-build)."""
     from flows.opd import opd
     from infra.artifacts import load_params
@@ -147,7 +147,8 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_m
     shutil.copytree(warm_model[0], tmp_path / "artifacts" / "tiny-model" / "warm")
     shutil.copytree(teacher_model[0], tmp_path / "artifacts" / "tiny-model" / "teacher")
     monkeypatch.chdir(tmp_path)
-    assert load_params()["teacher_warm_start"]["steps"] > load_params()["warm_start"]["steps"]
+    assert load_params()["teacher_warm_start"]["steps"] > 0  # the teacher is the warm start trained further
+    assert teacher_model[1]["val_accuracy_before"] == warm_model[1]["val_accuracy"]  # (it starts from the warm)
     result = opd(recipe("opd_arithmetic"), ["job.name=opd-learn", "rl.max_steps=40", "rl.validation.every_steps=20",
                                             "rl.validation.max_prompts=200", "rl.save_every=0"])
     records = read_metrics(Path(result["run_dir"]))
@@ -158,3 +159,36 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_m
     print(f"student {acc[0]:.3f} -> {acc[-1]:.3f}, teacher {teacher:.3f}")
     assert teacher > acc[0] + 0.1, "the teacher must be better than the student"
     assert acc[-1] >= acc[0] + 0.05, f"OPD did not move the student toward the teacher: {acc}"
+
+
+def test_missing_teacher_is_built_from_the_warm_start(workdir, tmp_path, monkeypatch):
+    """What `opd` does before its first step when the recipe's models are missing: warm start, then the teacher
+    trained further from it (params.yaml of the working directory; tiny step counts here)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from infra.artifacts import ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.warm_start import warm_start
+
+    shutil.copytree(workdir / "data", tmp_path / "data")
+    shutil.copytree(workdir / "artifacts", tmp_path / "artifacts")
+    params = yaml.safe_load((Path(recipe("opd_arithmetic")).parents[1] / "params.yaml").read_text())
+    params["warm_start"].update(steps=4, batch_size=8)
+    params["teacher_warm_start"].update(steps=3, batch_size=8)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    messages: list[str] = []
+    built = ensure_quickstart_artifacts(load_config(recipe("opd_arithmetic")), announce=messages.append)
+    assert built == ["warm_start", "teacher_warm_start"]
+    init, warm, teacher = (load_file(tmp_path / "artifacts" / "tiny-model" / d / "model.safetensors")
+                           for d in ("init", "warm", "teacher"))
+    assert any(not warm[k].equal(init[k]) for k in warm) and any(not teacher[k].equal(warm[k]) for k in warm)
+    assert any("further into the tiny teacher" in m for m in messages)
+    # the same training from the warm start, by hand, gives the same weights
+    data = tmp_path / "data" / "arithmetic"
+    warm_start(tmp_path / "artifacts" / "tiny-model" / "warm", data / "train.jsonl", data / "val.jsonl",
+               tmp_path / "by-hand", **params["teacher_warm_start"])
+    by_hand = load_file(tmp_path / "by-hand" / "model.safetensors")
+    assert all(teacher[k].equal(by_hand[k]) for k in teacher)
+    assert ensure_quickstart_artifacts(load_config(recipe("opd_arithmetic")), announce=messages.append) == []
