@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -254,6 +255,19 @@ def test_nightly_regression_schedule_produces_scheduled_runs(services, deployed)
     api(url, lambda c: c.pause_deployment(deployment.id))
 
 
+def run_deployment(services, client_env, name: str, overrides: list[str], run_dir: Path):
+    """`prefect deployment run NAME` with the overrides, waited for until it ends: (flow run, metrics records)."""
+    _, env = services
+    out = prefect(client_env, "deployment", "run", name, "--param", f"overrides={json.dumps(overrides)}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.parameters["overrides"] == overrides
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run, metrics
+
+
 @pytest.mark.slow
 def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed, client_env, workdir, tmp_path):
     from mlflow import MlflowClient
@@ -266,15 +280,10 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
         f"data.val={workdir / 'data' / 'arithmetic' / 'val.jsonl'}",
         f"job.out_dir={tmp_path / 'runs'}", "job.name=deployed-arithmetic", "rl.max_steps=2",
         "tracking.experiment=posttrain-deployments"]
-    out = prefect(client_env, "deployment", "run", "grpo/arithmetic", "--param", f"overrides={json.dumps(overrides)}")
-    assert out.returncode == 0, out.stdout + out.stderr
-    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
-    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
-    assert run.state.type.value == "COMPLETED", run.state.message
-    assert run.parameters["overrides"] == overrides and run.parameters["recipe"] == "recipes/arithmetic.py"
-
-    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-arithmetic" / "metrics.jsonl").read_text()
-               .splitlines()]
+    run, metrics = run_deployment(services, client_env, "grpo/arithmetic", overrides,
+                                  tmp_path / "runs" / "deployed-arithmetic")
+    assert run.parameters["recipe"] == "recipes/arithmetic.py"
+    flow_run_id = str(run.id)
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])  # the worker's MLflow: the services' server
     exp = client.get_experiment_by_name("posttrain-deployments")
@@ -289,7 +298,6 @@ def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, t
     """The DPO entry through the worker: its own flow (`dpo`), pairs and reference on CPU."""
     from rl_core.data.preferences import make_arithmetic_pairs
 
-    _, env = services
     pairs = {split: make_arithmetic_pairs(workdir / "data" / "arithmetic" / f"{src}.jsonl",
                                           tmp_path / f"pairs_{split}.jsonl", seed=0, max_pairs=64)["path"]
              for split, src in (("train", "train"), ("val", "val"))}
@@ -297,13 +305,8 @@ def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, t
                  f"data.train={pairs['train']}", f"data.val={pairs['val']}", "rollout.prompts_per_step=8",
                  "rl.validation.max_prompts=16", f"job.out_dir={tmp_path / 'runs'}", "job.name=deployed-dpo",
                  "rl.max_steps=2", "rl.save_every=0", "tracking.experiment=posttrain-deployments"]
-    out = prefect(client_env, "deployment", "run", "dpo/dpo-arithmetic", "--param", f"overrides={json.dumps(overrides)}")
-    assert out.returncode == 0, out.stdout + out.stderr
-    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
-    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
-    assert run.state.type.value == "COMPLETED", run.state.message
+    run, metrics = run_deployment(services, client_env, "dpo/dpo-arithmetic", overrides, tmp_path / "runs" / "deployed-dpo")
     assert run.parameters["recipe"] == "recipes/dpo_arithmetic.py"
-    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-dpo" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
     # before any update the policy is its own reference: the held-out DPO loss is log 2
     assert metrics[0]["val/loss"] == pytest.approx(0.6931471805599453, abs=1e-5)
@@ -314,7 +317,6 @@ def test_opd_deployment_run_completes(services, deployed, client_env, workdir, t
     """The OPD entry through the worker: its own flow (`opd`), the teacher Ray actor scoring the student's samples."""
     from rl_core.warm_start import warm_start
 
-    _, env = services
     data = workdir / "data" / "arithmetic"
     warm_start(workdir / "artifacts" / "tiny-model" / "init", data / "train.jsonl", data / "val.jsonl",
                tmp_path / "teacher", steps=10, max_val_examples=8)  # differs from the student
@@ -322,13 +324,8 @@ def test_opd_deployment_run_completes(services, deployed, client_env, workdir, t
                  f"data.train={data / 'train.jsonl'}", f"data.val={data / 'val.jsonl'}", "rollout.prompts_per_step=4",
                  "rollout.n=4", "rl.validation.max_prompts=16", f"job.out_dir={tmp_path / 'runs'}",
                  "job.name=deployed-opd", "rl.max_steps=2", "rl.save_every=0", "tracking.experiment=posttrain-deployments"]
-    out = prefect(client_env, "deployment", "run", "opd/opd-arithmetic", "--param", f"overrides={json.dumps(overrides)}")
-    assert out.returncode == 0, out.stdout + out.stderr
-    flow_run_id = UUID.search(out.stdout.split("UUID")[-1]).group(0)
-    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id)
-    assert run.state.type.value == "COMPLETED", run.state.message
+    run, metrics = run_deployment(services, client_env, "opd/opd-arithmetic", overrides, tmp_path / "runs" / "deployed-opd")
     assert run.parameters["recipe"] == "recipes/opd_arithmetic.py"
-    metrics = [json.loads(x) for x in (tmp_path / "runs" / "deployed-opd" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     # the teacher scored the samples: a different model gives a non-zero sampled reverse KL at every step
