@@ -36,7 +36,13 @@ import torch.nn.functional as F
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.data.preferences import check_pair_layout, pair_rows
 from rl_core.primitives.logprobs import sequence_token_logprobs
-from rl_core.primitives.objective import MetricAdapter, Objective, Reduction, frozen_token_logprobs
+from rl_core.primitives.objective import (
+    MetricAdapter,
+    Objective,
+    Reduction,
+    frozen_token_logprobs,
+    scalar_metrics,
+)
 
 DPO_METRIC_NAMES: dict[str, str] = {
     "dpo_loss": "loss",
@@ -151,9 +157,7 @@ class DPOLoss:
                 "dpo_chosen_logp": seq[0::2].detach().mean(),
                 "dpo_rejected_logp": seq[1::2].detach().mean(),
             }
-            names = list(values)
-            floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
-        return loss, dict(zip(names, floats))
+        return loss, scalar_metrics(values)
 
 
 def evaluate_pairs(objective: Objective, model: torch.nn.Module, batch, *, micro_batch_size: int | None = None,

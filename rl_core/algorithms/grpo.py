@@ -22,11 +22,13 @@ from rl_core.primitives.objective import (
     Objective,
     OldLogpCache,
     Reduction,
+    scalar_metrics,
 )
 from rl_core.primitives.policy_gradient import (
     clipped_policy_gradient_loss,
     legacy_policy_gradient_loss,
     reduce_policy_gradient_loss,
+    sampled_batch_diagnostics,
 )
 
 # algorithm-local name -> public suffix (published as train/<suffix>)
@@ -123,28 +125,12 @@ class GRPOLoss:
 
         with torch.no_grad():
             denom = weight if w > 0 else torch.ones_like(weight)
-            on = mask > 0
-            n_tok = mask.sum().clamp_min(1)
-            rows = on.any(-1)
-            row_adv = adv if adv.dim() == 1 else (adv * mask).sum(-1) / mask.sum(-1).clamp_min(1)
-            row_adv = row_adv[rows].to(torch.float64)
-            diff = torch.where(on, (logp.detach() - batch.rollout_logp.to(logp.dtype)).abs(), torch.zeros_like(logp))
-            values = {
-                "grpo_loss": loss.detach(),
-                "grpo_pg_loss": pg_num.detach() / denom,
-                "grpo_entropy": (entropy * mask).sum() / n_tok,
-                "grpo_advantage_mean": row_adv.mean() if row_adv.numel() else torch.zeros(()),
-                "grpo_advantage_std": row_adv.std(unbiased=False) if row_adv.numel() else torch.zeros(()),
-                "grpo_rollout_logp_abs_diff": diff.sum() / n_tok,
-                "grpo_rollout_logp_abs_diff_max": diff.max() if diff.numel() else torch.zeros(()),
-            }
+            values = {"loss": loss.detach(), "pg_loss": pg_num.detach() / denom,
+                      **sampled_batch_diagnostics(logp, batch.rollout_logp, entropy, adv, mask)}
             if kl_num is not None:
-                values["grpo_kl"] = kl_num.detach() / denom
-            for key, value in stats.items():
-                values[f"grpo_{key}"] = value
-            names = list(values)
-            floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
-        metrics = dict(zip(names, floats))
+                values["kl"] = kl_num.detach() / denom
+            values.update(stats)
+            metrics = scalar_metrics({f"grpo_{k}": v for k, v in values.items()})
         metrics[OBJECTIVE_WEIGHT_SUM] = w
         return loss, metrics
 

@@ -67,8 +67,13 @@ from rl_core.primitives.objective import (
     OldLogpCache,
     Reduction,
     frozen_token_logprobs,
+    scalar_metrics,
 )
-from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, reduce_policy_gradient_loss
+from rl_core.primitives.policy_gradient import (
+    clipped_policy_gradient_loss,
+    reduce_policy_gradient_loss,
+    sampled_batch_diagnostics,
+)
 
 DISTILLATION_MODES = ("advantage", "direct")
 
@@ -339,28 +344,12 @@ class OPDLoss:
 
         with torch.no_grad():
             denom = weight if w > 0 else torch.ones_like(weight)
-            on = mask > 0
-            n_tok = mask.sum().clamp_min(1)
-            k1 = torch.where(on, logp.detach() - teacher, torch.zeros_like(logp))
+            k1 = torch.where(mask > 0, logp.detach() - teacher, torch.zeros_like(logp))
             kl_num, _ = reduce_policy_gradient_loss(k1, mask, s.loss_type, max_response_length=s.max_response_length)
-            rows = on.any(-1)
-            row_adv = ((adv.detach() * mask).sum(-1) / mask.sum(-1).clamp_min(1))[rows].to(torch.float64)
-            diff = torch.where(on, (logp.detach() - batch.rollout_logp.to(logp.dtype)).abs(), torch.zeros_like(logp))
-            values = {
-                "opd_loss": loss.detach(),
-                "opd_pg_loss": numerator.detach() / denom,
-                "opd_reverse_kl": kl_num / denom,
-                "opd_entropy": (entropy * mask).sum() / n_tok,
-                "opd_advantage_mean": row_adv.mean() if row_adv.numel() else torch.zeros(()),
-                "opd_advantage_std": row_adv.std(unbiased=False) if row_adv.numel() else torch.zeros(()),
-                "opd_rollout_logp_abs_diff": diff.sum() / n_tok,
-                "opd_rollout_logp_abs_diff_max": diff.max() if diff.numel() else torch.zeros(()),
-            }
-            for key, value in stats.items():
-                values[f"opd_{key}"] = value
-            names = list(values)
-            floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
-        metrics = dict(zip(names, floats))
+            values = {"loss": loss.detach(), "pg_loss": numerator.detach() / denom, "reverse_kl": kl_num / denom,
+                      **sampled_batch_diagnostics(logp, batch.rollout_logp, entropy, adv, mask)}
+            values.update(stats)
+            metrics = scalar_metrics({f"opd_{k}": v for k, v in values.items()})
         metrics[OBJECTIVE_WEIGHT_SUM] = w
         return loss, metrics
 

@@ -88,6 +88,12 @@ class LogprobScorer:
                                            temperature=self.temperature)
 
 
+def scalar_metrics(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Scalar tensors as python floats (via float64), in one device-to-host copy; keys and order kept."""
+    floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
+    return dict(zip(values, floats))
+
+
 def frozen_token_logprobs(model: torch.nn.Module, batch, *, temperature: float,
                           micro_batch_size: int | None = None) -> torch.Tensor:
     """A frozen model's (reference, teacher) per-token log-probs of a batch: `[B, T]` float32, 0 off the loss mask.

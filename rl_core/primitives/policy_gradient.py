@@ -188,3 +188,27 @@ def reduce_policy_gradient_loss(
         raise ValueError("loss_type='seq-mean-token-sum-fixed' needs max_response_length (= rollout.max_tokens) > 0, "
                          f"got {max_response_length!r}")
     return seq_sum.sum() / max_response_length, n_seq
+
+
+def sampled_batch_diagnostics(logp: torch.Tensor, rollout_logp: torch.Tensor, entropy: torch.Tensor,
+                              advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Diagnostics every on-policy objective reports, as detached scalar tensors (call under no_grad).
+
+    `entropy`: mean token entropy over loss tokens; `advantage_mean/std`: over completions with loss
+    tokens, one advantage per completion (a `[B, T]` advantage is averaged over its loss tokens);
+    `rollout_logp_abs_diff` / `_max`: mean / max `|ℓ − ℓ_rollout|` over loss tokens (sampler vs
+    trainer log-probs: stale rollout weights show here).
+    """
+    logp = logp.detach()
+    on = mask > 0
+    n_tok = mask.sum().clamp_min(1)
+    row_adv = advantages if advantages.dim() == 1 else (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+    row_adv = row_adv.detach()[on.any(-1)].to(torch.float64)
+    diff = torch.where(on, (logp - rollout_logp.to(logp.dtype)).abs(), torch.zeros_like(logp))
+    return {
+        "entropy": (entropy * mask).sum() / n_tok,
+        "advantage_mean": row_adv.mean() if row_adv.numel() else torch.zeros(()),
+        "advantage_std": row_adv.std(unbiased=False) if row_adv.numel() else torch.zeros(()),
+        "rollout_logp_abs_diff": diff.sum() / n_tok,
+        "rollout_logp_abs_diff_max": diff.max() if diff.numel() else torch.zeros(()),
+    }
