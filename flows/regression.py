@@ -39,6 +39,8 @@ from typing import Any
 import yaml
 from prefect import flow, get_run_logger
 
+from infra.tracking import MetricsLog
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/arithmetic.py"
 THRESHOLDS = "regression/thresholds.yaml"
@@ -471,7 +473,7 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
     try:
         result = grpo(recipe=str(REPO_ROOT / RECIPE), overrides=overrides)
         training_run_id = result.get("mlflow_run_id")
-        records = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines() if line.strip()]
+        records = MetricsLog(result["metrics"]).read()
     except Exception as exc:  # noqa: BLE001 - a crashed run is itself the regression; checks 3 and 4 still run
         checks.append(Check("arithmetic.run", "fail", "crashed", "completes", f"{type(exc).__name__}: {exc}"[:500]))
     if records:
@@ -552,7 +554,7 @@ def write_reference(path: str | os.PathLike = REPO_ROOT / REFERENCE, out_dir: st
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(REPO_ROOT / RECIPE, overrides)
     result = run_recipe(str(REPO_ROOT / RECIPE), overrides)
-    records = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines() if line.strip()]
+    records = MetricsLog(result["metrics"]).read()
     sha, dirty = git_revision()
     data = {
         "about": "Reference trajectory of the nightly regression's fixed run (flows/regression.py); regenerate "

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rl_core.data.jsonl import iter_jsonl
+
 REWARD_KEY = "rollout/reward_mean"
 ACCURACY_KEY = "val/accuracy"
 LOSS_KEY = "train/loss"
@@ -37,16 +39,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise MetricsFileError(f"{path}: no such file; summarize reads the metrics.jsonl of a training run")
     records = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MetricsFileError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise MetricsFileError(f"{path}:{lineno}: a metrics record needs an integer 'step'")
-        records.append(record)
+    try:
+        for lineno, record in iter_jsonl(path, "a metrics record"):
+            if not isinstance(record.get("step"), int):
+                raise MetricsFileError(f"{path}:{lineno}: a metrics record needs an integer 'step'")
+            records.append(record)
+    except ValueError as exc:  # MetricsFileError, or iter_jsonl's line that is not a JSON object
+        raise MetricsFileError(str(exc)) from None
     if not records:
         raise MetricsFileError(f"{path}: no metrics records")
     return records

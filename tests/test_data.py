@@ -154,3 +154,23 @@ def test_sampler_refuses_state_of_another_stream():
         PromptSampler(16, 5, seed=9).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="seed"):
         PromptSampler(15, 5, seed=1).load_state_dict(s.state_dict())
+
+
+@pytest.mark.parametrize("bad_line, reason", [("{not json", "not a JSON object (Expecting"),
+                                               ("[1, 2]", "not a JSON object (a list)")])
+def test_a_data_file_line_that_is_not_an_object_is_named_by_file_and_line(tmp_path, bad_line, reason):
+    from rl_core.data import load_examples
+    from rl_core.data.gsm8k import read_gsm8k_jsonl
+    from rl_core.data.preferences import load_preference_pairs
+
+    cases = [
+        ("arith.jsonl", {"prompt": "1+1=", "answer": "2"}, lambda p: load_examples(p, "arithmetic")),
+        ("gsm8k.jsonl", {"question": "q", "answer": "#### 2"}, read_gsm8k_jsonl),
+        ("pairs.jsonl", {"prompt": "1+1=", "chosen": "2", "rejected": "3"}, load_preference_pairs),
+    ]
+    for name, good, load in cases:
+        path = tmp_path / name
+        path.write_text(json.dumps(good) + "\n\n" + bad_line + "\n")  # the blank line 2 is skipped, line 3 is bad
+        with pytest.raises(ValueError) as info:
+            load(path)
+        assert str(info.value).startswith(f"{path}:3: {reason}"), (name, str(info.value))

@@ -13,12 +13,12 @@ rollout engine takes, with the configured template:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from rl_core.data.arithmetic import make_arithmetic_data, split_arithmetic
 from rl_core.data.gsm8k import chat_messages, load_gsm8k_split, plain_prompt, prepare_gsm8k
+from rl_core.data.jsonl import iter_jsonl
 from rl_core.data.sampler import PromptSampler
 
 
@@ -48,15 +48,10 @@ def load_examples(source: str | Path, task: str) -> list[Example]:
                 "`posttrain make-data arithmetic --out data/arithmetic`"
             )
         out = []
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    rec = json.loads(line)
-                    if "prompt" not in rec or "answer" not in rec:
-                        raise ValueError(
-                            f"{path}:{lineno}: needs 'prompt' and 'answer', got keys {sorted(rec)}"
-                        )
-                    out.append(Example(str(rec["prompt"]), str(rec["answer"])))
+        for lineno, rec in iter_jsonl(path, "an arithmetic example {prompt, answer}"):
+            if "prompt" not in rec or "answer" not in rec:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' and 'answer', got keys {sorted(rec)}")
+            out.append(Example(str(rec["prompt"]), str(rec["answer"])))
         return out
     raise ValueError(f"data.task={task!r} is not one of 'arithmetic', 'gsm8k'")
 

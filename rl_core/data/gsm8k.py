@@ -7,10 +7,10 @@ dataset id (e.g. `openai/gsm8k`), which needs the optional `datasets` package an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rl_core.data.arithmetic import write_jsonl
+from rl_core.data.jsonl import iter_jsonl
 
 SPLITS = ("train", "test")
 GSM8K_INSTRUCTION = (
@@ -31,16 +31,10 @@ def chat_messages(question: str) -> list[dict]:
 def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
     """Records `{"question", "answer"}` of an official-format JSONL file."""
     records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if "question" not in rec or "answer" not in rec:
-                raise ValueError(
-                    f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}"
-                )
-            records.append({"question": rec["question"], "answer": rec["answer"]})
+    for lineno, rec in iter_jsonl(path, "a GSM8K record {question, answer}"):
+        if "question" not in rec or "answer" not in rec:
+            raise ValueError(f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}")
+        records.append({"question": rec["question"], "answer": rec["answer"]})
     return records
 
 

@@ -36,6 +36,7 @@ import pandera.pandas as pa
 import torch
 from pandera.typing import Series
 
+from rl_core.data.jsonl import iter_jsonl
 from rl_core.schemas import BatchValidationError
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -143,18 +144,10 @@ def load_preference_pairs(source: str | Path) -> pd.DataFrame:
     path = Path(source)
     if path.is_file():
         records = []
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-                if not isinstance(rec, dict) or any(k not in rec for k in PAIR_FIELDS):
-                    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                    raise ValueError(f"{path}:{lineno}: a preference pair needs {list(PAIR_FIELDS)}, got {keys}")
-                records.append(rec)
+        for lineno, rec in iter_jsonl(path, "a preference pair {prompt, chosen, rejected}"):
+            if any(k not in rec for k in PAIR_FIELDS):
+                raise ValueError(f"{path}:{lineno}: a preference pair needs {list(PAIR_FIELDS)}, got {sorted(rec)}")
+            records.append(rec)
         if not records:
             raise ValueError(f"{path}: no preference pairs")
         return _as_frame(records)
