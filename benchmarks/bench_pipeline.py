@@ -1,16 +1,26 @@
-"""Pipeline benchmark: seconds per step and per phase, tokens/s, peak memory and orchestration overhead.
+"""Pipeline benchmark: seconds per step and per phase, rollout tokens/s, weight sync, peak memory, overhead.
 
-Runs the arithmetic quickstart flow (real Prefect, real local Ray) for a few steps with 1 and 2
-policy workers in a scratch directory and prints a table of medians over the steps after warm-up.
-Orchestration overhead = step wall time - time inside generate - time inside the trainer's step
-(forward, backward, optimizer). Target: <= 50 ms per step.
+Runs the arithmetic quickstart flow (real Prefect, real local Ray; 16 prompts x 8 completions of
+at most 4 tokens a step) in a scratch directory, once per placement below, and prints a table of
+medians over the steps after warm-up:
 
-    python benchmarks/bench_pipeline.py [--steps 40] [--workers 1 2]
+- trainer ranks 1 and 2, engines colocated (the default): the HF engine samples from the trainer's
+  own weights, so a sync moves no bytes;
+- separate HF engines, 1 and 2: rank 0 broadcasts every policy version to them over gloo;
+- separate vLLM engines (vLLM's CPU build), 1 and 2, when vLLM is installed.
+
+Columns: `generate` is the time inside the engines (the slowest one; they run in parallel);
+`rollout tok/s` = response tokens sampled / generate time; `sync` and `sync MB` the weight sync of
+one step and the bytes each engine received; `overhead` = step wall time - generate time - the
+trainer's forward/backward/optimizer time.
+
+    python benchmarks/bench_pipeline.py [--steps 30] [--only colocated-w1 separate-hf-e2 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -23,18 +33,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
+COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
+
+CONFIGS = {  # name -> overrides
+    "colocated-w1": ["cluster.num_workers=1"],
+    "colocated-w2": ["cluster.num_workers=2"],
+    "separate-hf-e1": ["cluster.placement=separate", "rollout.num_engines=1"],
+    "separate-hf-e2": ["cluster.placement=separate", "rollout.num_engines=2"],
+    "separate-vllm-e1": ["cluster.placement=separate", "rollout.num_engines=1", "rollout.backend=vllm"],
+    "separate-vllm-e2": ["cluster.placement=separate", "rollout.num_engines=2", "rollout.backend=vllm"],
+}
 
 
-def run(workdir: Path, workers: int, steps: int) -> tuple[list[dict], float]:
-    name = f"bench-w{workers}"
+def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float]:
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
-           f"job.name={name}", f"rl.max_steps={steps}", f"cluster.num_workers={workers}",
+           f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
            "rl.resume=off", "job.overwrite=true"]
     subprocess.run(cmd, cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (workdir / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "runs" / f"bench-{name}" / "metrics.jsonl").read_text()
+               .splitlines()]
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return records, peak_mb
 
@@ -44,33 +64,49 @@ def median(records: list[dict], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def rollout_tokens_per_s(records: list[dict]) -> float:
+    rates = [r["rollout/response_len_mean"] * COMPLETIONS_PER_STEP / r["perf/generate_s"]
+             for r in records if r.get("perf/generate_s")]
+    return statistics.median(rates) if rates else float("nan")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--only", nargs="+", choices=sorted(CONFIGS), help="placements to run (default: all)")
     args = parser.parse_args()
+    names = args.only or list(CONFIGS)
+    if importlib.util.find_spec("vllm") is None:
+        skipped = [n for n in names if "vllm" in n]
+        names = [n for n in names if "vllm" not in n]
+        if skipped:
+            print(f"(vLLM is not installed: {', '.join(skipped)} not run)")
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
     for sub in ("artifacts", "data"):
         if (REPO / sub).exists():
             os.symlink(REPO / sub, workdir / sub)  # reuse a built tiny model/data when present
+    os.symlink(REPO / "params.yaml", workdir / "params.yaml")
     try:
         rows = []
-        for workers in args.workers:
-            records, peak_mb = run(workdir, workers, args.steps)
+        for name in names:
+            records, peak_mb = run(workdir, name, CONFIGS[name], args.steps)
             steady = [r for r in records if r.get("step", 0) > 3 and "val/accuracy" not in r]
-            rows.append((workers, steady, peak_mb))
-        header = ["workers", "step ms", *[f"{p} ms" for p in PHASES], "generate ms", "fwd/bwd ms", "overhead ms",
-                  "tokens/s", "peak RSS MB"]
+            rows.append((name, steady, peak_mb))
+        header = ["placement", "step ms", *[f"{p} ms" for p in PHASES], "generate ms", "rollout tok/s",
+                  "fwd/bwd ms", "weight sync ms", "sync MB", "overhead ms", "train tok/s", "peak RSS MB"]
         print(" | ".join(header))
         print(" | ".join("---" for _ in header))
-        for workers, steady, peak_mb in rows:
-            cells = [str(workers), f"{1e3 * median(steady, 'perf/step_s'):.1f}"]
+        for name, steady, peak_mb in rows:
+            cells = [name, f"{1e3 * median(steady, 'perf/step_s'):.1f}"]
             cells += [f"{1e3 * median(steady, f'perf/{p}_s'):.1f}" for p in PHASES]
-            cells += [f"{1e3 * median(steady, 'perf/generate_s'):.1f}", f"{1e3 * median(steady, 'perf/train_compute_s'):.1f}",
+            cells += [f"{1e3 * median(steady, 'perf/generate_s'):.1f}", f"{rollout_tokens_per_s(steady):,.0f}",
+                      f"{1e3 * median(steady, 'perf/train_compute_s'):.1f}",
+                      f"{1e3 * median(steady, 'perf/weight_sync_s'):.1f}",
+                      f"{median(steady, 'perf/weight_sync_bytes') / 1e6:.2f}",
                       f"{1e3 * median(steady, 'perf/overhead_s'):.1f}", f"{median(steady, 'perf/tokens_per_s'):,.0f}",
                       f"{peak_mb:,.0f}"]
             print(" | ".join(cells))
-        print(f"(medians over steps 4..{args.steps - 1}; peak RSS is the largest child process: driver or worker)")
+        print(f"(medians over steps 4..{args.steps - 1}; peak RSS is the largest child process so far)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

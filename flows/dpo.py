@@ -3,12 +3,12 @@
 Before the loop the driver loads the pairs of `data.train` / `data.val` (JSONL or a hub dataset
 `org/name[:split]`), refuses them with the failing pandera checks (`validate_preference_pairs`:
 non-empty, chosen != rejected, responses within `rollout.max_tokens`), tensorises them
-(`pairs_to_trajectory`) and scores the reference ONCE (`with_reference_logps`; the reference is
-the frozen initial policy, or `rl.reference`). Each step then runs `select -> validate -> train`:
+(`pairs_to_trajectory`); trainer rank 0 scores the reference ONCE (`with_reference_logps`; the
+reference is the frozen initial policy, or `rl.reference`): the driver holds no weights. Each step then runs `select -> validate -> train`:
 `rollout.prompts_per_step` pairs (pairs per step) from a seeded `PromptSampler` over the train
 pairs, `batch.select(pair_rows(idx))`, the pair gate, and one train step on the data-parallel
-workers (contiguous shards of whole pairs). On cadence: `sync` (rank 0's weights to the driver's
-engine), `evaluate_pairs` (held-out `val/loss`, `val/reward_accuracy`, `val/margin`, ...) and
+workers (contiguous shards of whole pairs). On cadence: `sync` (rank 0's weights to the rollout
+engines, which evaluate), `evaluate_pairs` (held-out `val/loss`, `val/reward_accuracy`, `val/margin`, ...) and
 `evaluate` (greedy held-out accuracy on the val pairs' prompts against their chosen answers),
 then `checkpoint` (trainer parts + the pair sampler's state: exact resume as GRPO).
 
@@ -21,14 +21,12 @@ import logging
 import os
 import time
 
-import torch
 from prefect import flow, get_run_logger
 
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.cluster import Cluster
 from infra.tracking import RunTracker
-from rl_core.algorithms.dpo import with_reference_logps
 from rl_core.config import PosttrainConfig, check, load_config
 from rl_core.config.loader import ConfigError
 from rl_core.data import Example, PromptSampler
@@ -38,8 +36,7 @@ from rl_core.data.preferences import (
     pairs_to_trajectory,
     validate_preference_pairs,
 )
-from rl_core.models import load_policy
-from rl_core.rollout import make_engine
+from rl_core.models import load_tokenizer
 from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task
 from tasks.rollout import sync_task
@@ -83,35 +80,30 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     logger = get_run_logger()
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
 
-    # -- the driver: policy (the frozen reference unless rl.reference names one), pairs, cached reference log-probs
-    torch.manual_seed(cfg.job.seed)
-    model, tokenizer = load_policy(cfg.model)
-    model.eval()
+    # -- the driver: tokenizer and pairs only (no weights); the reference is scored ONCE, on trainer rank 0
+    tokenizer = load_tokenizer(cfg.model)
     max_val = cfg.rl.validation.max_prompts
     train_df = load_pairs(cfg.data.train, tokenizer, cfg, "data.train")
     val_df = load_pairs(cfg.data.val, tokenizer, cfg, "data.val", limit=max_val)
     layout = {"task": cfg.data.task, "template": cfg.data.prompt_template}
-    t = time.perf_counter()
-    reference = model if cfg.rl.reference is None else load_policy(
-        cfg.model.model_copy(update={"name_or_path": cfg.rl.reference}))[0]
-    chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
-    train_pairs = with_reference_logps(reference, pairs_to_trajectory(train_df, tokenizer, **layout),
-                                       temperature=cfg.rl.temperature, micro_batch_size=chunk)
-    val_pairs = with_reference_logps(reference, pairs_to_trajectory(val_df, tokenizer, **layout),
-                                     temperature=cfg.rl.temperature, micro_batch_size=chunk)
-    del reference
-    reference_s = time.perf_counter() - t
-    logger.info("DPO: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
-                len(train_df), len(val_df), reference_s)
-    engine = make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, model_path=cfg.model.name_or_path,
-                         dtype=cfg.model.dtype)
+    train_pairs = pairs_to_trajectory(train_df, tokenizer, **layout)
+    val_pairs = pairs_to_trajectory(val_df, tokenizer, **layout)
     val_examples = accuracy_examples(val_df, cfg.data.task)
     sampler = PromptSampler(len(train_df), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
+    max_model_len = max(int(train_pairs.attention_mask.shape[1]), int(val_pairs.attention_mask.shape[1])) \
+        + cfg.rollout.max_tokens
 
     step = run.start_step
-    with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster:
+    with RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:
+        t = time.perf_counter()
+        chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
+        train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))
+        val_pairs = val_pairs.replace(ref_logp=cluster.reference_logps(val_pairs, chunk))
+        reference_s = time.perf_counter() - t
+        logger.info("DPO: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
+                    len(train_df), len(val_df), reference_s)
         run.start(tracker)
-        version = run.restore(cluster, sampler, engine, logger.info)
+        version = run.restore(cluster, sampler, logger.info)
 
         def log(record: dict) -> None:
             run.log(record, bar)
@@ -119,7 +111,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
         def evaluate() -> dict:
             out = evaluate_pairs_task(cluster, val_pairs)
             if val_examples:
-                out.update(evaluate_task(engine, tokenizer, val_examples, cfg.data, cfg.rollout.max_tokens))
+                out.update(evaluate_task(cluster.engines, tokenizer, val_examples, cfg.data, cfg.rollout.max_tokens))
             return out
 
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
@@ -141,7 +133,8 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
                 record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps}
                 if run.due(cfg.rl.validation.every_steps, step):
                     t = time.perf_counter()
-                    version = sync_task(cluster, engine, step)
+                    version = step
+                    record.update(sync_task(cluster, version))
                     record["perf/sync_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     record.update(evaluate())

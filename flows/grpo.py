@@ -63,16 +63,17 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
 
     role = RolloutRole.build(cfg)
     step = run.start_step
-    with RunTracker() as tracker, Cluster(cfg, recipe, overrides) as cluster, \
-            (TeacherRole(cfg, recipe, overrides) if with_teacher else nullcontext()) as teacher:
+    with RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
+            (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:
         run.start(tracker)
-        version = run.restore(cluster, role.sampler, role.engine, logger.info)
+        engines = cluster.engines
+        version = run.restore(cluster, role.sampler, logger.info)
 
         def log(record: dict) -> None:
             run.log(record, bar)
 
         def evaluate() -> dict:
-            return evaluate_task(role.engine, role.tokenizer, role.val, cfg.data, cfg.rollout.max_tokens)
+            return evaluate_task(engines, role.tokenizer, role.val, cfg.data, cfg.rollout.max_tokens)
 
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
@@ -82,8 +83,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 timer, t_step = Timer(), time.perf_counter()
                 rows = role.sampler.next_batch()
                 t = time.perf_counter()
-                role.engine.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
-                completions = rollout(role.engine, role.prompts(rows), cfg.rollout.n, role.sampling(step),
+                engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
+                completions = rollout(engines, role.prompts(rows), cfg.rollout.n, role.sampling(step),
                                       {"config": run.cfg_hash, "step": step, "version": version, "rows": rows})
                 timer.lap("rollout", t)
                 t = time.perf_counter()
@@ -107,11 +108,12 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 per_rank = train_task(cluster, annotated.batch)
                 timer.lap("train", t)
                 t = time.perf_counter()
-                version = sync_task(cluster, role.engine, version + 1)
+                version += 1
+                synced = sync_task(cluster, version)
                 timer.lap("sync", t)
                 step_s = time.perf_counter() - t_step
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
-                          **timer.laps, "perf/step_s": step_s, "perf/generate_s": role.engine.last_generate_s,
+                          **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": engines.last_generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version}
                 # orchestration overhead: step wall time not spent sampling or in forward/backward

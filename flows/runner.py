@@ -6,7 +6,7 @@ the checkpoint (or restored from it: every checkpoint carries the metrics.jsonl 
 step, so a resume on a machine without the run directory, from S3, keeps the whole history), the
 objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
 run, continued on resume, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
-version and the driver engine's weights), `log` (metrics.jsonl + MLflow + progress), `due`
+version, then a checked weight sync to the rollout engines), `log` (metrics.jsonl + MLflow + progress), `due`
 (cadence), `checkpoint`, and `finish` (final model, curve, model artifact, the flow's return value).
 The flows keep only the phases of a step.
 """
@@ -124,16 +124,25 @@ class TrainingRun:
         write_run_state(self.run_dir, {"mlflow_run_id": self.run_id, "config_hash": self.cfg_hash})
         return self.run_id
 
-    def restore(self, cluster: Any, sampler: Any, engine: Any, announce: Callable[..., None]) -> int:
-        """Load the checkpoint (if any) into the workers, the sampler and the driver's engine; the policy version."""
-        if self.plan.checkpoint is None:
-            return 0
-        announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
-        parts = self.plan.parts
-        cluster.load_trainer_parts(parts)
-        sampler.load_state_dict(parts["driver"]["sampler"])
-        version = int(parts["driver"]["policy_version"])
-        engine.update_weights(parts["trainer"]["model"], version)
+    def record_placement(self, cluster: Any) -> dict:
+        """Write `placement.json`: the node, IP, pid and device of every trainer rank and rollout engine."""
+        where = cluster.node_map()
+        (self.run_dir / "placement.json").write_text(json.dumps(where, indent=1) + "\n")
+        return where
+
+    def restore(self, cluster: Any, sampler: Any, announce: Callable[..., None]) -> int:
+        """Load the checkpoint (if any) into the workers and the sampler, then bring the rollout engines to the
+        trainers' weights (a checked sync, also on a fresh start); the policy version."""
+        version = 0
+        if self.plan.checkpoint is not None:
+            announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
+            parts = self.plan.parts
+            cluster.load_trainer_parts(parts)
+            sampler.load_state_dict(parts["driver"]["sampler"])
+            version = int(parts["driver"]["policy_version"])
+            self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
+        self.record_placement(cluster)
+        cluster.sync_weights(version)
         return version
 
     def log(self, record: dict, bar: Any) -> None:

@@ -1,10 +1,25 @@
-"""Compute placement: a Ray cluster (local or joined) and the data-parallel policy workers.
+"""Compute placement: a Ray cluster (local or joined), the trainer ranks and the rollout engines.
 
-Each `PolicyWorker` is a Ray actor that rebuilds the config from the recipe path + dotlist, loads
-the policy, builds the objective with the algorithm's module-level builder and owns an `LLMTrainer`.
-Workers form one torch.distributed process group (gloo on CPU over a `file://` rendezvous kept on
-loopback, NCCL on GPU); the trainer's data-parallel hook sums numerator gradients and weights
-across it (SPEC §4). The driver splits a validated batch into equal shards, one per worker.
+Roles, all Ray actors in placement groups whose CPUs/GPUs Ray counts (the driver holds no model):
+
+- `PolicyWorker`: one data-parallel trainer rank (model, objective, `LLMTrainer`). The ranks form
+  torch's default process group over a `tcp://` rendezvous at rank 0's node IP and a free port
+  (gloo on CPU, NCCL on GPU), so they may sit on different nodes; the trainer's data-parallel hook
+  sums numerator gradients and weights across it (the objective contract).
+- Rollout engines, by `cluster.placement`:
+  - `colocated` (default): one engine inside every trainer rank, on the rank's device. The HF
+    engine samples from the trainer's own model (a sync moves nothing); vLLM gets the weights in
+    process and sleeps while the trainer steps (on GPU).
+  - `separate`: `rollout.num_engines` `RolloutWorker` actors on their own CPUs/GPUs; trainer rank 0
+    broadcasts every new policy version to them over a weight-sync group of its own (gloo on CPU,
+    NCCL on GPU), in dtype buckets. Nothing goes through the driver or Ray's object store.
+  Every sync carries the policy version and a checksum of the weights; each engine echoes both and
+  a mismatch fails the step (`WeightSyncError`).
+
+Actors receive the resolved, validated config as data (local model paths made absolute by the
+driver): they never re-run a recipe file nor depend on the driver's working directory. On a
+cluster of several machines those paths must exist on every node (a shared filesystem), or the
+model must be a hub id.
 """
 
 from __future__ import annotations
@@ -12,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
-import tempfile
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -21,8 +36,12 @@ from typing import Any, Self
 
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_core.config import PosttrainConfig
+from infra.engines import EnginePool, RolloutWorker, actor_device, build_engine, node_info
+from rl_core.config import PosttrainConfig, config_from_dict
+from rl_core.config.loader import config_dict
 
 log = logging.getLogger("posttrain.cluster")
 
@@ -34,42 +53,145 @@ BUILDERS = {  # job.algorithm -> module whose build_objective(rl, context) makes
     "opd": "rl_core.algorithms.opd",
     "dpo": "rl_core.algorithms.dpo",
 }
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+class WeightSyncError(RuntimeError):
+    """An engine did not end a weight sync on the version and checksum that trainer rank 0 sent."""
+
+
+class PlacementError(RuntimeError):
+    """Ray could not place a role within `cluster.placement_timeout_s`."""
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def _absolute_if_local(value: str | None) -> str | None:
+    """A local model directory as an absolute path of the driver's machine; hub ids unchanged."""
+    if not value:
+        return value
+    looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1
+    return str(Path(value).expanduser().resolve()) if looks_local else value
+
+
+def worker_config(cfg: PosttrainConfig) -> dict:
+    """The config the actors get, as plain data: local model paths made absolute (no cwd on the far side)."""
+    data = config_dict(cfg)
+    data["model"]["name_or_path"] = _absolute_if_local(cfg.model.name_or_path)
+    data["model"]["teacher"] = _absolute_if_local(cfg.model.teacher)
+    data["rl"]["reference"] = _absolute_if_local(cfg.rl.reference)
+    return data
+
+
+def num_engines(cfg: PosttrainConfig) -> int:
+    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
+    if cfg.cluster.placement == "colocated":
+        return cfg.cluster.num_workers
+    return cfg.rollout.num_engines or 1
+
+
+# ------------------------------------------------------------------------------------------ actors
 
 
 class PolicyWorker:
-    """One data-parallel rank: model, objective, trainer. Created as a Ray actor by `Cluster`."""
+    """One data-parallel trainer rank (and, colocated, its rollout engine). Created as a Ray actor by `Cluster`."""
 
-    def __init__(self, rank: int, world_size: int, init_file: str, recipe: str, overrides: list[str],
-                 cwd: str, threads: int, backend: str):
-        if cwd and os.path.isdir(cwd):
-            os.chdir(cwd)
+    def __init__(self, cfg_data: dict, rank: int, world_size: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.cfg = config_from_dict(cfg_data)
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            import torch.distributed as dist
+        self.device = actor_device(gpus)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.trainer = self.tokenizer = self.engine = None
+        self._store = self._weight_store = self.weight_group = None
+        self.layout: list | None = None
 
-            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        from rl_core.config import load_config
+    def info(self) -> dict[str, Any]:
+        return node_info(self.device)
 
-        self.cfg = load_config(recipe, overrides)
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: a TCP store on this node for the data-parallel group; `(node ip, port)`."""
+        from infra.distributed import node_ip, open_store
+
+        ip = node_ip()
+        self._store, port = open_store(ip, self.world_size)
+        return ip, port
+
+    def setup(self, host: str | None, port: int | None, max_model_len: int | None) -> int:
+        """Join the data-parallel group (world > 1), build model, objective and trainer, and the colocated engine."""
+        from infra.distributed import connect_store, init_default_group, node_ip
         from rl_core.trainer import ProcessGroupReducer
 
-        self.trainer, self.tokenizer = build_trainer(self.cfg, ProcessGroupReducer() if world_size > 1 else None)
-
-    def ready(self) -> int:
+        reducer = None
+        if self.world_size > 1:
+            store = self._store or connect_store(host, port, self.world_size)
+            init_default_group(self.backend, store, self.rank, self.world_size, node_ip())
+            reducer = ProcessGroupReducer()
+        self.trainer, self.tokenizer = build_trainer(self.cfg, reducer, self.device)
+        if self.cfg.cluster.placement == "colocated":
+            self.engine = build_engine(self.cfg, self.device, model=self.trainer.model, tokenizer=self.tokenizer,
+                                       max_model_len=max_model_len, sleep_mode=True)
         return self.rank
 
+    # -- rollout (colocated)
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Any, prompt_offset: int) -> tuple[Any, float]:
+        completions = self.engine.generate(prompt_ids, n, sampling, prompt_offset=prompt_offset)
+        return completions, self.engine.last_generate_s
+
+    def sync_colocated(self, version: int) -> dict[str, Any]:
+        """Hand this rank's weights to its own engine (HF: it samples from them already); echo version + checksum."""
+        from infra.distributed import state_checksum
+
+        t = time.perf_counter()
+        state = self.trainer.model.state_dict()
+        layout = self.weight_layout()
+        if getattr(self.engine, "model", None) is self.trainer.model:
+            self.engine.set_policy_version(version)
+        else:
+            self.engine.update_weights(state, version)
+        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout),
+                "seconds": time.perf_counter() - t, "bytes": 0}
+
+    # -- weight sync to separate engines (rank 0)
+    def weight_layout(self) -> list:
+        from infra.distributed import wire_layout
+
+        if self.layout is None:
+            self.layout = wire_layout(self.trainer.model.state_dict(), self.cfg.model.dtype)
+        return self.layout
+
+    def open_weight_group(self, world_size: int) -> tuple[str, int]:
+        from infra.distributed import node_ip, open_store
+
+        ip = node_ip()
+        self._weight_store, port = open_store(ip, world_size)
+        return ip, port
+
+    def join_weight_group(self, world_size: int) -> int:
+        from infra.distributed import WeightGroup, node_ip
+
+        self.weight_group = WeightGroup(self._weight_store, 0, world_size, self.backend, node_ip())
+        return 0
+
+    def broadcast_weights(self, version: int) -> dict[str, Any]:
+        from infra.distributed import send_state
+
+        t = time.perf_counter()
+        digest, sent = send_state(self.weight_group, self.trainer.model.state_dict(), self.weight_layout(),
+                                  self.device)
+        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t}
+
+    # -- training
     def train_step(self, shard: Any) -> dict[str, float]:
+        if self.engine is not None:
+            self.engine.sleep()  # colocated vLLM on GPU: free its memory for the step
         t0 = time.perf_counter()
         rl = self.cfg.rl
         metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
         return metrics
-
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()}
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
         """DPO: held-out pair metrics (`val/loss`, `val/reward_accuracy`, ...) of this rank's policy, no grad."""
@@ -78,10 +200,26 @@ class PolicyWorker:
         return evaluate_pairs(self.trainer.objective, self.trainer.model, batch,
                               micro_batch_size=self.cfg.rl.micro_batch_per_replica, split=split)
 
+    def reference_logps(self, batch: Any, micro_batch_size: int) -> torch.Tensor:
+        """DPO: the batch's per-token reference log-probs (the frozen initial policy, or `rl.reference`), on CPU.
+
+        The reference is loaded for this call and dropped afterwards; the scores are cached by the flow.
+        """
+        from rl_core.algorithms.dpo import with_reference_logps
+        from rl_core.models import load_policy
+
+        model_cfg = self.cfg.model if self.cfg.rl.reference is None else \
+            self.cfg.model.model_copy(update={"name_or_path": self.cfg.rl.reference})
+        reference, _ = load_policy(model_cfg, device=self.device)
+        scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rl.temperature,
+                                      micro_batch_size=micro_batch_size)
+        return scored.ref_logp.cpu()
+
+    # -- checkpoints
     def trainer_state(self, full: bool) -> dict[str, Any]:
-        """Rank 0: the whole trainer state; other ranks: only their RNG (weights and optimizer are identical)."""
+        """Rank 0: the whole trainer state (on CPU); other ranks: only their RNG (weights and optimizer are identical)."""
         state = self.trainer.state_dict()
-        return state if full else {"rng": state["rng"]}
+        return _to_cpu(state) if full else {"rng": state["rng"]}
 
     def load_trainer_state(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
         self.trainer.load_state_dict(state if rng is None else {**state, "rng": rng})
@@ -93,6 +231,8 @@ class PolicyWorker:
         return path
 
     def shutdown(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -100,96 +240,236 @@ class PolicyWorker:
                 dist.destroy_process_group()
 
 
-def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None):
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.device | None = None):
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.models import load_policy
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)
-    model, tokenizer = load_policy(cfg.model)
+    model, tokenizer = load_policy(cfg.model, device=device)
     builder = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective
     context = ObjectiveContext.from_config(cfg)
     objective = builder(cfg.rl, context)
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:
         ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})
-        reference, _ = load_policy(ref_cfg)
+        reference, _ = load_policy(ref_cfg, device=device)
         reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer)
     return trainer, tokenizer
 
 
-class Cluster(AbstractContextManager):
-    """Joins `cluster.address`/`RAY_ADDRESS` or starts a local Ray on 127.0.0.1, then places the workers.
+# ------------------------------------------------------------------------------------------ Ray
 
-    On exit (also on failure) the workers are killed and a Ray that this object started is stopped.
+
+def _address_host(address: str) -> str:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def keep_ray_on_loopback() -> None:
+    """Make Ray use 127.0.0.1 as this machine's node IP (a local Ray, or a cluster on 127.0.0.1).
+
+    Ray otherwise replaces 127.0.0.1 by the address of the interface that routes outwards, also for
+    `ray.init(_node_ip_address="127.0.0.1")`; with it a head started on 127.0.0.1 (whose GCS then
+    listens on loopback only) cannot be reached. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's
+    switch for that; it is read once at import, so the module constant is set too. Processes that
+    Ray starts from here inherit the environment variable.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def auth_token_source() -> str | None:
+    """Where this process takes a Ray auth token from: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or
+    ~/.ray/auth_token under RAY_AUTH_MODE=token; None when it sends none."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    default = Path.home() / ".ray" / "auth_token"
+    token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    return str(default) if token_mode and default.is_file() else None
+
+
+def connect_ray(cfg: PosttrainConfig) -> bool:
+    """Join `cluster.address` / `RAY_ADDRESS`, or start a local Ray of our own; True when we started it.
+
+    A Ray already initialised in this process (tests, notebooks) is used as it is. With no address
+    the local Ray is started with `address="local"`, so a cluster that `ray start` left on this
+    machine is never joined by accident. A cluster on 127.0.0.1 is reached on 127.0.0.1. Joining a
+    cluster with token authentication takes the token from RAY_AUTH_TOKEN or the file that
+    RAY_AUTH_TOKEN_PATH names (either switches RAY_AUTH_MODE=token on when it is unset), or from
+    ~/.ray/auth_token with RAY_AUTH_MODE=token.
+    """
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return False
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        if _address_host(address) in LOOPBACK_HOSTS:
+            keep_ray_on_loopback()
+        # An explicit address never turns token mode on in Ray. A token the user put in the environment says
+        # they want it; a ~/.ray/auth_token left by some local Ray does not (the cluster may have auth off).
+        if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN")
+                                                  or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+            from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+            _enable_token_auth()  # RAY_AUTH_MODE=token, and the config this process already read is refreshed
+        try:
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
+        except Exception as exc:
+            raise ConnectionError(_join_failure(address, exc)) from exc
+        log.info("joined Ray cluster at %s", address)
+        return False
+    keep_ray_on_loopback()
+    c = cfg.cluster
+    need = c.num_workers * c.cpus_per_worker + (
+        num_engines(cfg) * c.cpus_per_engine if c.placement == "separate" else 0)
+    ray.init(address="local", include_dashboard=False,
+             num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
+             log_to_driver=True, configure_logging=False)
+    log.info("started a local Ray on 127.0.0.1")
+    return True
+
+
+def _join_failure(address: str, exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    while exc.__cause__ is not None or exc.__context__ is not None:  # the auth error is often the cause
+        exc = exc.__cause__ or exc.__context__
+        text += f" <- {type(exc).__name__}: {exc}"
+    hint = ""
+    if "auth" in text.lower() or "token" in text.lower():
+        source = auth_token_source()
+        hint = (" The cluster uses token authentication: give this process the cluster's token (on the head node: "
+                "`ray get-auth-token`) as RAY_AUTH_TOKEN, or as a file named by RAY_AUTH_TOKEN_PATH, or in "
+                "~/.ray/auth_token together with RAY_AUTH_MODE=token. "
+                + (f"A token was taken from {source} and refused: it is not this cluster's token."
+                   if source else "No token is set here."))
+    return f"could not join the Ray cluster at cluster.address/RAY_ADDRESS={address!r}: {text}.{hint}"
+
+
+class Cluster(AbstractContextManager):
+    """Joins or starts Ray, then places the trainer ranks and the rollout engines (see the module docstring).
+
+    On exit (also on failure) every actor is killed, the placement groups are removed and a Ray that
+    this object started is stopped. `max_model_len`: the longest prompt plus `rollout.max_tokens`
+    (vLLM sizes its KV cache with it).
     """
 
-    def __init__(self, cfg: PosttrainConfig, recipe: str, overrides: list[str]):
-        self.cfg, self.recipe, self.overrides = cfg, str(Path(recipe).resolve()), list(overrides)
+    def __init__(self, cfg: PosttrainConfig, *, max_model_len: int | None = None, with_engines: bool = True):
+        self.cfg = cfg
+        self.worker_cfg = worker_config(cfg)
+        self.max_model_len = max_model_len
+        self.with_engines = with_engines
         self.workers: list[Any] = []
+        self.engine_actors: list[Any] = []
+        self.placement_groups: list[Any] = []
+        self.engines: EnginePool | None = None
         self.started_ray = False
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._weight_world = 0
 
     # -- lifecycle
     def __enter__(self) -> Self:
         try:
-            self._connect()
+            self.started_ray = connect_ray(self.cfg)
             self._place_workers()
+            if self.with_engines:
+                self._place_engines()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def _connect(self) -> None:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        address = self.cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-        if ray.is_initialized():
-            return
-        if address:
-            ray.init(address=address, log_to_driver=True)
-            log.info("joined Ray cluster at %s", address)
-            return
-        need = self.cfg.cluster.num_workers * self.cfg.cluster.cpus_per_worker
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-            num_gpus=torch.cuda.device_count(),
-            object_store_memory=256 * 1024 * 1024,
-            log_to_driver=True,
-            configure_logging=False,
-        )
-        self.started_ray = True
-        log.info("started a local Ray on 127.0.0.1")
+    def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
+        timeout = self.cfg.cluster.placement_timeout_s
+        pg = placement_group(bundles, strategy=strategy)
+        self.placement_groups.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not place {what} within cluster.placement_timeout_s={timeout:g}: {len(bundles)} bundle(s) "
+                f"of {bundles[0]} with strategy {strategy}; available now: {_resources(ray.available_resources())} "
+                f"of {_resources(ray.cluster_resources())}. Lower the request (cluster.num_workers, *_per_worker, "
+                "rollout.num_engines, *_per_engine), relax cluster.placement_strategy, or add nodes") from None
+        return pg
+
+    @staticmethod
+    def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
 
     def _place_workers(self) -> None:
         c = self.cfg.cluster
-        self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-dist-")
-        init_file = os.path.join(self._tmp.name, "rendezvous")
-        backend = "nccl" if c.gpus_per_worker > 0 else "gloo"
-        actor = ray.remote(PolicyWorker).options(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker)
+        pg = self._placement_group([self._bundle(c.cpus_per_worker, c.gpus_per_worker)] * c.num_workers,
+                                   c.placement_strategy, f"{c.num_workers} trainer rank(s)")
+        actor = ray.remote(PolicyWorker)
         self.workers = [
-            actor.remote(rank, c.num_workers, init_file, self.recipe, self.overrides, os.getcwd(),
-                         max(int(c.cpus_per_worker), 1), backend)
-            for rank in range(c.num_workers)
+            actor.options(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            .remote(self.worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker)
+            for r in range(c.num_workers)
         ]
-        ray.get([w.ready.remote() for w in self.workers])
+        host, port = ray.get(self.workers[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
+        ray.get([w.setup.remote(host, port, self.max_model_len) for w in self.workers])
+
+    def _place_engines(self) -> None:
+        c = self.cfg.cluster
+        if c.placement == "colocated":
+            self.engines = EnginePool(self.workers)
+            return
+        count = num_engines(self.cfg)
+        pg = self._placement_group([self._bundle(c.cpus_per_engine, c.gpus_per_engine)] * count, "PACK",
+                                   f"{count} rollout engine(s)")
+        actor = ray.remote(RolloutWorker)
+        self.engine_actors = [
+            actor.options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+            .remote(self.worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine, self.max_model_len)
+            for i in range(count)
+        ]
+        self.engines = EnginePool(self.engine_actors)
+        # the weight-sync group: trainer rank 0 is its rank 0, engine i its rank i + 1
+        world = count + 1
+        layout = ray.get(self.workers[0].weight_layout.remote())
+        host, port = ray.get(self.workers[0].open_weight_group.remote(world))
+        backend = "nccl" if c.gpus_per_worker > 0 and c.gpus_per_engine > 0 else "gloo"
+        if backend == "gloo" and (c.gpus_per_worker > 0 or c.gpus_per_engine > 0):
+            log.warning("weight sync over gloo: trainer and engines are not both on GPUs")
+        joins = [self.workers[0].join_weight_group.remote(world)]
+        joins += [e.join_weight_group.remote(host, port, world, i + 1, backend, layout)
+                  for i, e in enumerate(self.engine_actors)]
+        ray.get(joins)
+        self._weight_world = world
 
     def __exit__(self, *exc: object) -> None:
-        for w in self.workers:
-            with contextlib.suppress(Exception):  # the worker may already be dead
-                ray.get(w.shutdown.remote(), timeout=10)
-            ray.kill(w, no_restart=True)
-        self.workers = []
+        for actor in self.engine_actors + self.workers:
+            with contextlib.suppress(Exception):  # the actor or Ray may already be gone
+                ray.get(actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self.workers, self.engine_actors, self.engines = [], [], None
+        for pg in self.placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self.placement_groups = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         self.started_ray = False
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
 
     # -- phases
     def train(self, batch: Any) -> list[dict[str, float]]:
@@ -199,12 +479,41 @@ class Cluster(AbstractContextManager):
         shards = [batch.select(list(range(r * size, (r + 1) * size))) for r in range(n)]
         return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shards)])
 
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        return ray.get(self.workers[0].policy_state.remote())
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Bring every engine to rank 0's weights as policy `version`; check the echoed versions and checksums.
+
+        Returns `perf/weight_sync_s` and `perf/weight_sync_bytes` (bytes each engine received; 0 colocated).
+        """
+        t = time.perf_counter()
+        if self.cfg.cluster.placement == "colocated":
+            results = ray.get([w.sync_colocated.remote(version) for w in self.workers])
+            sent, echoes = results[0], list(enumerate(results))
+        else:
+            sent_ref = self.workers[0].broadcast_weights.remote(version)
+            received = ray.get([e.receive_weights.remote(version) for e in self.engine_actors])
+            sent = ray.get(sent_ref)
+            echoes = list(enumerate(received))
+        for i, echo in echoes:
+            if echo["version"] != version or echo["checksum"] != sent["checksum"]:
+                raise WeightSyncError(
+                    f"weight sync of policy version {version}: engine {i} reports version {echo['version']} with "
+                    f"checksum {echo['checksum']}, but trainer rank 0 has checksum {sent['checksum']}: the engine "
+                    "would sample from stale or corrupted weights; the step is stopped")
+        return {"perf/weight_sync_s": time.perf_counter() - t, "perf/weight_sync_bytes": float(sent["bytes"])}
+
+    def node_map(self) -> dict[str, list[dict[str, Any]]]:
+        """Where each role runs: `{"trainers": [...], "engines": [...]}` of node id, ip, pid and device."""
+        trainers = ray.get([w.info.remote() for w in self.workers])
+        engines = ray.get([e.info.remote() for e in self.engine_actors]) if self.engine_actors else trainers
+        return {"trainers": trainers, "engines": engines}
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
         """DPO: held-out pair metrics of the policy, computed on rank 0 (the ranks hold identical weights)."""
         return ray.get(self.workers[0].evaluate_pairs.remote(batch, split))
+
+    def reference_logps(self, batch: Any, micro_batch_size: int) -> torch.Tensor:
+        """DPO: the reference's per-token log-probs of `batch`, scored on trainer rank 0."""
+        return ray.get(self.workers[0].reference_logps.remote(batch, micro_batch_size))
 
     def trainer_parts(self) -> dict[str, Any]:
         """Checkpoint parts: `trainer` (rank 0's whole state) and `rng_rank<r>` for every rank."""
@@ -225,3 +534,8 @@ class Cluster(AbstractContextManager):
 
     def save_pretrained(self, path: str | Path) -> str:
         return ray.get(self.workers[0].save_pretrained.remote(str(Path(path).resolve())))
+
+
+def _resources(res: dict[str, float]) -> str:
+    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or k.startswith("accelerator")}
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(keep.items())) or "nothing"

@@ -25,7 +25,8 @@ from rl_core.config.loader import config_dict
 MAY_CHANGE_ON_RESUME = (
     "rl.max_steps", "rl.save_every", "rl.resume", "rl.validation.", "tracking.", "job.task_retries",
     "job.retry_delay_s", "job.overwrite", "job.out_dir", "cluster.address", "cluster.cpus_per_worker",
-    "rollout.gpu_memory_utilization",
+    "cluster.placement", "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy",
+    "cluster.placement_timeout_s", "rollout.num_engines", "rollout.gpu_memory_utilization",
 )
 RUN_STATE = "run_state.json"
 

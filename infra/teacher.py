@@ -1,21 +1,20 @@
 """The OPD teacher role: a frozen model in its own Ray actor, scoring the student's sampled tokens.
 
-`TeacherWorker` rebuilds the config from the recipe path + dotlist (like `PolicyWorker`), loads
-`model.teacher` with the policy's dtype, freezes it and answers `score(batch) -> teacher_logp [B, T]`
+`TeacherWorker` receives the resolved config as data (like `PolicyWorker`), loads `model.teacher`
+with the policy's dtype on its device, freezes it and answers `score(batch) -> teacher_logp [B, T]`
 with `rl_core.algorithms.opd.teacher_logprobs` at the loss temperature (`rl.temperature`), in chunks
 of `rl.micro_batch_per_replica` rows. There is no weight-sync edge to it: its weights never change.
 
 `TeacherRole` places the actor on the Ray cluster a `Cluster` joined or started (enter it inside
 the `Cluster` context) and kills it on exit. On a GPU cluster the teacher takes
 `cluster.gpus_per_worker` GPUs; on CPU it reserves no CPU (it runs between the workers' train steps).
+Placement waits at most `cluster.placement_timeout_s`, then fails naming what Ray could not place.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Self
 
 import ray
@@ -27,19 +26,19 @@ from rl_core.config import PosttrainConfig
 class TeacherWorker:
     """The frozen teacher model. Created as a Ray actor by `TeacherRole`."""
 
-    def __init__(self, recipe: str, overrides: list[str], cwd: str, threads: int):
-        if cwd and os.path.isdir(cwd):
-            os.chdir(cwd)
-        torch.set_num_threads(max(int(threads), 1))
-        from rl_core.config import load_config
+    def __init__(self, cfg_data: dict, threads: int, gpus: float):
+        from infra.engines import actor_device
+        from rl_core.config import config_from_dict
         from rl_core.models import load_policy
 
-        self.cfg = load_config(recipe, overrides)
+        torch.set_num_threads(max(int(threads), 1))
+        self.cfg = config_from_dict(cfg_data)
         if not self.cfg.model.teacher:
             raise ValueError("model.teacher is not set: the OPD teacher role needs a teacher model")
-        model, _ = load_policy(self.cfg.model.model_copy(update={"name_or_path": self.cfg.model.teacher}))
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.device = actor_device(gpus)
+        model, _ = load_policy(self.cfg.model.model_copy(update={"name_or_path": self.cfg.model.teacher}),
+                               device=self.device)
+        self.model = model.eval().requires_grad_(False)
 
     def ready(self) -> str:
         return str(self.cfg.model.teacher)
@@ -48,7 +47,7 @@ class TeacherWorker:
         """`teacher_logp [B, T]` float32 (0 off the loss mask) of the batch's sampled tokens, on CPU."""
         from rl_core.algorithms.opd import teacher_logprobs
 
-        out = teacher_logprobs(self.model, batch, temperature=self.cfg.rl.temperature,
+        out = teacher_logprobs(self.model, batch.to(self.device), temperature=self.cfg.rl.temperature,
                                micro_batch_size=self.cfg.rl.micro_batch_per_replica)
         return out.cpu()
 
@@ -56,18 +55,28 @@ class TeacherWorker:
 class TeacherRole(AbstractContextManager):
     """Places one `TeacherWorker` actor (Ray must be initialised: enter it inside `Cluster`)."""
 
-    def __init__(self, cfg: PosttrainConfig, recipe: str, overrides: list[str]):
-        self.cfg, self.recipe, self.overrides = cfg, str(Path(recipe).resolve()), list(overrides)
+    def __init__(self, cfg: PosttrainConfig):
+        self.cfg = cfg
         self.actor: Any = None
 
     def __enter__(self) -> Self:
+        from infra.cluster import PlacementError, _resources, worker_config
+
         c = self.cfg.cluster
         on_gpu = c.gpus_per_worker > 0
         actor = ray.remote(TeacherWorker).options(num_cpus=c.cpus_per_worker if on_gpu else 0,
                                                   num_gpus=c.gpus_per_worker if on_gpu else 0)
         try:
-            self.actor = actor.remote(self.recipe, self.overrides, os.getcwd(), max(int(c.cpus_per_worker), 1))
-            ray.get(self.actor.ready.remote())
+            self.actor = actor.remote(worker_config(self.cfg), max(int(c.cpus_per_worker), 1),
+                                      c.gpus_per_worker if on_gpu else 0.0)
+            try:
+                ray.get(self.actor.ready.remote(), timeout=c.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise PlacementError(
+                    f"Ray could not place the OPD teacher ({c.cpus_per_worker if on_gpu else 0:g} CPU, "
+                    f"{c.gpus_per_worker if on_gpu else 0:g} GPU) within cluster.placement_timeout_s="
+                    f"{c.placement_timeout_s:g}; available now: {_resources(ray.available_resources())}. The teacher "
+                    "needs GPUs beyond the trainer ranks' and engines'") from None
         except BaseException:
             self.__exit__(None, None, None)
             raise

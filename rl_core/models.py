@@ -47,35 +47,51 @@ TINY_ARCH = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:
+    """A local directory as an absolute path (it must exist), or a hub id unchanged.
+
+    A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c) is a local directory.
+    """
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if not looks_local:
+        return name_or_path
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{key}={name_or_path!r} does not exist; build the tiny model with "
+            "`posttrain init-model --out artifacts/tiny-model/init` and `posttrain warm-start`, "
+            f"or point {key} at a hub id or a saved model directory"
+        )
+    return str(path.resolve())
+
+
+def load_tokenizer(model_cfg):
+    """The policy's tokenizer alone (no weights): left padding, a pad token (its EOS) when it has none."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model_cfg.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model_cfg.trust_remote_code))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_policy(model_cfg, *, device: str | torch.device | None = None):
     """Load `(model, tokenizer)` from `model_cfg.name_or_path` (hub id or local directory).
 
     `model_cfg` is a `ModelConfig` (fields `name_or_path`, `dtype`, `trust_remote_code`). The
     tokenizer is set to left padding, and given a pad token (its EOS) when it has none.
-    The model is returned in eval mode.
+    The model is returned in eval mode, on `device` when given.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if model_cfg.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(_DTYPES)}")
-    path = model_cfg.name_or_path
-    # A hub id is "name" or "org/name"; anything else (./x, /x, a/b/c) is a local directory.
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
-    if looks_local and not Path(path).expanduser().exists():
-        raise FileNotFoundError(
-            f"model.name_or_path={path!r} does not exist; build the tiny model with "
-            "`posttrain init-model --out artifacts/tiny-model/init` and `posttrain warm-start`, "
-            "or point model.name_or_path at a hub id or a saved model directory"
-        )
-    if looks_local:
-        path = str(Path(path).expanduser())
-    trust = bool(model_cfg.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    path = resolve_model_path(model_cfg.name_or_path)
+    tokenizer = load_tokenizer(model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=trust
+        path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=bool(model_cfg.trust_remote_code)
     )
     if device is not None:
         model.to(device)

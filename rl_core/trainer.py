@@ -309,8 +309,10 @@ class LLMTrainer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         mean_keys = sorted(sums)
         ext_keys = sorted(extrema)
-        stats = torch.tensor([weight_sum, loss_sum] + [sums[k] for k in mean_keys], dtype=torch.float64)
-        ext = torch.tensor([extrema[k] for k in ext_keys], dtype=torch.float64)
+        # on the model's device: NCCL reduces CUDA tensors only
+        stats = torch.tensor([weight_sum, loss_sum] + [sums[k] for k in mean_keys], dtype=torch.float64,
+                             device=self.device)
+        ext = torch.tensor([extrema[k] for k in ext_keys], dtype=torch.float64, device=self.device)
         if self.dp_reducer is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.dp_reducer.all_reduce_([flat, stats])

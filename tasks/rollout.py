@@ -25,7 +25,6 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
 
 
 @task(name="sync", cache_policy=NO_CACHE)
-def sync_task(cluster: Any, engine: Any, version: int) -> int:
-    """Push rank 0's weights to the rollout engine; the policy version increments."""
-    engine.update_weights(cluster.policy_state(), version)
-    return version
+def sync_task(cluster: Any, version: int) -> dict[str, float]:
+    """Bring every rollout engine to trainer rank 0's weights as policy `version` (versions and checksums checked)."""
+    return cluster.sync_weights(version)

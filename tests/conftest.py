@@ -22,6 +22,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Ray on 127.0.0.1 only (it would otherwise advertise the outward interface): read by ray at import
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # the ephemeral Prefect API may take longer than its default 20 s to start on a loaded 2-core machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
@@ -53,7 +55,8 @@ def ray_session():
     if os.environ.get("RAY_ADDRESS"):
         yield None
         return
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(8, os.cpu_count() or 1),
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=max(8, os.cpu_count() or 1),
              num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False)
     try:
         yield ray

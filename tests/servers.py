@@ -83,3 +83,72 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, Path]]:
         yield url, root / "server-artifacts"
     finally:
         stop_group(proc, proc.pid)
+
+
+def _ray_env(temp_dir: Path, token: str | None) -> dict[str, str]:
+    """Environment of a test Ray cluster: loopback only, its own temp dir, token auth when `token` is given."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_TMPDIR": str(temp_dir)}
+    env.pop("RAY_ADDRESS", None)
+    if token:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def _kill_leftovers(temp_dir: Path) -> None:
+    """SIGKILL any process whose command line names this cluster's own temp dir (its raylet, GCS, workers)."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
+@contextmanager
+def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None) -> Iterator[str]:
+    """`ray start --head --block` on 127.0.0.1:<free port>, as users start a cluster; yields its address.
+
+    Stopped by its own process group (then any process left under its temp dir), never `ray stop`,
+    which would stop every Ray on the machine.
+    """
+    port = free_port()
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = temp_dir / "head.log"
+    cmd = [_bin("ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--num-cpus", str(num_cpus), "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+           "--object-store-memory", str(256 * 1024 * 1024), "--temp-dir", str(temp_dir / "ray")]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, token),
+                                start_new_session=True)
+    try:
+        _started(proc, lambda: _accepts(port) and b"Ray runtime started" in log.read_bytes(), 120, "ray head", log)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_group(proc, proc.pid)
+        _kill_leftovers(temp_dir)
+
+
+@contextmanager
+def ray_nodes(temp_dir: Path, *, nodes: int = 2, cpus_per_node: int = 2, token: str | None = None) -> Iterator[str]:
+    """A head and `nodes - 1` more Ray nodes on 127.0.0.1 (`ray.cluster_utils.Cluster` in a process of its own,
+    `tests/ray_nodes.py`); yields the head's address. Stopped by its process id (it shuts its nodes down)."""
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = temp_dir / "nodes.log"
+    address_file = temp_dir / "address"
+    cmd = [sys.executable, str(Path(__file__).with_name("ray_nodes.py")), "--nodes", str(nodes),
+           "--cpus-per-node", str(cpus_per_node), "--address-file", str(address_file),
+           "--temp-dir", str(temp_dir / "ray")]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, token),
+                                start_new_session=True)
+    try:
+        _started(proc, address_file.is_file, 180, "ray nodes", log)
+        yield address_file.read_text().strip()
+    finally:
+        stop_group(proc, proc.pid)
+        _kill_leftovers(temp_dir)

@@ -105,7 +105,7 @@ def test_overrides_parse_with_the_field_type():
     assert cfg.job.name == "x1" and cfg.model.trust_remote_code is True
 
 
-def test_a_worker_rebuilds_the_identical_config_from_path_and_dotlist():
+def test_another_process_rebuilds_the_identical_config_from_path_and_dotlist():
     overrides = ["rl.max_steps=3", "rollout.n=4", "rl.optimizer.lr=1e-4"]
     here = config_hash(load_config(ARITH, overrides))
     code = ("import sys; from rl_core.config import load_config, config_hash; "

@@ -114,26 +114,29 @@ def test_a_second_identical_rollout_hits_the_cache(in_workdir, tmp_path):
 
     from infra.roles import RolloutRole
     from rl_core.config import load_config
+    from rl_core.models import load_policy
+    from rl_core.rollout import HFEngine
     from tasks.rollout import rollout_task
 
     cfg = load_config(recipe("arithmetic"), FAST)
     role = RolloutRole.build(cfg)
+    engine = HFEngine(*load_policy(cfg.model), seed=0)
     calls = []
-    real = role.engine.generate
+    real = engine.generate
 
     def counting_generate(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    role.engine.generate = counting_generate
+    engine.generate = counting_generate
     task = rollout_task.with_options(result_storage=tmp_path.resolve())
 
     @flow
     def twice():
-        args = (role.engine, role.prompts([1, 2]), 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
+        args = (engine, role.prompts([1, 2]), 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
         first = task(*args, return_state=True)
         second = task(*args, return_state=True)
-        other = task(role.engine, role.prompts([1, 2]), 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
+        other = task(engine, role.prompts([1, 2]), 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
                      return_state=True)
         return first, second, other
 

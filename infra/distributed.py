@@ -1,0 +1,209 @@
+"""torch.distributed plumbing that spans Ray nodes: tcp:// rendezvous, and the weight-sync group.
+
+- Rendezvous: rank 0 opens a `TCPStore` on its own node IP and a free port (the OS picks it) and
+  reports `(ip, port)`; the other ranks connect to it. Nothing goes through a shared file, so the
+  ranks may sit on different machines.
+- Gloo binds to the interface that carries the node IP (127.0.0.1 -> `lo`), unless the user set
+  `GLOO_SOCKET_IFNAME`.
+- `WeightGroup`: a process group of its own (not torch's default group, which the trainer ranks
+  already use and which an in-process vLLM may create) between trainer rank 0 (rank 0 of the group)
+  and the rollout engines: gloo on CPU, NCCL on GPU.
+- `WeightBroadcast`: rank 0 sends a state dict in buckets of one dtype (one collective per bucket,
+  not per tensor), cast to the engines' dtype on the way; every receiver computes a checksum of
+  the bytes it received, which the driver compares with the sender's.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 * 1024 * 1024  # per broadcast; bounds the extra memory a sync needs on each side
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def node_ip() -> str:
+    """This process's node IP as Ray sees it (127.0.0.1 on a loopback cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def interface_for(ip: str) -> str | None:
+    """The network interface that carries `ip` (e.g. `lo` for 127.0.0.1), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return "lo" if ip.startswith("127.") else None
+
+
+def bind_gloo_to(ip: str) -> None:
+    """Make gloo use the interface of `ip` (the user's GLOO_SOCKET_IFNAME wins)."""
+    import os
+
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (iface := interface_for(ip)):
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+
+
+def open_store(ip: str, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[dist.TCPStore, int]:
+    """Rank 0: a TCPStore listening on a free port of this node; `(store, port)`."""
+    store = dist.TCPStore(ip, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    return store, int(store.port)
+
+
+def connect_store(host: str, port: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+
+
+def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size: int, ip: str) -> None:
+    """torch's default process group (the trainer ranks' data-parallel group) over a TCP store."""
+    if backend == "gloo":
+        bind_gloo_to(ip)
+    dist.init_process_group(backend, store=dist.PrefixStore("dp", store), rank=rank, world_size=world_size,
+                            timeout=DEFAULT_TIMEOUT)
+
+
+class WeightGroup:
+    """A standalone process group between trainer rank 0 (group rank 0) and the rollout engines."""
+
+    def __init__(self, store: dist.TCPStore, rank: int, world_size: int, backend: str, ip: str):
+        prefixed = dist.PrefixStore("weights", store)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = DEFAULT_TIMEOUT
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+        elif backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        else:
+            raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.pg.broadcast(tensor, 0).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except RuntimeError:  # already torn down
+                pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the dtype on the wire (the engine's)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def wire_layout(state: dict[str, torch.Tensor], dtype: str | None = None) -> list[TensorSpec]:
+    """What rank 0 sends, in order: every tensor's name, shape and wire dtype (`dtype` or its own)."""
+    return [TensorSpec(k, tuple(v.shape), dtype or str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+
+
+def buckets(layout: list[TensorSpec], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of `layout` grouped into runs of one dtype of at most `bucket_bytes` (a larger tensor alone)."""
+    out: list[list[int]] = []
+    size, dtype = 0, None
+    for i, spec in enumerate(layout):
+        nbytes = spec.numel * _DTYPES[spec.dtype].itemsize
+        if not out or spec.dtype != dtype or size + nbytes > bucket_bytes:
+            out.append([])
+            size, dtype = 0, spec.dtype
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+def checksum(flat: torch.Tensor) -> int:
+    """A checksum of a flat buffer's bytes: exact integer sums of its words, the same on every device.
+
+    Two sums (all words, and the words at even positions) so that a stale, truncated or shuffled
+    copy differs; order-independent within each sum, so any reduction order gives the same value.
+    """
+    raw = flat.contiguous().view(torch.uint8)
+    if raw.numel() % 4 == 0:
+        words = raw.view(torch.int32)
+    elif raw.numel() % 2 == 0:
+        words = raw.view(torch.int16)
+    else:
+        words = raw
+    total = int(words.sum(dtype=torch.int64))
+    even = int(words[::2].sum(dtype=torch.int64))
+    return (total * 1_000_003 + even) % (2**61 - 1)
+
+
+def combine(checksums: list[int]) -> str:
+    """One hex string for the per-bucket checksums, in order."""
+    acc = 0
+    for c in checksums:
+        acc = (acc * 0x100000001B3 + c) % (2**61 - 1)
+    return f"{acc:016x}"
+
+
+def send_state(group: WeightGroup, state: dict[str, torch.Tensor], layout: list[TensorSpec],
+               device: torch.device) -> tuple[str, int]:
+    """Rank 0: broadcast `state` (in `layout` order and wire dtypes); `(checksum, bytes sent)`."""
+    sums, sent = [], 0
+    for idx in buckets(layout):
+        dtype = _DTYPES[layout[idx[0]].dtype]
+        flat = torch.cat([state[layout[i].name].detach().reshape(-1).to(device=device, dtype=dtype) for i in idx])
+        group.broadcast(flat)
+        sums.append(checksum(flat))
+        sent += flat.numel() * flat.element_size()
+    return combine(sums), sent
+
+
+def receive_state(group: WeightGroup, layout: list[TensorSpec], device: torch.device,
+                  targets: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """An engine: receive what `send_state` sends; `(name -> tensor, checksum)`.
+
+    With `targets` (the engine's own parameters by name, of the same shapes), each bucket is copied
+    into them and they are returned: no second copy of the model. Otherwise the returned tensors
+    are views of the received buckets.
+    """
+    out: dict[str, torch.Tensor] = {}
+    sums = []
+    for idx in buckets(layout):
+        dtype = _DTYPES[layout[idx[0]].dtype]
+        flat = torch.empty(sum(layout[i].numel for i in idx), dtype=dtype, device=device)
+        group.broadcast(flat)
+        sums.append(checksum(flat))
+        offset = 0
+        for i in idx:
+            spec = layout[i]
+            view = flat[offset: offset + spec.numel].view(spec.shape)
+            offset += spec.numel
+            if targets is not None:
+                with torch.no_grad():
+                    targets[spec.name].copy_(view)
+                out[spec.name] = targets[spec.name]
+            else:
+                out[spec.name] = view
+    return out, combine(sums)
+
+
+def state_checksum(state: dict[str, torch.Tensor], layout: list[TensorSpec]) -> str:
+    """The checksum `send_state` would report for `state`, without sending (colocated engines)."""
+    sums = []
+    for idx in buckets(layout):
+        dtype = _DTYPES[layout[idx[0]].dtype]
+        sums.append(checksum(torch.cat([state[layout[i].name].detach().reshape(-1).to(dtype) for i in idx])))
+    return combine(sums)

@@ -1,0 +1,146 @@
+"""Rollout engines as Ray actors, and the driver's view of them (`EnginePool`).
+
+`RolloutWorker` (separate placement) is one engine in a Ray actor of its own, on its own CPUs/GPUs
+of the engines' placement group: the HF sampling loop over its own copy of the policy, or vLLM
+(GPU, or vLLM's CPU build). It joins the weight-sync group of trainer rank 0 and receives every
+new policy version there, never through the driver. Colocated engines live inside the trainer
+ranks instead (`infra.cluster.PolicyWorker`); both answer the same `generate` call.
+
+`EnginePool` is all the driver holds: actor handles. It shards a step's prompts into contiguous
+slices (one per engine), gathers the completions in prompt order and joins them. Seeds are per
+completion and per prompt position in the step (`rl_core.rollout.base.completion_seeds`), so the
+completions do not depend on the number of engines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from rl_core import faults
+from rl_core.config import PosttrainConfig, config_from_dict
+from rl_core.rollout.base import Completions, SamplingParams, concat_completions
+
+
+def actor_device(gpus: float) -> torch.device:
+    """The device of an actor that reserved `gpus` GPUs: Ray makes them cuda:0.. of the actor."""
+    if gpus > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"this actor reserved {gpus:g} GPU(s) but torch sees no CUDA device on node "
+                               f"{os.uname().nodename}")
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, tokenizer=None,
+                 max_model_len: int | None = None, sleep_mode: bool = False):
+    """The configured engine: HF over `model` (or a fresh copy of the policy), or vLLM from the policy's path."""
+    from rl_core.models import load_policy, load_tokenizer, resolve_model_path
+    from rl_core.rollout import make_engine
+
+    if cfg.rollout.backend == "hf":
+        if model is None:
+            model, tokenizer = load_policy(cfg.model, device=device)
+        return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed)
+    tokenizer = tokenizer or load_tokenizer(cfg.model)
+    return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed,
+                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=cfg.model.dtype,
+                       max_model_len=max_model_len, sleep_mode=sleep_mode,
+                       trust_remote_code=cfg.model.trust_remote_code)
+
+
+def node_info(device: torch.device) -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "device": str(device)}
+
+
+class RolloutWorker:
+    """One rollout engine in its own Ray actor (separate placement). Created by `Cluster`."""
+
+    def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float, max_model_len: int | None):
+        torch.set_num_threads(max(int(threads), 1))
+        self.cfg = config_from_dict(cfg_data)
+        self.index = index
+        self.device = actor_device(gpus)
+        torch.manual_seed(self.cfg.job.seed)
+        self.engine = build_engine(self.cfg, self.device, max_model_len=max_model_len)
+        self.group = None
+        self.layout = None
+
+    def info(self) -> dict[str, Any]:
+        return node_info(self.device)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 prompt_offset: int) -> tuple[Completions, float]:
+        completions = self.engine.generate(prompt_ids, n, sampling, prompt_offset=prompt_offset)
+        return completions, self.engine.last_generate_s
+
+    def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                          layout: list) -> int:
+        from infra.distributed import WeightGroup, connect_store, node_ip
+
+        store = connect_store(host, port, world_size)
+        self.group = WeightGroup(store, rank, world_size, backend, node_ip())
+        self.layout = layout
+        return rank
+
+    def receive_weights(self, version: int) -> dict[str, Any]:
+        """Take rank 0's broadcast of `version`; echo the version and the checksum of what arrived."""
+        from infra.distributed import receive_state
+
+        t = time.perf_counter()
+        hf_model = getattr(self.engine, "model", None)
+        if hf_model is not None:  # HF: receive straight into the engine's parameters
+            targets = dict(hf_model.state_dict())
+            _, digest = receive_state(self.group, self.layout, self.device, targets=targets)
+            self.engine.set_policy_version(version)
+        else:
+            state, digest = receive_state(self.group, self.layout, self.device)
+            self.engine.update_weights(state, version)
+        return {"version": self.engine.policy_version, "checksum": digest, "seconds": time.perf_counter() - t}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def shard_sizes(total: int, parts: int) -> list[int]:
+    """Contiguous shard sizes of `total` items over `parts` engines (differing by at most one)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class EnginePool:
+    """The driver's handle on the rollout engines (actors answering `generate(prompts, n, sampling, offset)`).
+
+    It quacks like a `RolloutEngine` for the rollout and evaluate tasks: `generate(prompt_ids, n,
+    sampling)` and `last_generate_s` (the slowest engine's time inside generate: they run in parallel).
+    """
+
+    def __init__(self, actors: list[Any]):
+        if not actors:
+            raise ValueError("EnginePool needs at least one engine")
+        self.actors = list(actors)
+        self.last_generate_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
+        faults.maybe_fail("rollout")  # test hook: a failed rollout call, retried by the rollout task
+        sizes = shard_sizes(len(prompt_ids), len(self.actors))
+        calls, offset = [], 0
+        for actor, size in zip(self.actors, sizes):
+            if size:
+                calls.append(actor.generate.remote(prompt_ids[offset: offset + size], n, sampling, offset))
+            offset += size
+        results = ray.get(calls)
+        self.last_generate_s = max(s for _, s in results)
+        return concat_completions([c for c, _ in results])

@@ -1,0 +1,217 @@
+"""Scale-out on Ray: rollout engines as actors, weight sync that bypasses the driver, placement rules.
+
+In-process tests use the session's local Ray (conftest). The multi-node and external-cluster
+tests are in `test_ray_cluster.py`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import FAST, recipe
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(next((run_dir / "final_model").glob("*.safetensors")))
+
+
+# ------------------------------------------------------------------------------------ engines
+
+
+def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_model):
+    """1 vs 2 separate HF engine actors, and 2 colocated ones: bitwise-identical completions and log-probs."""
+    from infra.cluster import Cluster
+    from infra.roles import RolloutRole
+    from rl_core.config import load_config
+
+    base = [f"model.name_or_path={warm_model[0]}", "rollout.n=4", "rollout.max_tokens=4"]
+    outs = {}
+    for name, extra in (("one", ["cluster.placement=separate", "rollout.num_engines=1"]),
+                        ("two", ["cluster.placement=separate", "rollout.num_engines=2"]),
+                        ("colocated", ["cluster.num_workers=2"])):
+        cfg = load_config(recipe("arithmetic"), [*base, *extra])
+        role = RolloutRole.build(cfg)
+        with Cluster(cfg, max_model_len=role.max_model_len) as cluster:
+            cluster.sync_weights(0)
+            outs[name] = cluster.engines.generate(role.prompts(list(range(7))), 4, role.sampling(5))
+            assert len(cluster.engines) == {"one": 1, "two": 2, "colocated": 2}[name]
+    ref = outs["one"]
+    assert len(ref) == 28 and ref.prompt_index.tolist() == [i // 4 for i in range(28)]
+    # not every completion of a prompt is the same (the seeds are per completion)
+    assert len({tuple(r) for r in ref.input_ids[:4].tolist()}) > 1
+    for name in ("two", "colocated"):
+        got = outs[name]
+        for field in ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index"):
+            assert torch.equal(getattr(got, field), getattr(ref, field)), (name, field)
+        assert got.finish_reason == ref.finish_reason
+
+
+def test_engines_and_placements_train_to_identical_weights_with_no_model_in_the_driver(in_workdir, warm_model,
+                                                                                       monkeypatch):
+    """1 vs 2 separate engines and colocated: identical rollouts, losses and step-3 weights. At every step (after
+    rollout, train, sync and checkpoint) the driver has no module with parameters and no tensor anywhere near
+    the size of the policy: the weights live in the actors only."""
+    from flows.grpo import grpo
+    from flows.runner import TrainingRun
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import load_policy
+
+    model, _ = load_policy(ModelConfig(name_or_path=str(warm_model[0])))
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    del model
+
+    def live() -> list:
+        with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated objects warns
+            warnings.simplefilter("ignore")
+            return [o for o in gc.get_objects() if isinstance(o, (torch.nn.Module, torch.Tensor))]
+
+    gc.collect()
+    before = {id(o) for o in live()}
+    seen: list[tuple[int, int, int]] = []
+    real_log = TrainingRun.log
+
+    def checking_log(self, record, bar):
+        gc.collect()
+        new = [o for o in live() if id(o) not in before]
+        modules = [o for o in new if isinstance(o, torch.nn.Module) and any(True for _ in o.parameters())]
+        tensors = [o for o in new if isinstance(o, torch.Tensor)]
+        seen.append((len(modules), sum(t.numel() for t in tensors), max((t.numel() for t in tensors), default=0)))
+        return real_log(self, record, bar)
+
+    monkeypatch.setattr(TrainingRun, "log", checking_log)
+    common = [*FAST, f"model.name_or_path={warm_model[0]}", "rl.max_steps=3", "rl.validation.before_training=false",
+              "rl.validation.every_steps=0", "rl.validation.max_prompts=8", "rl.save_every=1"]
+    runs = {"e1": ["cluster.placement=separate", "rollout.num_engines=1"],
+            "e2": ["cluster.placement=separate", "rollout.num_engines=2"],
+            "colocated": ["cluster.placement=colocated"]}
+    for name, extra in runs.items():
+        grpo(recipe("arithmetic"), [*common, f"job.name={name}", *extra])
+    metrics = {name: read_metrics(in_workdir / "runs" / name) for name in runs}
+    one = metrics["e1"]
+    assert [r["step"] for r in one] == [1, 2, 3]
+    for name in ("e2", "colocated"):
+        for a, b in zip(one, metrics[name]):
+            assert a["data/prompt_rows"] == b["data/prompt_rows"]
+            assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+            assert a["rollout/response_len_mean"] == b["rollout/response_len_mean"]
+            assert a["train/loss"] == b["train/loss"]
+            assert b["rollout/logp_abs_diff"] < 1e-5  # the engines sampled with the trainer's weights
+    for a, b in zip(one, metrics["e2"]):  # rank 0 broadcast the whole policy each step
+        assert a["perf/weight_sync_bytes"] == b["perf/weight_sync_bytes"] > 0
+    assert all(r["perf/weight_sync_bytes"] == 0 for r in metrics["colocated"])  # in process: nothing moves
+    assert any(r["rollout/reward_mean"] not in (0.0, 1.0) for r in one), "no step had a learning signal"
+    w1 = final_weights(in_workdir / "runs" / "e1")
+    for name in ("e2", "colocated"):
+        other = final_weights(in_workdir / "runs" / name)
+        for key in w1:
+            assert torch.equal(w1[key], other[key]), (name, key)
+    assert len(seen) == 9  # 3 steps, 3 runs
+    for modules, total, biggest in seen:
+        assert modules == 0
+        assert total < params // 10, f"{total} tensor elements alive in the driver (the policy has {params})"
+        assert biggest < largest
+
+
+@pytest.fixture(scope="module")
+def separate_cluster(workdir, warm_model):
+    """Two separate HF engines; the last test using it corrupts one of them."""
+    from infra.cluster import Cluster
+    from rl_core.config import load_config
+
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={warm_model[0]}", "cluster.placement=separate",
+                                             "rollout.num_engines=2"])
+    with Cluster(cfg, max_model_len=32) as cluster:
+        yield cluster
+
+
+def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
+    """What rank 0 broadcasts per sync is exactly the policy's parameters in the wire dtype (float32: 4 bytes)."""
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import load_policy
+
+    model, _ = load_policy(ModelConfig(name_or_path=str(warm_model[0])))
+    expected = sum(t.numel() * 4 for t in model.state_dict().values())
+    del model
+    stats = separate_cluster.sync_weights(7)
+    assert stats["perf/weight_sync_bytes"] == expected
+    where = separate_cluster.node_map()
+    assert len(where["engines"]) == 2
+    assert {e["pid"] for e in where["engines"]}.isdisjoint({t["pid"] for t in where["trainers"]})
+
+
+def test_a_corrupted_sync_fails_the_step(separate_cluster):
+    """An engine whose received bytes do not match rank 0's checksum stops the sync with WeightSyncError."""
+    from infra.cluster import WeightSyncError
+
+    separate_cluster.sync_weights(1)
+
+    def corrupt(worker):  # runs inside engine 1: every bucket it receives now "hashes" differently
+        import infra.distributed as d
+
+        d.checksum = lambda flat: 12345
+        return True
+
+    ray.get(separate_cluster.engine_actors[1].__ray_call__.remote(corrupt))
+    with pytest.raises(WeightSyncError, match=r"engine 1 reports version 2 with checksum"):
+        separate_cluster.sync_weights(2)
+
+
+# ------------------------------------------------------------------------------------ placement
+
+
+def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model):
+    from infra.cluster import Cluster, PlacementError
+    from rl_core.config import load_config
+
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={warm_model[0]}", "cluster.cpus_per_worker=64",
+                                             "cluster.placement_timeout_s=2"])
+    free_before = ray.available_resources().get("CPU")
+    with pytest.raises(PlacementError) as info, Cluster(cfg, max_model_len=32):
+        pass
+    message = str(info.value)
+    assert "1 trainer rank(s)" in message and "{'CPU': 64.0}" in message
+    assert "cluster.placement_timeout_s=2" in message and "available now: CPU=" in message
+    # nothing is left behind: the placement group was removed, every CPU is free again
+    from infra.services import _wait
+
+    assert _wait(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
+
+
+def test_actors_get_the_config_as_data_with_absolute_model_paths(in_workdir, tmp_path):
+    """Workers never see the recipe file nor the driver's cwd: their config is plain data with absolute paths."""
+    from infra.cluster import worker_config
+    from rl_core.config import config_from_dict, load_config
+
+    cfg = load_config(recipe("arithmetic"), ["model.name_or_path=artifacts/tiny-model/init", "rl.reference=./ref",
+                                             "model.teacher=Qwen/Qwen2.5-7B-Instruct"])
+    data = worker_config(cfg)
+    assert data["model"]["name_or_path"] == str((in_workdir / "artifacts/tiny-model/init").resolve())
+    assert data["rl"]["reference"] == str((in_workdir / "ref").resolve())
+    assert data["model"]["teacher"] == "Qwen/Qwen2.5-7B-Instruct"  # hub ids stay hub ids
+    again = config_from_dict(json.loads(json.dumps(data)))
+    assert again.rl == cfg.rl.model_copy(update={"reference": data["rl"]["reference"]})
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["cluster.num_workers=2", "cluster.gpus_per_worker=0.5"], "NCCL needs one whole GPU per rank"),
+    (["cluster.num_workers=2", "rollout.num_engines=3"], "colocated engines are one per trainer rank"),
+    (["cluster.cpus_per_engine=2"], "read only by cluster.placement=separate"),
+])
+def test_preflight_refuses_placements_that_cannot_work(overrides, needle):
+    from rl_core.config import load_config, preflight
+
+    report = preflight(load_config(recipe("arithmetic"), overrides))
+    assert any(needle in e for e in report.errors), report.errors
