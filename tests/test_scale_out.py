@@ -215,3 +215,12 @@ def test_preflight_refuses_placements_that_cannot_work(overrides, needle):
 
     report = preflight(load_config(recipe("arithmetic"), overrides))
     assert any(needle in e for e in report.errors), report.errors
+
+
+def test_preflight_warns_about_vllm_inside_a_cpu_trainer():
+    from rl_core.config import load_config, preflight
+
+    colocated = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm"]))
+    separate = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm", "cluster.placement=separate"]))
+    assert any("prefer cluster.placement=separate" in w for w in colocated.warnings)
+    assert not any("prefer cluster.placement=separate" in w for w in separate.warnings)

@@ -190,6 +190,9 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
 
     # -- honoured but inert or risky
+    if ro.backend == "vllm" and cl.placement == "colocated" and cl.gpus_per_worker == 0:
+        warn("rollout.backend=vllm with cluster.placement=colocated on CPU: vLLM's CPU build then runs inside the "
+             "trainer process, which it changes (thread binding, the global seed); prefer cluster.placement=separate")
     if clipped and sequence:
         if n_mini == 1:
             warn("rl.importance_sampling_level=sequence at one update per batch (n_mini=1) is inert: on-policy both "
