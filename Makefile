@@ -25,11 +25,12 @@ demo: venv
 	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
+# Two test processes (one module each at a time): most end-to-end tests wait on Prefect and Ray start-up.
 test: venv
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-quick: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 bench: venv
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
