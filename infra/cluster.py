@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import math
-import os
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,9 +37,11 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from infra.engines import EnginePool, RolloutWorker, actor_device, build_engine, node_info
+from infra.engines import EnginePool, RolloutWorker, actor_device, build_engine, node_info, num_engines
+from infra.ray_connect import connect_ray
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
+from rl_core.models import looks_local
 
 log = logging.getLogger("posttrain.cluster")
 
@@ -53,7 +53,6 @@ BUILDERS = {  # job.algorithm -> module whose build_objective(rl, context) makes
     "opd": "rl_core.algorithms.opd",
     "dpo": "rl_core.algorithms.dpo",
 }
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 
 
 class WeightSyncError(RuntimeError):
@@ -71,8 +70,7 @@ def _absolute_if_local(value: str | None) -> str | None:
     """A local model directory as an absolute path of the driver's machine; hub ids unchanged."""
     if not value:
         return value
-    looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1
-    return str(Path(value).expanduser().resolve()) if looks_local else value
+    return str(Path(value).expanduser().resolve()) if looks_local(value) else value
 
 
 def worker_config(cfg: PosttrainConfig) -> dict:
@@ -82,13 +80,6 @@ def worker_config(cfg: PosttrainConfig) -> dict:
     data["model"]["teacher"] = _absolute_if_local(cfg.model.teacher)
     data["rl"]["reference"] = _absolute_if_local(cfg.rl.reference)
     return data
-
-
-def num_engines(cfg: PosttrainConfig) -> int:
-    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
-    if cfg.cluster.placement == "colocated":
-        return cfg.cluster.num_workers
-    return cfg.rollout.num_engines or 1
 
 
 # ------------------------------------------------------------------------------------------ actors
@@ -272,95 +263,6 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
 
 
 # ------------------------------------------------------------------------------------------ Ray
-
-
-def _address_host(address: str) -> str:
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
-    return host.strip("[]")
-
-
-def keep_ray_on_loopback() -> None:
-    """Make Ray use 127.0.0.1 as this machine's node IP (a local Ray, or a cluster on 127.0.0.1).
-
-    Ray otherwise replaces 127.0.0.1 by the address of the interface that routes outwards, also for
-    `ray.init(_node_ip_address="127.0.0.1")`; with it a head started on 127.0.0.1 (whose GCS then
-    listens on loopback only) cannot be reached. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's
-    switch for that; it is read once at import, so the module constant is set too. Processes that
-    Ray starts from here inherit the environment variable.
-    """
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def auth_token_source() -> str | None:
-    """Where this process takes a Ray auth token from: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or
-    ~/.ray/auth_token under RAY_AUTH_MODE=token; None when it sends none."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "RAY_AUTH_TOKEN"
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
-    default = Path.home() / ".ray" / "auth_token"
-    token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
-    return str(default) if token_mode and default.is_file() else None
-
-
-def connect_ray(cfg: PosttrainConfig) -> bool:
-    """Join `cluster.address` / `RAY_ADDRESS`, or start a local Ray of our own; True when we started it.
-
-    A Ray already initialised in this process (tests, notebooks) is used as it is. With no address
-    the local Ray is started with `address="local"`, so a cluster that `ray start` left on this
-    machine is never joined by accident. A cluster on 127.0.0.1 is reached on 127.0.0.1. Joining a
-    cluster with token authentication takes the token from RAY_AUTH_TOKEN or the file that
-    RAY_AUTH_TOKEN_PATH names (either switches RAY_AUTH_MODE=token on when it is unset), or from
-    ~/.ray/auth_token with RAY_AUTH_MODE=token.
-    """
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return False
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        if _address_host(address) in LOOPBACK_HOSTS:
-            keep_ray_on_loopback()
-        # An explicit address never turns token mode on in Ray. A token the user put in the environment says
-        # they want it; a ~/.ray/auth_token left by some local Ray does not (the cluster may have auth off).
-        if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN")
-                                                  or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-            from ray._private.authentication.authentication_token_setup import _enable_token_auth
-
-            _enable_token_auth()  # RAY_AUTH_MODE=token, and the config this process already read is refreshed
-        try:
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
-        except Exception as exc:
-            raise ConnectionError(_join_failure(address, exc)) from exc
-        log.info("joined Ray cluster at %s", address)
-        return False
-    keep_ray_on_loopback()
-    c = cfg.cluster
-    need = c.num_workers * c.cpus_per_worker + (
-        num_engines(cfg) * c.cpus_per_engine if c.placement == "separate" else 0)
-    ray.init(address="local", include_dashboard=False,
-             num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
-             log_to_driver=True, configure_logging=False)
-    log.info("started a local Ray on 127.0.0.1")
-    return True
-
-
-def _join_failure(address: str, exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    while exc.__cause__ is not None or exc.__context__ is not None:  # the auth error is often the cause
-        exc = exc.__cause__ or exc.__context__
-        text += f" <- {type(exc).__name__}: {exc}"
-    hint = ""
-    if "auth" in text.lower() or "token" in text.lower():
-        source = auth_token_source()
-        hint = (" The cluster uses token authentication: give this process the cluster's token (on the head node: "
-                "`ray get-auth-token`) as RAY_AUTH_TOKEN, or as a file named by RAY_AUTH_TOKEN_PATH, or in "
-                "~/.ray/auth_token together with RAY_AUTH_MODE=token. "
-                + (f"A token was taken from {source} and refused: it is not this cluster's token."
-                   if source else "No token is set here."))
-    return f"could not join the Ray cluster at cluster.address/RAY_ADDRESS={address!r}: {text}.{hint}"
 
 
 class Cluster(AbstractContextManager):

@@ -54,6 +54,13 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
                        trust_remote_code=cfg.model.trust_remote_code)
 
 
+def num_engines(cfg: PosttrainConfig) -> int:
+    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
+    if cfg.cluster.placement == "colocated":
+        return cfg.cluster.num_workers
+    return cfg.rollout.num_engines or 1
+
+
 def node_info(device: torch.device) -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),

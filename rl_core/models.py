@@ -47,13 +47,17 @@ TINY_ARCH = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def looks_local(name_or_path: str) -> bool:
+    """The hub-id rule: a hub id is `name` or `org/name`; anything else (./x, /x, ~/x, a/b/c) is a local path."""
+    return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+
+
 def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:
     """A local directory as an absolute path (it must exist), or a hub id unchanged.
 
-    A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c) is a local directory.
+    (`looks_local` tells which.)
     """
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if not looks_local:
+    if not looks_local(name_or_path):
         return name_or_path
     path = Path(name_or_path).expanduser()
     if not path.exists():

@@ -71,7 +71,7 @@ def test_joins_an_external_ray_start_cluster_with_token_auth(workdir, warm_model
         where = json.loads((run_dir / "placement.json").read_text())
         assert {t["ip"] for t in where["trainers"]} == {"127.0.0.1"}  # reached on loopback, not another interface
         # a wrong token: the join is refused, with the source of the token named (joining is all it takes)
-        code = ("import sys; from rl_core.config import load_config; from infra.cluster import connect_ray; "
+        code = ("import sys; from rl_core.config import load_config; from infra.ray_connect import connect_ray; "
                 "connect_ray(load_config(sys.argv[1], sys.argv[2:]))")
         refused = subprocess.run([sys.executable, "-c", code, recipe("arithmetic"), f"cluster.address={address}"],
                                  cwd=workdir, env=driver_env(RAY_AUTH_TOKEN=secrets.token_hex(32),

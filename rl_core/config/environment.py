@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from rl_core.config.schema import PosttrainConfig
+from rl_core.models import looks_local
 
 HUB_TIMEOUT_S = 5.0
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -29,11 +30,6 @@ CPU_OVERRIDES = "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path
 
 def _same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).resolve()
-
-
-def _looks_local(name: str) -> bool:
-    """The rule of `rl_core.models.load_policy`: a hub id is `name` or `org/name`; ./x, /x, a/b/c are paths."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
 def _offline() -> bool:
@@ -105,7 +101,7 @@ def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
         return None  # the flow builds the tiny model / warm start when it is missing
     if Path(name).expanduser().is_dir():
         return None
-    if _looks_local(name):
+    if looks_local(name):
         return (f"{key}={name!r}: no such local directory; build the tiny model (`posttrain init-model`, "
                 f"`posttrain warm-start`), or point {key} at a saved model directory or a hub id")
     return _hub_model_problem(key, name)
@@ -118,7 +114,7 @@ def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
     if cfg.data.task == "arithmetic" and any(_same_path(source, q) for q in QUICKSTART_DATA):
         return None  # built by the flow when missing
     path = Path(source.partition(":")[0] if cfg.data.task == "gsm8k" and not Path(source).exists() else source)
-    local = _looks_local(source) or path.suffix in (".jsonl", ".json")
+    local = looks_local(source) or path.suffix in (".jsonl", ".json")
     if not local or path.expanduser().exists():
         return None
     build = ("`dvc repro pipelines/gsm8k/dvc.yaml` or `posttrain make-data gsm8k`" if cfg.data.task == "gsm8k"
