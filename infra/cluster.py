@@ -121,7 +121,9 @@ class PolicyWorker:
             reducer = ProcessGroupReducer()
         self.trainer, self.tokenizer = build_trainer(self.cfg, reducer, self.device)
         if self.cfg.cluster.placement == "colocated":
-            self.engine = build_engine(self.cfg, self.device, model=self.trainer.model, tokenizer=self.tokenizer,
+            # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
+            shared = None if self.trainer.sharded else self.trainer.model
+            self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
                                        max_model_len=max_model_len, sleep_mode=True)
         return self.rank
 
@@ -135,21 +137,27 @@ class PolicyWorker:
         from infra.distributed import state_checksum
 
         t = time.perf_counter()
-        state = self.trainer.model.state_dict()
         layout = self.weight_layout()
         if getattr(self.engine, "model", None) is self.trainer.model:
+            state = self.trainer.model.state_dict()
             self.engine.set_policy_version(version)
-        else:
+        else:  # every rank gathers (sharded) and casts to the engine's dtype, one tensor at a time
+            state = self.trainer.full_model_state(self._wire_dtype())
             self.engine.update_weights(state, version)
         return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout),
                 "seconds": time.perf_counter() - t, "bytes": 0}
+
+    def _wire_dtype(self) -> torch.dtype:
+        from rl_core.models import torch_dtype
+
+        return torch_dtype(self.cfg.model.compute_dtype)
 
     # -- weight sync to separate engines (rank 0)
     def weight_layout(self) -> list:
         from infra.distributed import wire_layout
 
         if self.layout is None:
-            self.layout = wire_layout(self.trainer.model.state_dict(), self.cfg.model.dtype)
+            self.layout = wire_layout(self.trainer.model.state_dict(), self.cfg.model.compute_dtype)
         return self.layout
 
     def open_weight_group(self, world_size: int) -> tuple[str, int]:
@@ -165,12 +173,16 @@ class PolicyWorker:
         self.weight_group = WeightGroup(self._weight_store, 0, world_size, self.backend, node_ip())
         return 0
 
-    def broadcast_weights(self, version: int) -> dict[str, Any]:
+    def broadcast_weights(self, version: int) -> dict[str, Any] | None:
+        """Rank 0 sends the weights to the engines; when sharded every rank calls this (the gather is collective)."""
         from infra.distributed import send_state
 
         t = time.perf_counter()
-        digest, sent = send_state(self.weight_group, self.trainer.model.state_dict(), self.weight_layout(),
-                                  self.device)
+        state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
+            else self.trainer.model.state_dict()
+        if self.rank != 0:
+            return None
+        digest, sent = send_state(self.weight_group, state, self.weight_layout(), self.device)
         return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t}
 
     # -- training
@@ -180,6 +192,7 @@ class PolicyWorker:
         t0 = time.perf_counter()
         rl = self.cfg.rl
         metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica)
+        self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
         return metrics
@@ -188,8 +201,9 @@ class PolicyWorker:
         """DPO: held-out pair metrics (`val/loss`, `val/reward_accuracy`, ...) of this rank's policy, no grad."""
         from rl_core.algorithms.dpo import evaluate_pairs
 
-        return evaluate_pairs(self.trainer.objective, self.trainer.model, batch,
-                              micro_batch_size=self.cfg.rl.micro_batch_per_replica, split=split)
+        with self.trainer.autocast():
+            return evaluate_pairs(self.trainer.objective, self.trainer.model, batch.to(self.device),
+                                  micro_batch_size=self.cfg.rl.micro_batch_per_replica, split=split)
 
     def reference_logps(self, batch: Any, micro_batch_size: int) -> torch.Tensor:
         """DPO: the batch's per-token reference log-probs (the frozen initial policy, or `rl.reference`), on CPU.
@@ -201,23 +215,34 @@ class PolicyWorker:
 
         model_cfg = self.cfg.model if self.cfg.rl.reference is None else \
             self.cfg.model.model_copy(update={"name_or_path": self.cfg.rl.reference})
-        reference, _ = load_policy(model_cfg, device=self.device)
-        scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rl.temperature,
-                                      micro_batch_size=micro_batch_size)
+        reference, _ = load_policy(model_cfg, device=self.device, dtype=self.cfg.model.compute_dtype)
+        with self.trainer.autocast():
+            scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rl.temperature,
+                                          micro_batch_size=micro_batch_size)
         return scored.ref_logp.cpu()
 
     # -- checkpoints
     def trainer_state(self, full: bool) -> dict[str, Any]:
-        """Rank 0: the whole trainer state (on CPU); other ranks: only their RNG (weights and optimizer are identical)."""
+        """Rank 0: the whole trainer state (on CPU, gathered when sharded: every rank calls this); other ranks:
+        only their RNG (weights and optimizer are identical, or rank 0 gathered them)."""
         state = self.trainer.state_dict()
         return _to_cpu(state) if full else {"rng": state["rng"]}
 
     def load_trainer_state(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
         self.trainer.load_state_dict(state if rng is None else {**state, "rng": rng})
 
-    def save_pretrained(self, path: str) -> str:
-        """Save the policy and its tokenizer as a transformers directory (safetensors)."""
-        self.trainer.model.save_pretrained(path, safe_serialization=True)
+    def save_pretrained(self, path: str) -> str | None:
+        """Rank 0 saves the policy (float32) and its tokenizer as a transformers directory (safetensors).
+
+        Sharded, every rank calls this: the full weights are gathered first.
+        """
+        state = self.trainer.full_model_state() if self.trainer.sharded else None
+        if self.rank != 0:
+            return None
+        if state is None:
+            self.trainer.model.save_pretrained(path, safe_serialization=True)
+        else:
+            self.trainer.model.save_pretrained(path, state_dict=_to_cpu(state), safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
 
@@ -244,21 +269,28 @@ def _to_cpu(obj: Any) -> Any:
 def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.device | None = None):
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.models import load_policy
+    from rl_core.models import load_policy, torch_dtype
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)
-    model, tokenizer = load_policy(cfg.model, device=device)
+    model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.cluster.sharding == "fsdp" and cfg.cluster.num_workers > 1:
+        from infra.distributed import shard_policy
+
+        shard_policy(model, device or torch.device("cpu"))
     builder = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective
     context = ObjectiveContext.from_config(cfg)
     objective = builder(cfg.rl, context)
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:
         ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})
-        reference, _ = load_policy(ref_cfg, device=device)
+        reference, _ = load_policy(ref_cfg, device=device, dtype=cfg.model.compute_dtype)  # frozen: compute dtype
         reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
-    trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer)
+    trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
+                         compute_dtype=torch_dtype(cfg.model.compute_dtype))
     return trainer, tokenizer
 
 
@@ -391,9 +423,9 @@ class Cluster(AbstractContextManager):
             results = ray.get([w.sync_colocated.remote(version) for w in self.workers])
             sent, echoes = results[0], list(enumerate(results))
         else:
-            sent_ref = self.workers[0].broadcast_weights.remote(version)
+            sent_refs = [w.broadcast_weights.remote(version) for w in self.workers]  # rank 0 sends
             received = ray.get([e.receive_weights.remote(version) for e in self.engine_actors])
-            sent = ray.get(sent_ref)
+            sent = ray.get(sent_refs)[0]
             echoes = list(enumerate(received))
         for i, echo in echoes:
             if echo["version"] != version or echo["checksum"] != sent["checksum"]:
@@ -410,8 +442,10 @@ class Cluster(AbstractContextManager):
         return {"trainers": trainers, "engines": engines}
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
-        """DPO: held-out pair metrics of the policy, computed on rank 0 (the ranks hold identical weights)."""
-        return ray.get(self.workers[0].evaluate_pairs.remote(batch, split))
+        """DPO: held-out pair metrics of the policy, from rank 0 (the ranks hold the same weights; sharded, every
+        rank runs the forwards, which are collectives)."""
+        workers = self.workers if self.cfg.cluster.sharding == "fsdp" else self.workers[:1]
+        return ray.get([w.evaluate_pairs.remote(batch, split) for w in workers])[0]
 
     def reference_logps(self, batch: Any, micro_batch_size: int) -> torch.Tensor:
         """DPO: the reference's per-token log-probs of `batch`, scored on trainer rank 0."""
@@ -435,7 +469,9 @@ class Cluster(AbstractContextManager):
                  for r, w in enumerate(self.workers)])
 
     def save_pretrained(self, path: str | Path) -> str:
-        return ray.get(self.workers[0].save_pretrained.remote(str(Path(path).resolve())))
+        """The policy as a transformers directory, written by rank 0 (sharded: every rank joins the gather)."""
+        workers = self.workers if self.cfg.cluster.sharding == "fsdp" else self.workers[:1]
+        return ray.get([w.save_pretrained.remote(str(Path(path).resolve())) for w in workers])[0]
 
 
 def _resources(res: dict[str, float]) -> str:

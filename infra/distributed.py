@@ -71,6 +71,31 @@ def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size
                             timeout=DEFAULT_TIMEOUT)
 
 
+def shard_policy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Shard `model` over the default process group with torch FSDP2: each decoder layer, then the root.
+
+    The decoder layers are the modules whose class the model names in `_no_split_modules` (every
+    transformers causal LM does, e.g. `Qwen2DecoderLayer`). Parameters stay in their dtype
+    (float32 master weights); bf16 compute comes from the trainer's autocast. Returns the model,
+    now an `FSDPModule` whose parameters are `DTensor` shards.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("cluster.sharding=fsdp needs the trainer ranks' process group (cluster.num_workers > 1)")
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cluster.sharding=fsdp: cannot find the decoder layers of {type(model).__name__} (it names "
+                         "none in _no_split_modules); use cluster.sharding=none for this model")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 class WeightGroup:
     """A standalone process group between trainer rank 0 (group rank 0) and the rollout engines."""
 

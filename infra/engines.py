@@ -39,17 +39,23 @@ def actor_device(gpus: float) -> torch.device:
 
 def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, tokenizer=None,
                  max_model_len: int | None = None, sleep_mode: bool = False):
-    """The configured engine: HF over `model` (or a fresh copy of the policy), or vLLM from the policy's path."""
+    """The configured engine, computing in `model.compute_dtype`.
+
+    HF over `model` (the trainer's own float32 model, colocated and unsharded: it then samples under
+    autocast) or over a fresh copy of the policy held in the compute dtype; vLLM from the policy's path.
+    """
     from rl_core.models import load_policy, load_tokenizer, resolve_model_path
     from rl_core.rollout import make_engine
 
+    compute = cfg.model.compute_dtype
     if cfg.rollout.backend == "hf":
         if model is None:
-            model, tokenizer = load_policy(cfg.model, device=device)
-        return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed)
+            model, loaded_tokenizer = load_policy(cfg.model, device=device, dtype=compute)
+            tokenizer = tokenizer or loaded_tokenizer
+        return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, dtype=compute)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed,
-                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=cfg.model.dtype,
+                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=compute,
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code)
 

@@ -1,7 +1,7 @@
 """The OPD teacher role: a frozen model in its own Ray actor, scoring the student's sampled tokens.
 
 `TeacherWorker` receives the resolved config as data (like `PolicyWorker`), loads `model.teacher`
-with the policy's dtype on its device, freezes it and answers `score(batch) -> teacher_logp [B, T]`
+in the policy's compute dtype (`model.compute_dtype`) on its device, freezes it and answers `score(batch) -> teacher_logp [B, T]`
 with `rl_core.algorithms.opd.teacher_logprobs` at the loss temperature (`rl.temperature`), in chunks
 of `rl.micro_batch_per_replica` rows. There is no weight-sync edge to it: its weights never change.
 
@@ -37,7 +37,7 @@ class TeacherWorker:
             raise ValueError("model.teacher is not set: the OPD teacher role needs a teacher model")
         self.device = actor_device(gpus)
         model, _ = load_policy(self.cfg.model.model_copy(update={"name_or_path": self.cfg.model.teacher}),
-                               device=self.device)
+                               device=self.device, dtype=self.cfg.model.compute_dtype)  # frozen: compute dtype
         self.model = model.eval().requires_grad_(False)
 
     def ready(self) -> str:

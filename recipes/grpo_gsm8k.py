@@ -8,7 +8,8 @@ def build_config() -> PosttrainConfig:
     cfg.job.algorithm = "grpo"
     cfg.job.name = "grpo-gsm8k"
     cfg.model.name_or_path = "Qwen/Qwen2.5-3B-Instruct"
-    cfg.model.dtype = "bfloat16"
+    cfg.model.compute_dtype = "bfloat16"  # float32 master weights and AdamW state, bf16 forward/backward
+    cfg.model.gradient_checkpointing = True
     cfg.rollout.backend = "vllm"
     cfg.rollout.temperature = 1.0
     cfg.rollout.max_tokens = 1024
@@ -35,5 +36,6 @@ def build_config() -> PosttrainConfig:
     cfg.data.reward_mode = "strict"
     cfg.cluster.num_workers = 4
     cfg.cluster.gpus_per_worker = 1.0
+    cfg.cluster.sharding = "fsdp"  # parameters, gradients and optimizer state split over the 4 ranks
     cfg.cluster.cpus_per_worker = 4.0
     return cfg

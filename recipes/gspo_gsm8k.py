@@ -23,6 +23,6 @@ def build_config() -> PosttrainConfig:
     cfg.job.algorithm = "gspo"
     cfg.job.name = "gspo-gsm8k"
     # Sequence ratios with epsilons ~3e-4 need float32 log-probs (bf16 noise exceeds the clip range).
-    cfg.model.dtype = "float32"
+    cfg.model.compute_dtype = "float32"
     cfg.rl = apply_gspo_knobs(cfg.rl, mini_batch_per_replica=32)
     return cfg

@@ -81,21 +81,28 @@ def load_tokenizer(model_cfg):
     return tokenizer
 
 
-def load_policy(model_cfg, *, device: str | torch.device | None = None):
+def torch_dtype(name: str) -> torch.dtype:
+    """`"float32"` / `"bfloat16"` / `"float16"` as a torch dtype (a clear error for anything else)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_policy(model_cfg, *, device: str | torch.device | None = None, dtype: str = "float32"):
     """Load `(model, tokenizer)` from `model_cfg.name_or_path` (hub id or local directory).
 
-    `model_cfg` is a `ModelConfig` (fields `name_or_path`, `dtype`, `trust_remote_code`). The
-    tokenizer is set to left padding, and given a pad token (its EOS) when it has none.
-    The model is returned in eval mode, on `device` when given.
+    `model_cfg` is a `ModelConfig` (fields `name_or_path`, `trust_remote_code`). The tokenizer is
+    set to left padding, and given a pad token (its EOS) when it has none. The model is returned in
+    eval mode, on `device` when given, with parameters in `dtype`: float32 for a policy that is
+    trained (master weights), `model.compute_dtype` for frozen copies (reference, teacher, an
+    engine's own copy).
     """
     from transformers import AutoModelForCausalLM
 
-    if model_cfg.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(_DTYPES)}")
     path = resolve_model_path(model_cfg.name_or_path)
     tokenizer = load_tokenizer(model_cfg)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=_DTYPES[model_cfg.dtype], trust_remote_code=bool(model_cfg.trust_remote_code)
+        path, dtype=torch_dtype(dtype), trust_remote_code=bool(model_cfg.trust_remote_code)
     )
     if device is not None:
         model.to(device)

@@ -13,12 +13,25 @@ One `train_step(batch, micro_batch_size, mini_batch_size=None)` trains on one co
    (the `dp_reducer` hook), divide gradients once by the global weight, clip (reporting the norm
    before clipping), AdamW step, scheduler step.
 
+Precision: parameters, gradients and AdamW state are whatever the model holds (float32 master
+weights in posttrain); with `compute_dtype=torch.bfloat16` every forward (training, π_old, the
+reference scorer) runs under `torch.autocast`, so matmuls run in bf16 while the update is applied
+to float32 weights and gradients are reduced in float32.
+
+Sharding: a model wrapped with torch FSDP2 (`fully_shard`) reduce-scatters its own gradients in
+backward; the trainer sets FSDP's divide factor to 1 so that they arrive as the same cross-rank sum
+of numerators, and reduces only the weights and metric sums itself. Every rank then runs the
+backward of every chunk (a weight-0 chunk backpropagates zero), since FSDP's collectives run in
+forward and backward. `state_dict()` holds full (gathered) tensors in either mode, keyed the same
+way, so a checkpoint of one mode resumes in the other.
+
 Splitting a step into any number of micro-batches or ranks therefore gives the unsplit loss and
 gradient (up to float rounding), and a chunk of weight 0 changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Mapping
@@ -134,9 +147,12 @@ class LLMTrainer:
         for a KL anchor (`objective.reference_scorer`); never read off the objective.
       dp_reducer: the data-parallel hook (`DataParallelReducer`); None for a single replica.
       metric_split: prefix of the published metric names ("train").
+      compute_dtype: torch.float32, or torch.bfloat16 for forward/backward under autocast (the
+        parameters and optimizer state keep their own dtype).
     """
 
     REFERENCE = "reference"
+    GRAD_BUCKET_BYTES = 256 * 1024 * 1024  # unsharded gradient all-reduce: at most this much extra memory
 
     def __init__(
         self,
@@ -147,6 +163,7 @@ class LLMTrainer:
         *,
         dp_reducer: DataParallelReducer | None = None,
         metric_split: str = "train",
+        compute_dtype: torch.dtype = torch.float32,
     ):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -158,6 +175,17 @@ class LLMTrainer:
             raise TypeError("dp_reducer must have all_reduce_(tensors) (sum in place across ranks)")
         self.dp_reducer = dp_reducer
         self.metric_split = metric_split
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
+        self.compute_dtype = compute_dtype
+        self.sharded = is_sharded(model)
+        if self.sharded:
+            if dp_reducer is None:
+                raise ValueError("an FSDP-sharded model needs a dp_reducer for the weights and metrics")
+            for module in model.modules():  # every FSDP unit reduce-scatters plain sums of numerators
+                if is_sharded(module):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM: gloo has no PREMUL_SUM
         if objective.reference_scorer is not None and self.REFERENCE not in self.auxiliary_models:
             raise ValueError("the objective has a reference_scorer (rl.kl_beta > 0) but no reference model was "
                              "given: pass auxiliary_models={'reference': frozen_model}")
@@ -182,6 +210,26 @@ class LLMTrainer:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def autocast(self):
+        """The forward-pass context: bf16 autocast when `compute_dtype` is bf16, else nothing."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def release_gradients(self) -> None:
+        """Drop the gradients of the last step (they are not needed until the next one): frees P floats."""
+        for p in self.params:
+            p.grad = None
+
+    def full_model_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The whole model's weights on this rank's device (gathered when sharded; every rank must call
+        it then), cast to `dtype` one tensor at a time (peak: the full copy in `dtype` plus one tensor)."""
+        out = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if _is_dtensor(value) else value.detach()
+            out[name] = full if dtype is None else full.to(dtype)
+        return out
 
     def train_step(self, batch: Trajectory, micro_batch_size: int | None = None,
                    mini_batch_size: int | None = None) -> dict[str, float]:
@@ -222,10 +270,28 @@ class LLMTrainer:
         return _combine_steps(results)
 
     def state_dict(self) -> dict:
-        """Everything an exact resume needs: model, optimizer, scheduler, RNG states, counters."""
+        """Everything an exact resume needs: model, optimizer, scheduler, RNG states, counters.
+
+        Model and optimizer tensors are full (unsharded) in both modes, and the optimizer state is
+        keyed by parameter index as `torch.optim` does. Sharded: every rank must call it (it gathers);
+        rank 0 gets the tensors, on CPU, the other ranks empty model/optimizer entries.
+        """
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state = get_model_state_dict(self.model, options=opts)
+            optim_state = _optimizer_by_index(get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+                                              self._param_names())
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(),
             "counters": {"step": self.step, "policy_version": self.policy_version},
@@ -233,15 +299,49 @@ class LLMTrainer:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore `state_dict()` output of either mode (sharded: every rank calls it with the full state)."""
         missing = [k for k in ("model", "optimizer", "scheduler", "rng", "counters") if k not in state]
         if missing:
             raise KeyError(f"trainer checkpoint lacks {missing}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, dict(state["model"]), options=opts)
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     _optimizer_by_name(state["optimizer"], self._param_names()), options=opts)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
         self.step = int(state["counters"]["step"])
         self.policy_version = int(state["counters"]["policy_version"])
+
+    def _param_names(self) -> list[str]:
+        """Names of the trained parameters in optimizer order (the same in both modes)."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def _all_reduce_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Sum `grads` in place across ranks, in flat one-dtype buckets of at most GRAD_BUCKET_BYTES (a larger tensor alone)."""
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:
+            if g is not None and (not bucket or (g.dtype == bucket[0].dtype
+                                                and size + g.numel() * g.element_size() <= self.GRAD_BUCKET_BYTES)):
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            self.dp_reducer.all_reduce_([flat])
+            for b, part in zip(bucket, torch.split(flat, [b.numel() for b in bucket])):
+                b.copy_(part.view_as(b))
+            if g is not None:
+                bucket, size = [g], g.numel() * g.element_size()
 
     # ------------------------------------------------------------------------------------ internals
 
@@ -250,7 +350,8 @@ class LLMTrainer:
         out = []
         for mini in minis:
             for chunk in mini.split(micro_batch_size):
-                out.append(cache.scorer(self.model, chunk.to(self.device)))
+                with self.autocast():
+                    out.append(cache.scorer(self.model, chunk.to(self.device)))
         return torch.cat(out, 0)
 
     def _optimizer_step(self, mini: Trajectory, micro_batch_size: int) -> dict[str, float]:
@@ -270,8 +371,11 @@ class LLMTrainer:
         for chunk in chunks:
             chunk = chunk.to(self.device)
             if objective.reference_scorer is not None and chunk.ref_logp is None:
-                chunk = chunk.replace(ref_logp=objective.reference_scorer(self.auxiliary_models[self.REFERENCE], chunk))
-            loss, metrics = objective.fn(self.model, chunk)
+                with torch.no_grad(), self.autocast():
+                    ref = objective.reference_scorer(self.auxiliary_models[self.REFERENCE], chunk)
+                chunk = chunk.replace(ref_logp=ref)
+            with self.autocast():
+                loss, metrics = objective.fn(self.model, chunk)
             objective.metric_adapter.publish(metrics, self.metric_split)  # unmapped names fail here, on step 1
             if token_sum:
                 if OBJECTIVE_WEIGHT_SUM not in metrics:
@@ -294,6 +398,8 @@ class LLMTrainer:
             elif chunk_names != names:
                 raise ValueError(f"the objective emitted different metric names across chunks: {names} vs {chunk_names}")
             if weight == 0:
+                if self.sharded:  # FSDP's reduce-scatter runs in backward: every rank must take part
+                    (loss.nan_to_num(0.0) * 0.0).backward()
                 continue  # a weight-0 chunk changes nothing (no gradient, no metric)
             (loss * weight if token_sum else loss).backward()
             weight_sum += weight
@@ -314,13 +420,12 @@ class LLMTrainer:
                              device=self.device)
         ext = torch.tensor([extrema[k] for k in ext_keys], dtype=torch.float64, device=self.device)
         if self.dp_reducer is not None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.dp_reducer.all_reduce_([flat, stats])
+            if not self.sharded:  # FSDP has reduce-scattered the gradients in backward
+                self._all_reduce_gradients(grads)
+            self.dp_reducer.all_reduce_([stats])
             reduce_max = getattr(self.dp_reducer, "all_reduce_max_", None)
             if ext.numel() and reduce_max is not None:
                 reduce_max([ext])
-            grads = list(torch.split(flat, [g.numel() for g in grads]))
-            grads = [g.view_as(p) for g, p in zip(grads, self.params)]
         total_weight = float(stats[0])
         if total_weight <= 0:
             raise ValueError("the global objective weight of this optimizer step is 0 (no loss tokens on any "
@@ -328,6 +433,8 @@ class LLMTrainer:
         for p, g in zip(self.params, grads):
             p.grad = g.div_(total_weight)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optimizer_config.max_grad_norm)
+        if _is_dtensor(grad_norm):
+            grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -341,6 +448,38 @@ class LLMTrainer:
         out[f"{self.metric_split}/grad_norm"] = float(grad_norm)
         out[f"{self.metric_split}/lr"] = float(lr)
         return out
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` is wrapped by torch FSDP2 (`fully_shard`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _is_dtensor(value) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)
+
+
+def _optimizer_by_index(state: Mapping, names: list[str]) -> dict:
+    """A name-keyed full optimizer state (torch.distributed.checkpoint) in `torch.optim`'s index-keyed form."""
+    if not state:
+        return {}
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def _optimizer_by_name(state: Mapping, names: list[str]) -> dict:
+    """The inverse of `_optimizer_by_index`."""
+    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[int(p)] for p in g["params"]]} for g in state["param_groups"]]}
 
 
 def _combine_steps(results: list[dict[str, float]]) -> dict[str, float]:

@@ -63,9 +63,21 @@ def test_save_load_round_trip_serves_same_weights_and_logits(tiny_dir):
     assert not m1.training
 
 
-def test_load_policy_dtype_from_config(tiny_dir):
-    model, _ = load_policy(ModelConfig(name_or_path=str(tiny_dir), dtype="bfloat16"))
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+def test_load_policy_is_float32_master_weights_unless_a_frozen_copy_asks(tiny_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_dir), compute_dtype="bfloat16")
+    model, _ = load_policy(cfg)  # the trained policy: float32 whatever the compute dtype
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    frozen, _ = load_policy(cfg, dtype=cfg.compute_dtype)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="float16"):
+        load_policy(cfg, dtype="float8")
+
+
+def test_retired_model_dtype_key_names_its_replacement():
+    from rl_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.compute_dtype"):
+        load_config("recipes/arithmetic.py", ["model.dtype=bfloat16"])
 
 
 def test_load_policy_missing_local_dir_says_how_to_build(tmp_path):

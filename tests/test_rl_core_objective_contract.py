@@ -30,7 +30,7 @@ from rl_core.primitives.objective import (
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory, TrajectoryError
 
-CTX = ObjectiveContext(max_response_length=24, policy_identity={"name_or_path": "tiny", "dtype": "float32"})
+CTX = ObjectiveContext(max_response_length=24, policy_identity={"name_or_path": "tiny", "compute_dtype": "float32"})
 OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1e9)
 RESP = [1, 3, 7, 16, 5, 2, 9, 4]
 GRPO_PUBLIC = {"train/" + n for n in ("loss", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high",

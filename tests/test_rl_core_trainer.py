@@ -407,3 +407,80 @@ def test_whole_batch_when_micro_batch_size_is_none():
     model, batch = tiny_model(0), make_batch()
     a, b = grpo_trainer(model, RLConfig()), grpo_trainer(model, RLConfig())
     assert a.train_step(batch) == b.train_step(batch, 8)
+
+
+# ------------------------------------------------------------------------ mixed precision (bf16 compute)
+
+
+def _grpo_trainer(compute_dtype, lr):
+    objective = build_objective(RLConfig(), ObjectiveContext(max_response_length=MAX_LEN))
+    return LLMTrainer(tiny_model(0), objective, OptimizerConfig(lr=lr), compute_dtype=compute_dtype)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def test_bf16_compute_keeps_float32_master_weights_so_a_1e6_update_lands():
+    trainer = _grpo_trainer(torch.bfloat16, 1e-6)
+    before = _flat(trainer.model)
+    trainer.train_step(make_batch(seed=0))
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
+    moved = (_flat(trainer.model) - before).abs()
+    # AdamW's first step moves a weight by ~lr (m / sqrt(v) = sign(g)): it lands in float32 ...
+    assert 0.5e-6 < float(moved.max()) <= 1.1e-6  # float32 rounding of weights near 1 (norms): 1.2e-7
+    assert float((moved > 0).float().mean()) > 0.5
+    # ... whereas on bf16 parameters it rounds away for every |w| >= 1e-3 (spacing >= 7.6e-6; ~1.2e-4 at 0.02)
+    big = before.abs() >= 1e-3
+    assert float(big.float().mean()) > 0.9
+    bf16 = before[big].to(torch.bfloat16)
+    assert torch.equal(bf16 + 1e-6 * torch.sign(bf16), bf16)
+
+
+def test_bf16_compute_tracks_the_float32_path_over_five_steps():
+    """Stated tolerance: grad norms within 0.2 %, updates at cosine >= 0.99, log-probs within 5e-3."""
+    fp32, bf16 = _grpo_trainer(torch.float32, 1e-3), _grpo_trainer(torch.bfloat16, 1e-3)
+    init, probe = _flat(fp32.model), make_batch(seed=99)
+    norms = []
+    for step in range(5):
+        batch = make_batch(seed=step)
+        a, b = fp32.train_step(batch), bf16.train_step(batch)
+        norms.append((a["train/grad_norm"], b["train/grad_norm"]))
+    for a, b in norms:
+        assert abs(a - b) <= 2e-3 * a
+    assert any(a != b for a, b in norms)  # the bf16 path really computed in bf16
+    va, vb = _flat(fp32.model) - init, _flat(bf16.model) - init
+    assert float(torch.nn.functional.cosine_similarity(va, vb, dim=0)) >= 0.99
+    with torch.no_grad():
+        la = sequence_token_logprobs(fp32.model, probe.input_ids, probe.attention_mask, temperature=1.0)
+        lb = sequence_token_logprobs(bf16.model, probe.input_ids, probe.attention_mask, temperature=1.0)
+    assert float((la - lb).abs().max()) <= 5e-3
+
+
+def test_gradients_are_reduced_in_float32_buckets(monkeypatch):
+    """Two simulated ranks with a bucket smaller than the model: several all-reduce calls, all float32,
+    and the same update as one flat reduction."""
+    batch = make_batch()
+    shares = [batch.select([0, 1, 2, 3]), batch.select([4, 5, 6, 7])]
+    def make(hook):
+        objective = build_objective(RLConfig(), ObjectiveContext(max_response_length=MAX_LEN))
+        return LLMTrainer(tiny_model(0), objective, NO_CLIP, dp_reducer=hook, compute_dtype=torch.bfloat16)
+
+    whole = run_ranks(make, shares, micro=2)
+    monkeypatch.setattr(LLMTrainer, "GRAD_BUCKET_BYTES", 4096)
+    seen = []
+    original = RankReducer.all_reduce_
+
+    def spy(self, tensors):
+        seen.extend((self.rank, t.dtype, t.numel()) for t in tensors)
+        original(self, tensors)
+
+    monkeypatch.setattr(RankReducer, "all_reduce_", spy)
+    bucketed = run_ranks(make, shares, micro=2)
+    n_params = sum(p.numel() for p in tiny_model(0).parameters())
+    grad_calls = [n for r, dt, n in seen if r == 0 and dt == torch.float32]
+    assert len(grad_calls) > 1 and sum(grad_calls) == n_params
+    assert {dt for _, dt, _ in seen} == {torch.float32, torch.float64}  # gradients fp32, weight/metric sums fp64
+    for (_, t_whole), (_, t_bucket) in zip(whole, bucketed):
+        assert max_diff(list(t_whole.model.parameters()), list(t_bucket.model.parameters())) == 0.0

@@ -29,7 +29,7 @@ OVERRIDES = ["job.name=track-test", "rl.max_steps=5", "tracking.experiment=postt
 IDENTITY = {
     "objective": "grpo", "grpo_surrogate": "legacy_pg", "loss_type": "token-mean", "fixed_divisor": None,
     "temperature": 1.0, "kl_beta": 0.0, "unbiased_advantage": False, "advantage_eps": 1e-6,
-    "shared_prefix_min_tokens": 0, "policy": {"name_or_path": "artifacts/tiny-model/warm", "dtype": "float32"},
+    "shared_prefix_min_tokens": 0, "policy": {"name_or_path": "artifacts/tiny-model/warm", "compute_dtype": "float32"},
 }
 DVC = {"data/arithmetic/train.jsonl": "0f3a9c1e2b4d5f6a7b8c9d0e1f2a3b4c",
        "artifacts/tiny-model/warm": "1234567890abcdef1234567890abcdef.dir"}

@@ -30,5 +30,5 @@ class ObjectiveContext:
         """From a `PosttrainConfig`: `rollout.max_tokens` and the policy model's name and dtype."""
         return cls(
             max_response_length=cfg.rollout.max_tokens,
-            policy_identity={"name_or_path": cfg.model.name_or_path, "dtype": cfg.model.dtype},
+            policy_identity={"name_or_path": cfg.model.name_or_path, "compute_dtype": cfg.model.compute_dtype},
         )

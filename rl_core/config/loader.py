@@ -34,6 +34,10 @@ RETIRED_KEYS: dict[str, dict[str | None, str]] = {
         "clipped": "rl.grpo_surrogate=clipped",
         None: "rl.grpo_surrogate=clipped|legacy_pg",
     },
+    "model.dtype": {
+        "float16": "model.compute_dtype=bfloat16 (float16 without loss scaling is not supported)",
+        None: "model.compute_dtype=float32|bfloat16 (parameters and optimizer state are always float32)",
+    },
     "rl.objective_mode": {
         "direct": "rl.distillation_mode=direct",
         "advantage": "rl.distillation_mode=advantage",

@@ -190,6 +190,9 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
 
     # -- honoured but inert or risky
+    if cl.sharding == "fsdp" and cl.num_workers == 1:
+        warn("cluster.sharding=fsdp with cluster.num_workers=1 shards nothing (one rank holds everything); the model "
+             "trains unsharded. Shard across cluster.num_workers > 1 ranks")
     if ro.backend == "vllm" and cl.placement == "colocated" and cl.gpus_per_worker == 0:
         warn("rollout.backend=vllm with cluster.placement=colocated on CPU: vLLM's CPU build then runs inside the "
              "trainer process, which it changes (thread binding, the global seed); prefer cluster.placement=separate")
@@ -203,9 +206,9 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if rl.loss_type != "seq-mean-token-mean":
             warn(f"rl.loss_type={rl.loss_type}: a sequence ratio under a token-weighted reduction weights sequences "
                  "by length; GSPO's setting is seq-mean-token-mean")
-    if clipped and cfg.model.dtype in ("bfloat16", "float16") and min(rl.epsilon_low, rl.epsilon_high) < 1e-3:
-        warn(f"model.dtype={cfg.model.dtype} with epsilons < 1e-3: half-precision log-prob noise exceeds the clip "
-             "range; prefer float32 log-probs")
+    if clipped and cfg.model.compute_dtype == "bfloat16" and min(rl.epsilon_low, rl.epsilon_high) < 1e-3:
+        warn(f"model.compute_dtype={cfg.model.compute_dtype} with epsilons < 1e-3: bf16 log-prob noise exceeds the "
+             "clip range; prefer model.compute_dtype=float32")
     if clipped and ro.top_p < 1 and algo != "dpo":
         warn(f"rollout.top_p={ro.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
              "truncated distribution the trainer does not model")

@@ -34,7 +34,8 @@ class JobConfig(_Section):
 
 class ModelConfig(_Section):
     name_or_path: str = Field("artifacts/tiny-model/warm", min_length=1, description="Hub id or local directory of the policy (and its tokenizer).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the policy.")
+    compute_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the trainer's forward/backward (bfloat16: under autocast) and of the rollout engines; parameters, gradients and AdamW state stay float32.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~30% more compute).")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub; off unless you trust the repository.")
     teacher: str | None = Field(None, description="OPD only: the frozen teacher (hub id or local directory), sharing the policy's tokenizer.")
 
@@ -112,6 +113,8 @@ class ClusterConfig(_Section):
     gpus_per_engine: float = Field(0.0, ge=0, description="separate placement: GPUs reserved per rollout engine.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy of the trainer ranks (STRICT_SPREAD: one rank per node).")
     placement_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for Ray to place every role before failing with what could not be placed.")
+    sharding: Literal["none", "fsdp"] = Field("none", description="Trainer state across ranks: 'none' keeps a full replica per rank, 'fsdp' shards parameters, gradients and optimizer state (torch FSDP2).")
+    gpu_memory_gib: float | None = Field(None, gt=0, description="Memory of one GPU for the preflight memory plan; None reads it from this machine's GPU (no GPU here: the plan is printed, not enforced).")
 
 
 class TrackingConfig(_Section):

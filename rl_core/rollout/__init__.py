@@ -36,14 +36,15 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
 
-    hf: samples from `model` in place. vllm: loads its own copy of the weights from `model_path`
+    hf: samples from `model` in place, under autocast when `dtype` ("float32"/"bfloat16") is not
+    the model's own parameter dtype. vllm: loads its own copy of the weights from `model_path`
     (the `model.name_or_path` the policy was loaded from; required) and takes later weights through
     `update_weights`; `model` is not used by it (pass None). `max_model_len`: the longest prompt
     plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated).
     """
     backend = rollout_cfg.backend
     if backend == "hf":
-        return HFEngine(model, tokenizer, seed=seed)
+        return HFEngine(model, tokenizer, seed=seed, compute_dtype=None if dtype == "auto" else dtype)
     if backend == "vllm":
         from rl_core.rollout.vllm import VLLMEngine
 

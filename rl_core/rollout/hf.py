@@ -12,6 +12,7 @@ the prompts and the weights.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -69,10 +70,14 @@ class HFEngine(RolloutEngine):
 
     `model` is used in place (eval mode, no grad); `update_weights` copies a state dict into it.
     `seed` seeds the engine's own generator, used when `SamplingParams.seed` is None.
+    `compute_dtype` ("float32"/"bfloat16", None: the model's own): when it is narrower than the
+    model's parameters (a float32 trainer model shared with a bf16 run), forwards run under autocast.
     """
 
-    def __init__(self, model, tokenizer, *, seed: int = 0, policy_version: int = 0):
+    def __init__(self, model, tokenizer, *, seed: int = 0, policy_version: int = 0,
+                 compute_dtype: str | None = None):
         self.model = model
+        self.compute_dtype = compute_dtype
         self.tokenizer = tokenizer
         self.eos_token_id = _single_id(tokenizer.eos_token_id, "eos_token_id")
         pad = tokenizer.pad_token_id
@@ -122,10 +127,17 @@ class HFEngine(RolloutEngine):
         model.eval()
         started = time.perf_counter()
         try:
-            return self._generate(prompt_ids, n, sampling, model, device, prompt_offset)
+            with self._autocast(device):
+                return self._generate(prompt_ids, n, sampling, model, device, prompt_offset)
         finally:
             self.last_generate_s = time.perf_counter() - started
             model.train(was_training)
+
+    def _autocast(self, device: torch.device):
+        param_dtype = next(self.model.parameters()).dtype
+        if self.compute_dtype in (None, "float32") or param_dtype != torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=getattr(torch, self.compute_dtype))
 
     def _generate(self, prompt_ids, n, sampling, model, device, prompt_offset) -> Completions:
         generator, uniforms = self._generator, None

@@ -1,0 +1,158 @@
+"""Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/test_fsdp.py.
+
+    python tests/fsdp_ranks.py OUT.json [--checkpointing]
+
+Each rank trains on its own half of every batch (the data-parallel split) for 3 steps of 2
+mini-batches each, in micro-batches of one row; rank 1's last row has no loss token, so rank 1
+takes a weight-0 chunk that rank 0 does not (FSDP's backward collectives must still line up).
+Cross-mode resume: 2 steps in one mode, the trainer state loaded into a fresh trainer of the other
+mode, the 3rd step there. Rank 0 writes the largest differences (and how far the weights moved)
+to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEPS = 3
+ROWS = 8  # per step, 4 per rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def batch(step: int, rank: int):
+    """Rows `[4 rank, 4 rank + 4)` of step `step`'s batch (the same batch on every rank before the split)."""
+    from rl_core.annotators.advantage import group_advantages
+    from rl_core.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(100 + step)
+    prompt, resp = 3, 6
+    t = prompt + resp
+    ids = torch.randint(1, 20, (ROWS, t), generator=g)
+    att = torch.ones(ROWS, t, dtype=torch.long)
+    loss = torch.zeros(ROWS, t)
+    lengths = torch.randint(1, resp + 1, (ROWS,), generator=g)
+    for i in range(ROWS):
+        loss[i, prompt: prompt + int(lengths[i])] = 1
+    loss[ROWS - 1] = 0  # rank 1's last row: no loss token (a weight-0 chunk at micro-batch 1)
+    rewards = torch.arange(ROWS, dtype=torch.float32) % 3
+    groups = torch.arange(ROWS) // 2
+    adv = group_advantages(rewards, groups)
+    sampling = -torch.rand(ROWS, t, generator=g) * loss
+    full = Trajectory(ids, att, loss, sampling, rewards, groups, torch.arange(ROWS) + 1000 * step, step,
+                      advantages=adv)
+    half = ROWS // 2
+    return full.select(list(range(rank * half, (rank + 1) * half)))
+
+
+def make_trainer(sharded: bool, checkpointing: bool):
+    from infra.distributed import shard_policy
+    from rl_core.algorithms.context import ObjectiveContext
+    from rl_core.algorithms.grpo import build_objective
+    from rl_core.config import OptimizerConfig, RLConfig
+    from rl_core.trainer import LLMTrainer, ProcessGroupReducer
+
+    model = base_model()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if sharded:
+        shard_policy(model, torch.device("cpu"))
+    rl = RLConfig(mini_batch_per_replica=2, loss_type="token-mean")
+    objective = build_objective(rl, ObjectiveContext(max_response_length=6))
+    return LLMTrainer(model, objective, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), dp_reducer=ProcessGroupReducer())
+
+
+def train(trainer, steps):
+    for step in steps:
+        trainer.train_step(batch(step, dist.get_rank()), micro_batch_size=1, mini_batch_size=2)
+
+
+def full_state(trainer) -> dict:
+    """The trainer's full state on every rank (rank 0 gathers when sharded, then broadcasts)."""
+    state = trainer.state_dict()
+    box = [state if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def optimizer_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for i, sa in a["state"].items():
+        for name, value in sa.items():
+            worst = max(worst, float((value.float() - b["state"][i][name].float()).abs().max()))
+    return worst
+
+
+def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        initial = {k: v.clone() for k, v in base_model().state_dict().items()}
+        plain = make_trainer(False, checkpointing)
+        train(plain, range(STEPS))
+        sharded = make_trainer(True, checkpointing)
+        train(sharded, range(STEPS))
+        plain_state, sharded_state = full_state(plain), full_state(sharded)
+
+        # cross-mode resume, both ways
+        half_sharded = make_trainer(True, checkpointing)
+        train(half_sharded, range(STEPS - 1))
+        resumed_plain = make_trainer(False, checkpointing)
+        resumed_plain.load_state_dict(full_state(half_sharded))
+        train(resumed_plain, [STEPS - 1])
+        half_plain = make_trainer(False, checkpointing)
+        train(half_plain, range(STEPS - 1))
+        resumed_sharded = make_trainer(True, checkpointing)
+        resumed_sharded.load_state_dict(full_state(half_plain))
+        train(resumed_sharded, [STEPS - 1])
+        from_sharded, from_plain = full_state(resumed_plain), full_state(resumed_sharded)
+        if rank == 0:
+            result = {
+                "moved": max_diff(plain_state["model"], initial),
+                "fsdp_vs_plain": max_diff(sharded_state["model"], plain_state["model"]),
+                "fsdp_vs_plain_optimizer": optimizer_diff(sharded_state["optimizer"], plain_state["optimizer"]),
+                "optimizer_keys_equal": sorted(sharded_state["optimizer"]["state"]) == sorted(
+                    plain_state["optimizer"]["state"]),
+                "sharded_is_dtensor": type(next(iter(sharded.model.parameters()))).__name__,
+                "resume_fsdp_to_plain": max_diff(from_sharded["model"], plain_state["model"]),
+                "resume_plain_to_fsdp": max_diff(from_plain["model"], sharded_state["model"]),
+                "resume_fsdp_to_plain_optimizer": optimizer_diff(from_sharded["optimizer"], plain_state["optimizer"]),
+                "steps": [plain.step, sharded.step, resumed_plain.step, resumed_sharded.step],
+            }
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(rank_main, args=(2, _free_port(), sys.argv[1], "--checkpointing" in sys.argv), nprocs=2)
