@@ -6,7 +6,7 @@ STAMP := $(VENV)/.posttrain-installed
 TORCH_PIN := torch==2.13.0
 RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.py))
 
-.PHONY: venv demo test test-quick bench lint clean
+.PHONY: venv demo test test-quick bench gpu-smoke lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,20 @@ test-quick: venv
 
 bench: venv
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# A machine with a CUDA GPU: a venv of its own with vLLM's GPU build (it pins the CUDA torch it needs), then
+# 3 GRPO steps with colocated vLLM on one GPU, checked and timed. MODEL=/path/to/model runs that model instead.
+GPU_VENV ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.posttrain-installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[gpu]'
+	touch $(GPU_STAMP)
+
+gpu-smoke: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python benchmarks/gpu_smoke.py $(if $(MODEL),--model $(MODEL))
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -68,8 +68,10 @@ class Timer:
 
 
 def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """The ranks' public metrics averaged (the ranks hold identical weights; their shards differ)."""
-    merged = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+    """The ranks' public metrics averaged (the ranks hold identical weights; their shards differ); GPU memory
+    (`perf/gpu_*`) is the largest rank's."""
+    merged = {k: max(m[k] for m in per_rank) if k.startswith("perf/gpu_") else sum(m[k] for m in per_rank) / len(per_rank)
+              for k in per_rank[0]}
     return {ROLLOUT_KEYS.get(k, k): v for k, v in merged.items() if k.startswith(PUBLIC_PREFIXES)}
 
 

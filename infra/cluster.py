@@ -187,6 +187,14 @@ class PolicyWorker:
 
     # -- training
     def train_step(self, shard: Any) -> dict[str, float]:
+        """One train step on this rank's shard. On GPU also `perf/gpu_rollout_used_gib` (device memory in use
+        before the step: the trainer plus an awake colocated engine) and `perf/gpu_train_peak_gib` (torch's peak
+        allocation during the step)."""
+        gpu = self.device.type == "cuda"
+        if gpu:
+            free, total = torch.cuda.mem_get_info(self.device)
+            rollout_used = (total - free) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.engine is not None:
             self.engine.sleep()  # colocated vLLM on GPU: free its memory for the step
         t0 = time.perf_counter()
@@ -195,6 +203,9 @@ class PolicyWorker:
         self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
+        if gpu:
+            metrics["perf/gpu_rollout_used_gib"] = rollout_used
+            metrics["perf/gpu_train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
