@@ -1,6 +1,6 @@
 """The `posttrain` command line.
 
-    posttrain validate RECIPE [-- key=value ...]   print the resolved config and the preflight report
+    posttrain validate RECIPE [-- key=value ...]   print the resolved config, the preflight report and the memory plan
     posttrain run RECIPE [-- key=value ...]        run the recipe's flow (GRPO family, OPD or DPO)
     posttrain init-model | warm-start | make-data  build the tiny model and data (what the DVC stages call)
     posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml overrides
@@ -34,7 +34,28 @@ def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
     print(to_yaml(cfg), end="")
     print(f"# config hash: {config_hash(cfg)}")
     print(report.render(), file=sys.stderr if report.errors else sys.stdout)
-    return 0 if report.ok else 1
+    memory_ok = print_memory_plan(cfg)
+    return 0 if report.ok and memory_ok else 1
+
+
+def print_memory_plan(cfg) -> bool:
+    """Print the preflight memory plan (or why there is none); False when a GPU role does not fit its GPU."""
+    import os
+
+    from rl_core.config.environment import gpu_memory, gpus_needed
+    from rl_core.config.memory import plan_for_config
+
+    remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    gpu_bytes, source = gpu_memory(cfg, remote_ray=remote) if gpus_needed(cfg) else (None, "")
+    plan, why = plan_for_config(cfg, gpu_bytes, gpu_source=source)
+    if plan is None:
+        print(f"memory plan: none ({why})")
+        return True
+    print(plan.render())
+    problems = plan.problems()
+    for problem in problems:
+        print(f"  memory error: {problem}", file=sys.stderr)
+    return not problems
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -65,7 +86,8 @@ def summary_line(result: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="RL post-training pipeline (Prefect flows on Ray).")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("validate", help="print the resolved config and the preflight report (exit 1 on errors)")
+    p = sub.add_parser("validate", help="print the resolved config, the preflight report and the memory plan "
+                                      "(exit 1 on errors or when a GPU role does not fit its GPU)")
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser("run", help="run a recipe's flow")

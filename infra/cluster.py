@@ -290,7 +290,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     if cfg.cluster.sharding == "fsdp" and cfg.cluster.num_workers > 1:
         from infra.distributed import shard_policy
 
-        shard_policy(model, device or torch.device("cpu"))
+        shard_policy(model, device or torch.device("cpu"), torch_dtype(cfg.model.compute_dtype))
     builder = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective
     context = ObjectiveContext.from_config(cfg)
     objective = builder(cfg.rl, context)

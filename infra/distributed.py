@@ -71,16 +71,20 @@ def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size
                             timeout=DEFAULT_TIMEOUT)
 
 
-def shard_policy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard_policy(model: torch.nn.Module, device: torch.device,
+                 compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Shard `model` over the default process group with torch FSDP2: each decoder layer, then the root.
 
     The decoder layers are the modules whose class the model names in `_no_split_modules` (every
-    transformers causal LM does, e.g. `Qwen2DecoderLayer`). Parameters stay in their dtype
-    (float32 master weights); bf16 compute comes from the trainer's autocast. Returns the model,
-    now an `FSDPModule` whose parameters are `DTensor` shards.
+    transformers causal LM does, e.g. `Qwen2DecoderLayer`). The shards stay in their dtype (float32
+    master weights and optimizer state). With a bf16 `compute_dtype`, FSDP gathers each layer's
+    weights in bf16 for the forward/backward and reduce-scatters gradients in float32
+    (`MixedPrecisionPolicy`), so no rank ever holds a whole bf16 copy of the model (autocast over
+    gathered float32 weights would cache one). Returns the model, now an `FSDPModule` whose
+    parameters are `DTensor` shards.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError("cluster.sharding=fsdp needs the trainer ranks' process group (cluster.num_workers > 1)")
@@ -90,9 +94,11 @@ def shard_policy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
         raise ValueError(f"cluster.sharding=fsdp: cannot find the decoder layers of {type(model).__name__} (it names "
                          "none in _no_split_modules); use cluster.sharding=none for this model")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -23,6 +23,7 @@ import torch
 
 from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
+from rl_core.config.preflight import num_engines  # noqa: F401 - the one rule, re-exported for infra.cluster
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 
 
@@ -58,13 +59,6 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
                        model_path=resolve_model_path(cfg.model.name_or_path), dtype=compute,
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code)
-
-
-def num_engines(cfg: PosttrainConfig) -> int:
-    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
-    if cfg.cluster.placement == "colocated":
-        return cfg.cluster.num_workers
-    return cfg.rollout.num_engines or 1
 
 
 def node_info(device: torch.device) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/test_fsdp.py.
 
-    python tests/fsdp_ranks.py OUT.json [--checkpointing]
+    python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16]
 
 Each rank trains on its own half of every batch (the data-parallel split) for 3 steps of 2
 mini-batches each, in micro-batches of one row; rank 1's last row has no loss token, so rank 1
 takes a weight-0 chunk that rank 0 does not (FSDP's backward collectives must still line up).
 Cross-mode resume: 2 steps in one mode, the trainer state loaded into a fresh trainer of the other
-mode, the 3rd step there. Rank 0 writes the largest differences (and how far the weights moved)
+mode, the 3rd step there. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). Rank 0 writes the largest differences (and how far the weights moved)
 to OUT.json.
 """
 
@@ -67,7 +67,7 @@ def batch(step: int, rank: int):
     return full.select(list(range(rank * half, (rank + 1) * half)))
 
 
-def make_trainer(sharded: bool, checkpointing: bool):
+def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32):
     from infra.distributed import shard_policy
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
@@ -78,10 +78,11 @@ def make_trainer(sharded: bool, checkpointing: bool):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
-        shard_policy(model, torch.device("cpu"))
+        shard_policy(model, torch.device("cpu"), compute)
     rl = RLConfig(mini_batch_per_replica=2, loss_type="token-mean")
     objective = build_objective(rl, ObjectiveContext(max_response_length=6))
-    return LLMTrainer(model, objective, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), dp_reducer=ProcessGroupReducer())
+    return LLMTrainer(model, objective, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), dp_reducer=ProcessGroupReducer(),
+                       compute_dtype=compute)
 
 
 def train(trainer, steps):
@@ -109,11 +110,13 @@ def optimizer_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, bf16: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        if bf16:
+            return bf16_main(rank, out, checkpointing)
         initial = {k: v.clone() for k, v in base_model().state_dict().items()}
         plain = make_trainer(False, checkpointing)
         train(plain, range(STEPS))
@@ -152,7 +155,25 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool) -
         dist.destroy_process_group()
 
 
+def bf16_main(rank: int, out: str, checkpointing: bool) -> None:
+    """bf16 compute: FSDP (bf16 gathers, float32 reduce) against unsharded autocast, both on float32 masters."""
+    initial = {k: v.clone() for k, v in base_model().state_dict().items()}
+    plain = make_trainer(False, checkpointing, torch.bfloat16)
+    train(plain, range(STEPS))
+    sharded = make_trainer(True, checkpointing, torch.bfloat16)
+    train(sharded, range(STEPS))
+    a, b = full_state(plain)["model"], full_state(sharded)["model"]
+    if rank == 0:
+        va = torch.cat([(a[k] - initial[k]).reshape(-1) for k in a])
+        vb = torch.cat([(b[k] - initial[k]).reshape(-1) for k in a])
+        with open(out, "w") as f:
+            json.dump({"master_dtypes": sorted({str(v.dtype) for v in b.values()}),
+                       "update_cosine": float(torch.nn.functional.cosine_similarity(va, vb, dim=0)),
+                       "moved": float(va.abs().max()), "diff": max_diff(a, b)}, f)
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(rank_main, args=(2, _free_port(), sys.argv[1], "--checkpointing" in sys.argv), nprocs=2)
+    mp.spawn(rank_main, args=(2, _free_port(), sys.argv[1], "--checkpointing" in sys.argv, "--bf16" in sys.argv),
+             nprocs=2)

