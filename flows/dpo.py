@@ -28,6 +28,7 @@ from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.cluster import Cluster
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig, check, load_config
+from rl_core.config.environment import check_memory
 from rl_core.config.loader import ConfigError
 from rl_core.data import Example, PromptSampler
 from rl_core.data.preferences import (
@@ -92,6 +93,8 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     sampler = PromptSampler(len(train_df), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
     max_model_len = max(int(train_pairs.attention_mask.shape[1]), int(val_pairs.attention_mask.shape[1])) \
         + cfg.rollout.max_tokens
+    # the preflight plan again, with the data's real lengths: its sequence (prompt + max_tokens) = the widest pair
+    check_memory(cfg, max(max_model_len - 2 * cfg.rollout.max_tokens, 1))
 
     step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:

@@ -24,6 +24,7 @@ from infra.roles import RolloutRole
 from infra.teacher import TeacherRole
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig, check, load_config
+from rl_core.config.environment import check_memory
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
@@ -62,6 +63,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     reward = reward_task.with_options(**retry)
 
     role = RolloutRole.build(cfg)
+    check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
     step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
             (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:

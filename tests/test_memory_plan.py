@@ -370,3 +370,16 @@ def test_validate_says_why_there_is_no_plan(capsys):
     assert code == 0
     assert "memory plan: none (model.name_or_path='posttrain-tests/no-such-model' is neither a local directory " \
            "nor in the Hugging Face cache" in out.out
+
+
+def test_the_flow_rechecks_the_plan_with_the_data_s_longest_prompt(qwen3b_dir):
+    """A config that fits at the assumed prompt length is refused once the data's prompts turn out long."""
+    from rl_core.config import ConfigError
+    from rl_core.config.environment import check_memory
+
+    cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT)
+    assert memory_problems(cfg, probe=no_gpu) == []  # 512 assumed prompt tokens: fits
+    check_memory(cfg, prompt_tokens=200)  # a GSM8K-sized prompt: fits, no error
+    with pytest.raises(ConfigError, match=r"longest prompt \(6000 tokens\)") as err:
+        check_memory(cfg, prompt_tokens=6000)
+    assert "trainer rank (x4)" in str(err.value) and "rl.micro_batch_per_replica" in str(err.value)

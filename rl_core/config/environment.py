@@ -126,8 +126,12 @@ def _gpu_count_fix(cfg: PosttrainConfig, have: int) -> str:
     return ", ".join(fixes + ["or join a Ray cluster (cluster.address / RAY_ADDRESS)"])
 
 
-def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None) -> list[str]:
-    """The memory plan's problems when a role uses GPUs, the GPU memory is known and the model config is here."""
+def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None,
+                    prompt_tokens: int | None = None) -> list[str]:
+    """The memory plan's problems when a role uses GPUs, the GPU memory is known and the model config is here.
+
+    `prompt_tokens`: the run's longest prompt once the data is loaded (None: the plan's assumed length).
+    """
     if gpus_needed(cfg) == 0:
         return []  # a CPU run: nothing to enforce
     gpu_bytes, source = gpu_memory(cfg, remote_ray=remote_ray, probe=probe)
@@ -135,8 +139,19 @@ def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=Non
         return []
     from rl_core.config.memory import plan_for_config
 
-    plan, _ = plan_for_config(cfg, gpu_bytes, gpu_source=source)
+    plan, _ = plan_for_config(cfg, gpu_bytes, gpu_source=source, prompt_tokens=prompt_tokens)
     return plan.problems() if plan is not None else []
+
+
+def check_memory(cfg: PosttrainConfig, prompt_tokens: int) -> None:
+    """The memory plan again with the run's real longest prompt (the flows call it once the data is loaded,
+    before anything is placed); raises ConfigError naming the knobs when a GPU role does not fit."""
+    from rl_core.config.loader import ConfigError
+
+    remote_ray = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    problems = memory_problems(cfg, remote_ray=remote_ray, prompt_tokens=prompt_tokens)
+    if problems:
+        raise ConfigError(problems, f"memory plan with the data's longest prompt ({prompt_tokens} tokens)")
 
 
 def vllm_build() -> str | None:
