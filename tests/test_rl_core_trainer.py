@@ -62,7 +62,7 @@ def grads_of(model):
 
 
 def max_diff(a, b):
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a, b))
 
 
 class ThreadGroup:
