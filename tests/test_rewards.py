@@ -116,3 +116,17 @@ def test_registry_selects_by_task_and_mode():
     assert strict("it is 72", ANSWER_72) == 0.0 and flexible("it is 72", ANSWER_72) == 1.0
     with pytest.raises(ValueError, match="task"):
         get_reward_fn("chess")
+
+
+def test_whitespace_heavy_completions_are_scored_in_linear_time():
+    """The number pattern once backtracked cubically over whitespace runs (500 spaces: 5 s for one completion).
+    100k characters of spaces, `$` and signs must now be scored at once, and still correctly."""
+    import time
+
+    from rl_core.rewards.gsm8k import gsm8k_reward
+
+    hostile = [" " * 100_000 + "5", "#### " + " " * 100_000 + "5", "$ - " * 25_000 + "#### 5", "\n\t " * 33_000 + "x"]
+    started = time.perf_counter()
+    scores = [gsm8k_reward(text, "#### 5", mode) for text in hostile for mode in ("strict", "flexible")]
+    assert time.perf_counter() - started < 5.0  # measured ~0.2 s; the cubic pattern would take hours
+    assert scores == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]

@@ -19,11 +19,17 @@ import re
 from decimal import Decimal, InvalidOperation
 
 # A number: optional sign (before or after `$`), thousands-grouped or plain digits, optional decimals.
+# The gaps around `$` are bounded (at most 3 whitespace characters each): with unbounded `\s*` the two
+# gaps make every start position try every split of a whitespace run, which is cubic in its length
+# (500 spaces took 5 s); bounded, the work per position is constant and a completion is scored in
+# linear time. A sign more than 3 spaces away from its number no longer counts.
+_GAP = r"\s{0,3}"
 _NUMBER = (
-    r"(?P<sign>[-\u2212]?)\s*\$?\s*(?P<sign2>[-\u2212]?)(?P<num>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?P<sign>[-\u2212]?)" + _GAP + r"\$?" + _GAP
+    + r"(?P<sign2>[-\u2212]?)(?P<num>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 )
 _NUMBER_RE = re.compile(r"(?<!\d)" + _NUMBER)
-_STRICT_RE = re.compile(r"####\s*" + _NUMBER)
+_STRICT_RE = re.compile(r"####\s*+" + _NUMBER)  # possessive: the run after #### is consumed once
 
 
 def _to_decimal(match: re.Match) -> Decimal | None:
