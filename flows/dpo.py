@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger
 
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
+from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig, check, load_config
@@ -79,9 +80,10 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     if cfg.job.algorithm != "dpo":
         raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the dpo flow trains job.algorithm=dpo only"])
     logger = get_run_logger()
-    run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
+    ensure_quickstart_artifacts(cfg, announce=logger.info)
 
-    # -- the driver: tokenizer and pairs only (no weights); the reference is scored ONCE, on trainer rank 0
+    # -- inputs first (bad pairs fail before the run directory is touched). The driver holds the tokenizer
+    # -- and pairs only (no weights); the reference is scored ONCE, on trainer rank 0
     tokenizer = load_tokenizer(cfg.model)
     max_val = cfg.rl.validation.max_prompts
     train_df = load_pairs(cfg.data.train, tokenizer, cfg, "data.train")
@@ -95,6 +97,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
         + cfg.rollout.max_tokens
     # the preflight plan again, with the data's real lengths: its sequence (prompt + max_tokens) = the widest pair
     check_memory(cfg, max(max_model_len - 2 * cfg.rollout.max_tokens, 1))
+    run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
 
     step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:

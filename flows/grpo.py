@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
+from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.roles import RolloutRole
 from infra.teacher import TeacherRole
@@ -57,13 +58,15 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     `distill` phases; everything else — resume, tracking, cadence, checkpoints — is the same.
     """
     logger = get_run_logger()
+    # inputs first: bad data or a plan that does not fit fails before the run directory is touched
+    ensure_quickstart_artifacts(cfg, announce=logger.info)
+    role = RolloutRole.build(cfg)
+    check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
     rollout = rollout_task.with_options(result_storage=(run.run_dir / "cache").resolve(), **retry)
     reward = reward_task.with_options(**retry)
 
-    role = RolloutRole.build(cfg)
-    check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
     step = run.start_step
     with RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
             (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:

@@ -23,7 +23,6 @@ from typing import Any
 
 from prefect.runtime import flow_run
 
-from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import BUILDERS
 from infra.provenance import dvc_hashes
 from infra.resume import ResumePlan, checkpoint_meta, plan_resume, write_run_state
@@ -98,7 +97,6 @@ class TrainingRun:
                                 remote_uri=cfg.tracking.checkpoint_uri)
         plan = plan_resume(cfg, store)
         config_path = write_resolved(cfg, run_dir)
-        ensure_quickstart_artifacts(cfg, announce=announce)
         metrics_log = MetricsLog(run_dir / "metrics.jsonl")
         # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
         metrics_log.truncate_after(plan.start_step if plan.checkpoint is not None else -1)

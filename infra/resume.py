@@ -78,10 +78,34 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
 
 
 def write_run_state(run_dir: Path, state: dict[str, Any]) -> None:
+    from infra.tracking import fsync_dir, write_durably
+
     path = run_dir / RUN_STATE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
+    write_durably(tmp, json.dumps(state, indent=2, sort_keys=True))
     tmp.replace(path)
+    fsync_dir(run_dir)
+
+
+# What a run directory holds (flows/runner.py): `job.overwrite` deletes a directory only when it has one of
+# these and nothing that is not one of them, so a mistyped job.out_dir/job.name never deletes other data.
+RUN_ENTRIES = ("config_resolved.yaml", "metrics.jsonl", "metrics.jsonl.tmp", RUN_STATE, RUN_STATE + ".tmp",
+               "placement.json", "checkpoints", "cache", "final_model", "curve.png", "curve.json", "summary.json",
+               "model", "plots", "provenance", ".lock")
+RUN_MARKERS = ("config_resolved.yaml", "metrics.jsonl", RUN_STATE, "checkpoints")
+
+
+def _not_a_run(run_dir: Path) -> str | None:
+    """Why `run_dir` is not recognisably a posttrain run directory (None when it is)."""
+    if run_dir.is_symlink() or not run_dir.is_dir():
+        return "it is not a plain directory"
+    names = {p.name for p in run_dir.iterdir()}
+    if not names & set(RUN_MARKERS):
+        return f"it holds none of {', '.join(RUN_MARKERS)}"
+    foreign = sorted(n for n in names if n not in RUN_ENTRIES and not n.startswith((".tmp-", "step_")))
+    if foreign:
+        return f"it also holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which a run does not write"
+    return None
 
 
 def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
@@ -90,11 +114,15 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
     mode = cfg.rl.resume
     if mode == "off":
         remote = store.list_remote()
-        if (run_dir.exists() and any(run_dir.iterdir())) or remote:
+        occupied = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+        if occupied or remote:
             where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {cfg.tracking.checkpoint_uri}" if remote else "")
             if not cfg.job.overwrite:
                 raise ConfigError([(f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
                                     "job.name, or set job.overwrite=true to delete it")])
+            if run_dir.exists() and (why := _not_a_run(run_dir)):
+                raise ConfigError([(f"job.overwrite=true would delete {run_dir}, but it is not a posttrain run directory "
+                                   f"({why}); nothing was deleted. Check job.out_dir and job.name, or move it away")])
             shutil.rmtree(run_dir, ignore_errors=True)
             store.delete_remote()  # else a later resume from S3 would continue the old run
         return ResumePlan(None, {})

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_core.config import PosttrainConfig
+from rl_core.config.loader import ConfigError
 from rl_core.data import Example, PromptSampler, encode_prompts, load_examples
 from rl_core.models import load_tokenizer
 from rl_core.rewards import reward_fn_from_config
@@ -30,14 +31,24 @@ class RolloutRole:
 
     @classmethod
     def build(cls, cfg: PosttrainConfig) -> RolloutRole:
+        """Tokenizer, data and sampler. Bad data fails here with a ConfigError naming the key, before the flow
+        touches the run directory."""
         tokenizer = load_tokenizer(cfg.model)
-        train = load_examples(cfg.data.train, cfg.data.task)
-        val = load_examples(cfg.data.val, cfg.data.task)
+        train = _split(cfg, "data.train", cfg.data.train)
+        val = _split(cfg, "data.val", cfg.data.val)
         if cfg.rl.validation.max_prompts is not None:
             val = val[: cfg.rl.validation.max_prompts]
         sampler = PromptSampler(len(train), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
         lengths = encode_prompts(tokenizer, train + val, cfg.data.task, cfg.data.prompt_template)
         limit = max(len(ids) for ids in lengths)
+        context = model_context(cfg)
+        if context is not None and limit + cfg.rollout.max_tokens > context:
+            longest = max(range(len(lengths)), key=lambda i: len(lengths[i]))
+            split, row = ("data.train", longest) if longest < len(train) else ("data.val", longest - len(train))
+            raise ConfigError([(f"{split} row {row + 1}: its prompt is {limit} tokens, and with rollout.max_tokens="
+                               f"{cfg.rollout.max_tokens} a completion would need {limit + cfg.rollout.max_tokens} "
+                               f"positions, more than the model's {context}; shorten or drop long prompts, or lower "
+                               "rollout.max_tokens")])
         return cls(cfg, tokenizer, train, val, reward_fn_from_config(cfg.data), sampler, limit)
 
     @property
@@ -52,3 +63,26 @@ class RolloutRole:
     def sampling(self, step: int):
         """Sampling parameters of one step: a per-step seed derived from the run's sampling seed."""
         return sampling_params_from_config(self.cfg.rollout, seed=self.cfg.sampling_seed * 1_000_003 + step)
+
+
+def _split(cfg: PosttrainConfig, key: str, source: str) -> list[Example]:
+    """The examples of one data split, or a ConfigError naming the key (bad file, no examples)."""
+    try:
+        examples = load_examples(source, cfg.data.task)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError([f"{key}={source!r}: {exc}"]) from None
+    if not examples:
+        raise ConfigError([f"{key}={source!r}: no examples (the split is empty); point {key} at a split with data"])
+    return examples
+
+
+def model_context(cfg: PosttrainConfig) -> int | None:
+    """The policy's context length (`max_position_embeddings` of its config), or None when it does not say."""
+    from transformers import AutoConfig
+
+    from rl_core.models import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path),
+                                        trust_remote_code=bool(cfg.model.trust_remote_code))
+    value = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import platform
@@ -25,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
+
+log = logging.getLogger("posttrain.tracking")
 
 
 def _clean(value: Any) -> Any:
@@ -55,12 +58,23 @@ class MetricsLog:
             os.fsync(fh.fileno())
 
     def read(self) -> list[dict[str, Any]]:
+        """Every record. A torn LAST line (a write cut by a crash: no newline, not JSON) is skipped, since
+        the step it belonged to is redone on resume; a bad line anywhere else is an error naming it."""
         if not self.path.exists():
             return []
+        text = self.path.read_text(encoding="utf-8")
+        lines = text.splitlines()
         out = []
-        for line in self.path.read_text().splitlines():
-            if line.strip():
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
                 out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if i == len(lines) and not text.endswith("\n"):
+                    log.warning("%s: the last line is torn (a write cut by a crash); its step is redone", self.path)
+                    continue
+                raise ValueError(f"{self.path}:{i}: not a JSON record ({exc.msg}); fix or remove that line") from None
         return out
 
     def text(self) -> str:
@@ -73,8 +87,31 @@ class MetricsLog:
     def replace(self, records: Iterable[dict[str, Any]]) -> None:
         """Rewrite the file with exactly `records` (atomically: a temporary file, then rename)."""
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write `text` to `path` and fsync it (a rename after this publishes complete contents only)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a power cut (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def last_values(records: Iterable[dict[str, Any]], key: str) -> list[tuple[int, float]]:

@@ -174,3 +174,61 @@ def test_a_data_file_line_that_is_not_an_object_is_named_by_file_and_line(tmp_pa
         with pytest.raises(ValueError) as info:
             load(path)
         assert str(info.value).startswith(f"{path}:3: {reason}"), (name, str(info.value))
+
+
+# ----------------------------------------------------------------------------- bad data, named
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n', r"split\.jsonl:2: not UTF-8 text"),
+    (b'{"prompt": null, "answer": "2"}\n', r"split\.jsonl:1: 'prompt' must be text, got null"),
+    (b'{"prompt": "1+1=", "answer": null}\n', r"split\.jsonl:1: 'answer' must be text or a number, got null"),
+    (b'{"prompt": "  ", "answer": "2"}\n', r"split\.jsonl:1: 'prompt' is empty"),
+    (b'{"prompt": ["1+1="], "answer": "2"}\n', r"split\.jsonl:1: 'prompt' must be text, got list"),
+])
+def test_bad_arithmetic_rows_are_named_by_file_line_and_field(tmp_path, content, needle):
+    path = tmp_path / "split.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=needle):
+        load_examples(str(path), "arithmetic")
+
+
+def test_gsm8k_null_question_is_named(tmp_path):
+    path = tmp_path / "split.jsonl"
+    path.write_text('{"question": "q?", "answer": "#### 1"}\n{"question": null, "answer": "#### 2"}\n')
+    with pytest.raises(ValueError, match=r"split\.jsonl:2: 'question' must be text, got null"):
+        load_examples(str(path), "gsm8k")
+
+
+def test_numeric_answers_are_accepted_as_text(tmp_path):
+    path = tmp_path / "split.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n')
+    assert load_examples(str(path), "arithmetic") == [Example("1+1=", "2")]
+
+
+def test_rollout_role_names_the_key_of_an_empty_split_and_a_prompt_beyond_the_context(tmp_path):
+    from infra.roles import RolloutRole
+    from rl_core.config import ConfigError, load_config
+    from rl_core.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")  # context: 2048 positions
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    base = [f"model.name_or_path={model}", f"data.val={good}"]
+    with pytest.raises(ConfigError, match=r"data\.train=.*empty\.jsonl.*no examples"):
+        RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={empty}"]))
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "1+1=", "answer": "2"}\n' + json.dumps({"prompt": "9" * 2040, "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"data\.train row 2: its prompt is 2041 tokens.*more than the model's 2048"):
+        RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={long}", "rollout.max_tokens=16"]))
+    role = RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={good}"]))
+    assert role.prompt_limit == 5  # <bos> + 4 characters
+
+
+def test_a_seed_beyond_2_to_the_32_is_refused_at_validation():
+    from rl_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"job\.seed=100000000000000000000000: must be <= 4294967295"):
+        load_config("recipes/arithmetic.py", ["job.seed=100000000000000000000000"])

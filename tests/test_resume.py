@@ -587,3 +587,67 @@ def test_changed_math_key_is_refused_before_the_first_checkpoint_too(tmp_path, m
     changed = _cfg("rl.optimizer.lr=2e-3")
     with pytest.raises(ConfigError, match=r"rl\.optimizer\.lr"):
         plan_resume(changed, CheckpointStore(Path(changed.run_dir) / "checkpoints"))
+
+
+def test_overwrite_deletes_only_a_recognisable_run_directory(tmp_path, monkeypatch):
+    """job.overwrite=true with a job.out_dir/job.name that points at other data refuses and deletes nothing."""
+    from infra.resume import plan_resume
+    from infra.storage import CheckpointStore
+    from rl_core.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    precious = tmp_path / "home"
+    (precious / "thesis").mkdir(parents=True)
+    (precious / "thesis" / "draft.tex").write_text("years of work")
+    (tmp_path / "afile").write_text("not a directory")
+    for out_dir, name in ((str(tmp_path), "home"), (str(tmp_path), "afile")):
+        cfg = _cfg("rl.resume=off", "job.overwrite=true", f"job.out_dir={out_dir}", f"job.name={name}")
+        store = CheckpointStore(tmp_path / name / "checkpoints", keep=3)
+        with pytest.raises(ConfigError, match="not a posttrain run directory"):
+            plan_resume(cfg, store)
+    assert (precious / "thesis" / "draft.tex").read_text() == "years of work"
+    assert (tmp_path / "afile").read_text() == "not a directory"
+    # a real run directory with a stray user file in it: also refused, named
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "my_notes.txt").write_text("keep")
+    cfg = _cfg("rl.resume=off", "job.overwrite=true", f"job.out_dir={tmp_path / 'runs'}", "job.name=r")
+    with pytest.raises(ConfigError, match="my_notes.txt"):
+        plan_resume(cfg, CheckpointStore(run / "checkpoints", keep=3))
+    (run / "my_notes.txt").unlink()
+    plan_resume(cfg, CheckpointStore(run / "checkpoints", keep=3))  # now a plain run: deleted
+    assert not run.exists()
+
+
+def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path):
+    """A crash mid-append leaves a last line without its newline: it is skipped (its step is redone);
+    a bad line in the middle is an error naming the file and line."""
+    from infra.tracking import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+    log = MetricsLog(path)
+    assert [r["step"] for r in log.read()] == [1, 2]
+    log.truncate_after(2)  # what a resume does: the torn line is gone, the file is whole again
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
+        MetricsLog(path).read()
+
+
+def test_bad_data_fails_before_an_overwrite_deletes_the_previous_run(cwd, tmp_path):
+    """rl.resume=off job.overwrite=true with an empty train file: the flow fails naming data.train, and the run
+    directory it would have replaced (checkpoints, metrics) is untouched."""
+    from rl_core.config import ConfigError
+
+    run_dir = cwd / "runs" / "keep"
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002" / "manifest.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"data\.train=.*no examples"):
+        run_flow("job.name=keep", "rl.resume=off", "job.overwrite=true", f"data.train={empty}")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (run_dir / "checkpoints" / "step_00000002" / "manifest.json").is_file()

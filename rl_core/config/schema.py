@@ -26,7 +26,7 @@ class JobConfig(_Section):
     algorithm: Algorithm = Field("grpo", description="Variant label; selects the entry (opd/dpo have their own flow) and keeps outputs apart.")
     name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
     out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
-    seed: int = Field(0, ge=0, description="The one seed behind data order, sampling and initialisation.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="The one seed behind data order, sampling and initialisation (< 2^32).")
     task_retries: int = Field(2, ge=0, description="Retries of the rollout and reward tasks before the flow fails.")
     retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
     overwrite: bool = Field(False, description="With rl.resume=off, delete an existing run directory instead of refusing.")
@@ -48,7 +48,7 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(256, gt=0, description="Most response tokens per completion; also the Dr-GRPO fixed divisor.")
     n: int = Field(8, gt=0, description="Completions sampled per prompt (the group size).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
-    seed: int | None = Field(None, ge=0, description="Sampling seed; None derives it from job.seed.")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Sampling seed (< 2^32); None derives it from job.seed.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
 
 

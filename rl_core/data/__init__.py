@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rl_core.data.arithmetic import make_arithmetic_data, split_arithmetic
 from rl_core.data.gsm8k import chat_messages, load_gsm8k_split, plain_prompt, prepare_gsm8k
-from rl_core.data.jsonl import iter_jsonl
+from rl_core.data.jsonl import iter_jsonl, text_field
 from rl_core.data.sampler import PromptSampler
 
 
@@ -51,7 +51,8 @@ def load_examples(source: str | Path, task: str) -> list[Example]:
         for lineno, rec in iter_jsonl(path, "an arithmetic example {prompt, answer}"):
             if "prompt" not in rec or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: needs 'prompt' and 'answer', got keys {sorted(rec)}")
-            out.append(Example(str(rec["prompt"]), str(rec["answer"])))
+            out.append(Example(text_field(rec, "prompt", path, lineno), text_field(rec, "answer", path, lineno,
+                                                                                   numbers=True)))
         return out
     raise ValueError(f"data.task={task!r} is not one of 'arithmetic', 'gsm8k'")
 

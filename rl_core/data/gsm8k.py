@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl_core.data.arithmetic import write_jsonl
-from rl_core.data.jsonl import iter_jsonl
+from rl_core.data.jsonl import iter_jsonl, text_field
 
 SPLITS = ("train", "test")
 GSM8K_INSTRUCTION = (
@@ -34,7 +34,8 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
     for lineno, rec in iter_jsonl(path, "a GSM8K record {question, answer}"):
         if "question" not in rec or "answer" not in rec:
             raise ValueError(f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}")
-        records.append({"question": rec["question"], "answer": rec["answer"]})
+        records.append({"question": text_field(rec, "question", path, lineno),
+                        "answer": text_field(rec, "answer", path, lineno, numbers=True)})
     return records
 
 

@@ -13,8 +13,13 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
     A line that is not a JSON object raises ValueError `"<path>:<line>: not a JSON object (...)"`;
     `what` names the records in that message (e.g. "an arithmetic example").
     """
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:  # bytes, decoded line by line: a bad byte is named by its line
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); "
+                                 "re-save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -25,3 +30,15 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
                 kind = type(record).__name__
                 raise ValueError(f"{path}:{lineno}: not a JSON object (a {kind}); each line holds {what}")  # noqa: TRY004
             yield lineno, record
+
+
+def text_field(record: dict, key: str, path: str | Path, lineno: int, *, numbers: bool = False) -> str:
+    """`record[key]` as text: a non-empty string (or, with `numbers`, a number), else a ValueError naming the row."""
+    value = record.get(key)
+    if isinstance(value, bool) or not (isinstance(value, str) or (numbers and isinstance(value, (int, float)))):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{path}:{lineno}: {key!r} must be {'text or a number' if numbers else 'text'}, got {kind}")
+    text = str(value)
+    if not text.strip():
+        raise ValueError(f"{path}:{lineno}: {key!r} is empty")
+    return text
