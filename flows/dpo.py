@@ -100,7 +100,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
 
     step = run.start_step
-    with RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:
+    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:
         t = time.perf_counter()
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))

@@ -68,7 +68,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     reward = reward_task.with_options(**retry)
 
     step = run.start_step
-    with RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
+    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
             (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:
         run.start(tracker)
         engines = cluster.engines

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from prefect.runtime import flow_run
 
 from infra.cluster import BUILDERS
 from infra.provenance import dvc_hashes
-from infra.resume import ResumePlan, checkpoint_meta, plan_resume, write_run_state
+from infra.resume import ResumePlan, RunLock, checkpoint_meta, checkpoint_prefix, plan_resume, write_run_state
 from infra.storage import CheckpointStore
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
@@ -88,13 +88,26 @@ class TrainingRun:
     cfg_hash: str
     tracker: RunTracker | None = None
     run_id: str | None = None
+    lock: RunLock | None = None
 
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
                 announce: Callable[[str], None]) -> TrainingRun:
+        """Lock the run directory, plan the resume, write the resolved config; use the result as a context
+        manager (`with run, ...:`), whose exit releases the lock."""
+        lock = RunLock(cfg).acquire()  # before anything in the run directory is read, deleted or written
+        try:
+            return cls._prepare(cfg, recipe, overrides, announce, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def _prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str], announce: Callable[[str], None],
+                 lock: RunLock) -> TrainingRun:
         run_dir = Path(cfg.run_dir)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                                remote_uri=cfg.tracking.checkpoint_uri)
+                                remote_uri=checkpoint_prefix(cfg))
         plan = plan_resume(cfg, store)
         config_path = write_resolved(cfg, run_dir)
         metrics_log = MetricsLog(run_dir / "metrics.jsonl")
@@ -107,7 +120,14 @@ class TrainingRun:
         identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
             cfg.rl, ObjectiveContext.from_config(cfg)).identity
         return cls(cfg, recipe, list(overrides), run_dir, store, plan, config_path, metrics_log, identity,
-                   config_hash(cfg))
+                   config_hash(cfg), lock=lock)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def start_step(self) -> int:

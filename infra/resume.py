@@ -72,6 +72,63 @@ def _refuse_math_changes(saved: dict, cfg: PosttrainConfig, source: str) -> None
                            for key in changed])
 
 
+def checkpoint_prefix(cfg: PosttrainConfig) -> str | None:
+    """Where this run's checkpoints go remotely: `<tracking.checkpoint_uri>/<job.name>` (None: local only).
+
+    Per job, so runs that share a `checkpoint_uri` never list, overwrite or prune each other's steps.
+    """
+    uri = cfg.tracking.checkpoint_uri
+    return f"{uri.rstrip('/')}/{cfg.job.name}" if uri else None
+
+
+class RunLocked(RuntimeError):
+    """Another process is running (or setting up) a run of the same directory."""
+
+
+class RunLock:
+    """An exclusive lock on one run directory, held for the whole run (`fcntl.flock` on `<out_dir>/.<name>.lock`).
+
+    The lock file sits next to the run directory, not in it, so `job.overwrite` can delete the directory
+    while holding it. The OS releases it when the process ends, however it ends (a `kill -9` included),
+    so a crashed run never leaves a stale lock. A second run of the same name (a deployment triggered
+    twice) fails at once, naming the holder, instead of deleting the first one's in-progress checkpoint
+    and interleaving its metrics.
+    """
+
+    def __init__(self, cfg: PosttrainConfig):
+        self.path = Path(cfg.job.out_dir) / f".{cfg.job.name}.lock"
+        self._fh = None
+
+    def acquire(self) -> RunLock:
+        import fcntl
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise RunLocked(f"run directory {self.path.parent / self.path.name[1:-5]} is in use by {holder} "
+                            f"(lock {self.path}); wait for it to finish, or pick another job.name") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {__import__('socket').gethostname()}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            import fcntl
+
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
+
+
 def read_run_state(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -116,7 +173,7 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
         remote = store.list_remote()
         occupied = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
         if occupied or remote:
-            where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {cfg.tracking.checkpoint_uri}" if remote else "")
+            where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {checkpoint_prefix(cfg)}" if remote else "")
             if not cfg.job.overwrite:
                 raise ConfigError([(f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
                                     "job.name, or set job.overwrite=true to delete it")])
@@ -130,7 +187,7 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
     if checkpoint is None:
         if mode == "must":
             raise ConfigError([(f"rl.resume=must: no valid checkpoint under {store.root} "
-                                f"(nor at tracking.checkpoint_uri={cfg.tracking.checkpoint_uri!r})")])
+                                f"(nor at {checkpoint_prefix(cfg)!r}, under tracking.checkpoint_uri)")])
         # Killed before its first checkpoint: it restarts from step 0, in the same MLflow run, whose
         # params are the old config's — so the math may not have changed here either.
         resolved = run_dir / "config_resolved.yaml"

@@ -339,11 +339,11 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     first = run_flow(*s3, "rl.max_steps=2")
     local = {p.name: sorted(f.name for f in p.iterdir()) for p in (run_dir / "checkpoints").iterdir()}
     assert sorted(local) == ["step_00000001", "step_00000002"]
-    remote = remote_files(bucket, "run1")
+    remote = remote_files(bucket, "run1/s3run")  # <checkpoint_uri>/<job.name>: per job
     assert sorted(remote) == [1, 2]
     for step in (1, 2):  # every local file, manifest included, is in S3
         assert remote[step] == set(local[f"step_{step:08d}"]) and "manifest.json" in remote[step]
-        body = boto3.client("s3").get_object(Bucket=bucket, Key=f"run1/step_{step:08d}/manifest.json")["Body"]
+        body = boto3.client("s3").get_object(Bucket=bucket, Key=f"run1/s3run/step_{step:08d}/manifest.json")["Body"]
         assert json.loads(body.read())["step"] == step
     before = read_metrics(run_dir)
 
@@ -356,7 +356,7 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     attempt2 = provenance(client, first["mlflow_run_id"], 2, tmp_path / "prov")
     assert attempt2["resumed_from"].endswith("step_00000002")
     # keep_checkpoints=2, remotely and locally: step 1 pruned, step 3 uploaded with its manifest
-    remote = remote_files(bucket, "run1")
+    remote = remote_files(bucket, "run1/s3run")
     assert sorted(remote) == [2, 3] and "manifest.json" in remote[3]
     assert checkpoint_steps(run_dir) == [2, 3]
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
@@ -651,3 +651,64 @@ def test_bad_data_fails_before_an_overwrite_deletes_the_previous_run(cwd, tmp_pa
         run_flow("job.name=keep", "rl.resume=off", "job.overwrite=true", f"data.train={empty}")
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (run_dir / "checkpoints" / "step_00000002" / "manifest.json").is_file()
+
+
+def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_path, monkeypatch):
+    """Two jobs with one tracking.checkpoint_uri: each lists, loads and prunes only its own steps."""
+    from infra.resume import checkpoint_prefix, plan_resume
+    from infra.storage import CheckpointStore, checkpoint_step
+
+    monkeypatch.chdir(tmp_path)
+    shared = [f"tracking.checkpoint_uri=s3://{bucket}/team", "tracking.keep_checkpoints=1"]
+    a, b = _cfg(*shared, "job.name=alpha"), _cfg(*shared, "job.name=beta")
+    assert checkpoint_prefix(a) == f"s3://{bucket}/team/alpha"
+
+    def store(cfg) -> CheckpointStore:
+        return CheckpointStore(Path(cfg.run_dir) / "checkpoints", keep=1, remote_uri=checkpoint_prefix(cfg))
+
+    _save(store(a), a, 7, run_id="alpha-run")
+    _save(store(b), b, 3, run_id="beta-run")  # keep_checkpoints=1 prunes only beta's older steps
+    for cfg in (a, b):
+        shutil.rmtree(Path(cfg.run_dir) / "checkpoints")  # machines lost: resume from S3
+    assert checkpoint_step(store(a).latest_valid()) == 7
+    assert checkpoint_step(store(b).latest_valid()) == 3
+    assert plan_resume(b, store(b)).run_state == {"mlflow_run_id": "beta-run"}
+
+
+def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(tmp_path, monkeypatch):
+    """The run lock: another process holding it (a deployment triggered twice) makes prepare fail at once,
+    naming the holder, with the first run's files untouched; a kill -9 of the holder frees it."""
+    import signal
+    import subprocess
+    import sys
+
+    from flows.runner import TrainingRun
+    from infra.resume import RunLocked
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("job.name=locked")
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    holder = subprocess.Popen(
+        [sys.executable, "-c", ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+         "from infra.resume import RunLock; from rl_core.config import load_config; "
+         "cfg = load_config(sys.argv[2], ['job.name=locked']); lock = RunLock(cfg).acquire(); print('held', flush=True); "
+         "time.sleep(120)"), str(Path(__file__).resolve().parents[1]), recipe("arithmetic")],
+        cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for mode in ("auto", "off"):
+            with pytest.raises(RunLocked, match=rf"in use by pid {holder.pid} "):
+                TrainingRun.prepare(_cfg("job.name=locked", f"rl.resume={mode}", "job.overwrite=true"), "r", [],
+                                    announce=print)
+        assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the OS released the dead holder's lock, and this process now holds it
+    with TrainingRun.prepare(cfg, "r", [], announce=print) as run, pytest.raises(RunLocked):
+        TrainingRun.prepare(cfg, "r", [], announce=print)
+    with TrainingRun.prepare(cfg, "r", [], announce=print):  # released by the context exit
+        pass
+    assert run.lock is not None
