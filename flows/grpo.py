@@ -64,7 +64,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
-    rollout = rollout_task.with_options(result_storage=(run.run_dir / "cache").resolve(), **retry)
+    rollout = rollout_task.with_options(**retry)
     reward = reward_task.with_options(**retry)
 
     step = run.start_step
@@ -90,7 +90,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 t = time.perf_counter()
                 engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
                 completions = rollout(engines, role.prompts(rows), cfg.rollout.n, role.sampling(step),
-                                      {"config": run.cfg_hash, "step": step, "version": version, "rows": rows})
+                                      {"config": run.cfg_hash, "step": step, "version": version, "rows": rows},
+                                      cache_dir=str((run.run_dir / "cache").resolve()))
                 timer.lap("rollout", t)
                 t = time.perf_counter()
                 answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]

@@ -1,27 +1,57 @@
-"""rollout: sample `rollout.n` completions per prompt with the current policy (retried; cached)."""
+"""rollout: sample `rollout.n` completions per prompt with the current policy (retried; cached on disk).
+
+The cache lives in the run directory (`cache/rollout-<key>.safetensors`): a retried or resumed step
+reads its rollout back instead of regenerating it. The files hold tensors and JSON only
+(safetensors), never a pickle, so a file planted in the run directory cannot execute anything; a
+file that does not read back as the expected completions is ignored and the rollout regenerated.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+log = logging.getLogger("posttrain.rollout")
 
-def rollout_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+
+def rollout_cache_key(prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict) -> str:
     """Same run identity, step, policy version, prompts and seed -> the same rollout; never regenerated."""
-    ident = {k: parameters[k] for k in ("cache_identity", "prompt_ids", "n", "sampling")}
-    ident["sampling"] = {k: v for k, v in vars(ident["sampling"]).items()} if hasattr(ident["sampling"], "__dict__") \
-        else ident["sampling"]
+    ident = {"cache_identity": cache_identity, "prompt_ids": prompt_ids, "n": n,
+             "sampling": dict(vars(sampling)) if hasattr(sampling, "__dict__") else sampling}
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
     return "rollout-" + hashlib.sha256(blob).hexdigest()[:32]
 
 
-@task(name="rollout", cache_key_fn=rollout_cache_key, persist_result=True, cache_result_in_memory=False)
-def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict) -> Any:
-    return engine.generate(prompt_ids, n, sampling)
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict,
+                 cache_dir: str | None = None) -> Any:
+    """Completions for `prompt_ids`: read back from `cache_dir` when this exact rollout was made before."""
+    from rl_core.rollout import Completions
+
+    path = Path(cache_dir) / f"{rollout_cache_key(prompt_ids, n, sampling, cache_identity)}.safetensors" \
+        if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            cached = Completions.load(path)
+            if len(cached) == len(prompt_ids) * n:
+                return cached
+            log.warning("%s: holds %d rows, not %d; regenerating", path, len(cached), len(prompt_ids) * n)
+        except Exception as exc:  # noqa: BLE001 - a torn, foreign or planted file: never trusted, regenerated
+            log.warning("%s: not a readable rollout (%s); regenerating", path, exc)
+    completions = engine.generate(prompt_ids, n, sampling)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        completions.save(tmp)
+        os.replace(tmp, path)  # complete files only
+    return completions
 
 
 @task(name="sync", cache_policy=NO_CACHE)

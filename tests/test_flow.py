@@ -109,14 +109,16 @@ def test_rollout_results_persist_under_the_run_directory(faulty_run):
     assert len(cached) >= 3, "each step's rollout is persisted in the run directory"
 
 
-def test_a_second_identical_rollout_hits_the_cache(in_workdir, tmp_path):
+def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_executed(in_workdir, tmp_path):
+    import pickle
+
     from prefect import flow
 
     from infra.roles import RolloutRole
     from rl_core.config import load_config
     from rl_core.models import load_policy
     from rl_core.rollout import HFEngine
-    from tasks.rollout import rollout_task
+    from tasks.rollout import rollout_cache_key, rollout_task
 
     cfg = load_config(recipe("arithmetic"), FAST)
     role = RolloutRole.build(cfg)
@@ -129,21 +131,38 @@ def test_a_second_identical_rollout_hits_the_cache(in_workdir, tmp_path):
         return real(*args, **kwargs)
 
     engine.generate = counting_generate
-    task = rollout_task.with_options(result_storage=tmp_path.resolve())
+    cache = tmp_path / "cache"
+    prompts = role.prompts([1, 2])
+    planted_ident = {"config": "x", "step": 3, "version": 0}
+    sampling3 = role.sampling(3)
+
+    class Exploit:  # what a pickle-based cache would run on load
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    cache.mkdir()
+    planted = cache / f"{rollout_cache_key(prompts, 2, sampling3, planted_ident)}.safetensors"
+    planted.write_bytes(pickle.dumps(Exploit()))
 
     @flow
-    def twice():
-        args = (engine, role.prompts([1, 2]), 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
-        first = task(*args, return_state=True)
-        second = task(*args, return_state=True)
-        other = task(engine, role.prompts([1, 2]), 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
-                     return_state=True)
-        return first, second, other
+    def rollouts():
+        args = (engine, prompts, 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
+        first = rollout_task(*args, cache_dir=str(cache))
+        second = rollout_task(*args, cache_dir=str(cache))
+        other = rollout_task(engine, prompts, 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
+                             cache_dir=str(cache))
+        third = rollout_task(engine, prompts, 2, sampling3, planted_ident, cache_dir=str(cache))
+        return first, second, other, third
 
-    first, second, other = twice()
-    assert first.name == "Completed" and second.name == "Cached" and other.name == "Completed"
-    assert len(calls) == 2, "the cached call must not regenerate"
-    assert torch.equal(first.result().input_ids, second.result().input_ids)
+    first, second, other, third = rollouts()
+    assert len(calls) == 3, "the identical call is read back; the planted file is regenerated over"
+    for field in ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index"):
+        assert torch.equal(getattr(first, field), getattr(second, field))
+    assert first.finish_reason == second.finish_reason and first.n == second.n == 2
+    assert not torch.equal(first.sampling_logp, other.sampling_logp)  # another step's seed: its own rollout
+    assert not (tmp_path / "pwned").exists()  # nothing in the planted file ran
+    assert planted.read_bytes()[:8] != pickle.dumps(Exploit())[:8]  # replaced by a real rollout
+    assert len(third) == 4 and sorted(p.suffix for p in cache.iterdir()) == [".safetensors"] * 3
 
 
 def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):

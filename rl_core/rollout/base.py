@@ -108,6 +108,38 @@ class Completions:
         """Response text of each row, up to (not including) the first EOS."""
         return tokenizer.batch_decode(self.response_token_ids(), skip_special_tokens=skip_special_tokens)
 
+    TENSORS = ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index")
+    SCALARS = ("finish_reason", "policy_version", "prompt_length", "eos_token_id", "pad_token_id", "n")
+
+    def save(self, path) -> None:
+        """Write to a safetensors file (tensors, plus the other fields as JSON metadata): data only, no code."""
+        import json
+
+        from safetensors.torch import save_file
+
+        meta = {"posttrain": "completions", "fields": json.dumps({k: getattr(self, k) for k in self.SCALARS})}
+        save_file({k: getattr(self, k).contiguous() for k in self.TENSORS}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path) -> Completions:
+        """Read what `save` wrote. Only tensors and JSON are parsed (safetensors): a planted file cannot run code.
+        A file that is not such a record, or whose fields disagree, raises ValueError."""
+        import json
+
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("posttrain") != "completions":
+                raise ValueError(f"{path}: not a posttrain completions record")
+            tensors = {k: f.get_tensor(k) for k in cls.TENSORS}
+        fields = json.loads(meta["fields"])
+        out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS})
+        rows = out.input_ids.shape[0]
+        if any(getattr(out, k).shape[0] != rows for k in cls.TENSORS) or len(out.finish_reason) != rows:
+            raise ValueError(f"{path}: its fields disagree on the number of rows")
+        return out
+
     def to(self, device) -> Completions:
         for name in (
             "input_ids",
