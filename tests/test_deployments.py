@@ -39,8 +39,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 def test_prefect_yaml_declares_the_deployments():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     assert not spec.get("build") and not spec.get("push")
-    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory":
-                             {"directory": "{{ $POSTTRAIN_PROJECT_DIR }}"}}]
+    assert spec["pull"] == [{"infra.deploy_steps.enter_project": {"directory": "{{ $POSTTRAIN_PROJECT_DIR }}"}}]
     by_name = {d["name"]: d for d in spec["deployments"]}
     assert set(by_name) == {d.split("/")[1] for d in DEPLOYMENTS}
     for name, file in (("gspo-gsm8k", "gspo_gsm8k"), ("grpo-gsm8k", "grpo_gsm8k"), ("dr-grpo-gsm8k", "dr_grpo_gsm8k"),
@@ -372,3 +371,32 @@ def test_down_stops_exactly_the_service_processes(services):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+@pytest.mark.parametrize("env_value", [None, "", "checkout"], ids=["unset", "empty", "set"])
+def test_the_pull_step_enters_the_checkout_with_or_without_posttrain_project_dir(env_value, tmp_path, monkeypatch):
+    """prefect.yaml's pull steps, run by Prefect's own step runner in another directory: with
+    POSTTRAIN_PROJECT_DIR unset or empty (plain `prefect deploy --all`) they enter the installed checkout
+    (Prefect's set_working_directory crashed with FileNotFoundError: '')."""
+    import asyncio
+
+    from prefect.deployments.steps.core import run_steps
+
+    steps = yaml.safe_load((REPO / "prefect.yaml").read_text())["pull"]
+    monkeypatch.chdir(tmp_path)
+    if env_value is None:
+        monkeypatch.delenv("POSTTRAIN_PROJECT_DIR", raising=False)
+    else:
+        monkeypatch.setenv("POSTTRAIN_PROJECT_DIR", str(REPO) if env_value == "checkout" else env_value)
+    out = asyncio.run(run_steps(steps))
+    assert Path.cwd() == REPO.resolve() and out["directory"] == str(REPO.resolve())
+
+
+def test_the_pull_step_refuses_a_directory_that_is_not_a_checkout(tmp_path, monkeypatch):
+    from infra.deploy_steps import enter_project
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POSTTRAIN_PROJECT_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="not a posttrain checkout.*POSTTRAIN_PROJECT_DIR"):
+        enter_project("")
+    assert Path.cwd() == tmp_path
