@@ -149,12 +149,42 @@ def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) 
     return predicate()
 
 
-def _http_ok(url: str) -> bool:
+AUTH_ENV = "PREFECT_API_AUTH_STRING"  # the client side of Prefect's basic auth (`user:password`)
+
+
+def _auth_header(auth: str | None) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+
+
+def _http_ok(url: str, auth: str | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_auth_header(auth)), timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (0600 from creation: never briefly world-readable)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _csrf_headers(api: str, auth: str | None) -> dict[str, str]:
+    """A CSRF token for one write, as the Prefect client gets it (`GET /csrf-token?client=...`)."""
+    import uuid
+
+    client = str(uuid.uuid4())
+    request = urllib.request.Request(f"{api}/csrf-token?client={client}", headers=_auth_header(auth))
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        token = json.loads(resp.read())["token"]
+    return {"Prefect-Csrf-Token": token, "Prefect-Csrf-Client": client}
 
 
 @dataclass
@@ -214,6 +244,20 @@ class Services:
                 out[key] = shlex.split(value)[0] if value else ""
         return out
 
+    @property
+    def auth_file(self) -> Path:
+        return self.root / "api_auth"
+
+    def auth_string(self) -> str:
+        """The Prefect API's `user:password` (basic auth): made once per state directory, kept in a 0600 file."""
+        if self.auth_file.is_file():
+            return self.auth_file.read_text().strip()
+        import secrets
+
+        auth = f"posttrain:{secrets.token_urlsafe(24)}"
+        _write_private(self.auth_file, auth + "\n")
+        return auth
+
     def running(self) -> dict[str, bool]:
         return {name: (rec := self._record(name)) is not None and _alive(rec) for name in SERVICES}
 
@@ -239,14 +283,14 @@ class Services:
         os.replace(tmp, self.pid_file(name))
         return record
 
-    def _await_health(self, name: str, url: str, timeout: float) -> None:
+    def _await_health(self, name: str, url: str, timeout: float, auth: str | None = None) -> None:
         record = self._record(name)
 
         def ready() -> bool:
             if not _alive(record):
                 raise ServicesError(f"{name} exited during start-up; its log {self.log_file(name)} ends with:\n"
                                     f"{self._log_tail(name)}")
-            return _http_ok(url)
+            return _http_ok(url, auth)
 
         if not _wait(ready, timeout, interval=0.5):
             raise ServicesError(f"{name} not healthy at {url} after {timeout:.0f} s; see {self.log_file(name)}:\n"
@@ -300,11 +344,17 @@ class Services:
                 "--backend-store-uri", "sqlite:///" + str(self.root / "mlflow.db"),
                 "--artifacts-destination", str(self.root / "mlartifacts"), "--workers", "1",
             ], mlflow_env, self.root)
+            # The API requires basic auth (a generated `user:password`, in 0600 files only), checks CSRF tokens
+            # and takes browser requests from its own UI's origin only (Prefect's defaults: none of the three).
+            auth = self.auth_string()
+            server_env = {**base, "PREFECT_SERVER_API_AUTH_STRING": auth,
+                          "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+                          "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": urls["PREFECT_UI_URL"]}
             self._spawn("prefect-server", [_bin("prefect"), "server", "start", "--host", HOST,
-                                           "--port", str(ports["prefect"])], base, self.root)
+                                           "--port", str(ports["prefect"])], server_env, self.root)
             announce(f"waiting for the Prefect server on {urls['PREFECT_UI_URL']} ...")
-            self._await_health("prefect-server", urls["PREFECT_API_URL"] + "/health", timeout)
-            client_env = {**base, "PREFECT_API_URL": urls["PREFECT_API_URL"]}
+            self._await_health("prefect-server", urls["PREFECT_API_URL"] + "/health", timeout, auth)
+            client_env = {**base, "PREFECT_API_URL": urls["PREFECT_API_URL"], AUTH_ENV: auth}
             self._create_work_pool(client_env)
             wenv = {**client_env, "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"], PROJECT_DIR_ENV: str(project),
                     **(worker_env or {})}
@@ -319,11 +369,12 @@ class Services:
         except BaseException:
             self.down(announce=lambda _: None)
             raise
-        variables = {"PREFECT_API_URL": urls["PREFECT_API_URL"], "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"],
-                     PROJECT_DIR_ENV: str(project)}
-        self.env_file.write_text(
-            "# written by `posttrain services up`; use with: source " + shlex.quote(str(self.env_file)) + "\n"
-            + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in variables.items()))
+        variables = {"PREFECT_API_URL": urls["PREFECT_API_URL"], AUTH_ENV: auth,
+                     "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"], PROJECT_DIR_ENV: str(project)}
+        _write_private(self.env_file,
+                       "# written by `posttrain services up` (mode 0600: it holds the API's password); use with: source "
+                       + shlex.quote(str(self.env_file)) + "\n"
+                       + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in variables.items()))
         announce(f"Prefect UI {urls['PREFECT_UI_URL']} · MLflow {urls['MLFLOW_TRACKING_URI']} · work pool {WORK_POOL}")
         announce(f"source {self.env_file}")
         return variables
@@ -332,9 +383,11 @@ class Services:
         if not _alive(self._record("prefect-worker")):
             raise ServicesError(f"the Prefect worker exited; see {self.log_file('prefect-worker')}:\n"
                                 f"{self._log_tail('prefect-worker')}")
-        request = urllib.request.Request(f"{env['PREFECT_API_URL']}/work_pools/{WORK_POOL}/workers/filter",
-                                         data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+        api, auth = env["PREFECT_API_URL"], env.get(AUTH_ENV)
         try:
+            headers = {"Content-Type": "application/json", **_auth_header(auth), **_csrf_headers(api, auth)}
+            request = urllib.request.Request(f"{api}/work_pools/{WORK_POOL}/workers/filter", data=b"{}", method="POST",
+                                             headers=headers)
             with urllib.request.urlopen(request, timeout=5) as resp:
                 return any(w.get("status") == "ONLINE" for w in json.loads(resp.read()))
         except (urllib.error.URLError, OSError, ValueError):

@@ -139,11 +139,14 @@ def prefect(env: dict, *args: str, timeout: float = 300) -> subprocess.Completed
                           timeout=timeout, cwd=REPO, check=False)
 
 
+_AUTH: dict[str, str] = {}  # API URL -> its `user:password`, filled by the services fixture
+
+
 def api(url: str, coro_fn):
     from prefect.client.orchestration import PrefectClient
 
     async def go():
-        async with PrefectClient(api=url) as client:
+        async with PrefectClient(api=url, auth_string=_AUTH.get(url)) as client:
             return await coro_fn(client)
 
     return asyncio.run(go())
@@ -166,6 +169,7 @@ def services(tmp_path_factory):
     svc = Services.at(tmp_path_factory.mktemp("services"))
     env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
                  worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
+    _AUTH[env["PREFECT_API_URL"]] = env["PREFECT_API_AUTH_STRING"]
     try:
         yield svc, env
     finally:
@@ -175,7 +179,8 @@ def services(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client_env(services) -> dict:
     svc, env = services
-    out = {**os.environ, "PREFECT_API_URL": env["PREFECT_API_URL"], "PREFECT_HOME": str(svc.prefect_home)}
+    out = {**os.environ, "PREFECT_API_URL": env["PREFECT_API_URL"], "PREFECT_API_AUTH_STRING": env["PREFECT_API_AUTH_STRING"],
+           "PREFECT_HOME": str(svc.prefect_home)}
     out.pop("PREFECT_PROFILE", None)
     return out
 
@@ -208,6 +213,55 @@ def test_services_are_up_with_state_files(services, client_env):
 
 
 @pytest.mark.slow
+def test_the_api_wants_its_password_and_csrf_tokens_and_the_secret_files_are_private(services):
+    """`services up` protects the Prefect API: basic auth with a generated password (0600 files only),
+    CSRF tokens on writes, browser requests from the UI's own origin only."""
+    import base64
+    import stat
+    import urllib.error
+    import urllib.request
+
+    svc, env = services
+    api, auth = env["PREFECT_API_URL"], env["PREFECT_API_AUTH_STRING"]
+    user, _, password = auth.partition(":")
+    assert user == "posttrain" and len(password) >= 32
+    for path in (svc.env_file, svc.auth_file):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert password in svc.env_file.read_text()
+
+    def call(path: str, *, method: str = "GET", headers: dict | None = None) -> int:
+        request = urllib.request.Request(api + path, method=method, headers=headers or {},
+                                         data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    basic = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode(), "Content-Type": "application/json"}
+    wrong = {**basic, "Authorization": "Basic " + base64.b64encode(b"posttrain:guess").decode()}
+    pool = "/work_pools/posttrain-process"
+    assert call(pool) == 401 and call(pool, headers=wrong) == 401
+    assert call(pool, headers=basic) == 200
+    # an anonymous write (what an attacker's `create flow run` is) is refused before it reaches a route
+    assert call("/deployments/filter", method="POST") in (401, 403)
+    # authenticated, but without the CSRF token the Prefect client fetches first: refused too; with both, served
+    assert call("/flow_runs/filter", method="POST", headers=basic) == 403
+    from infra.services import _csrf_headers
+
+    assert call("/flow_runs/filter", method="POST", headers={**basic, **_csrf_headers(api, auth)}) == 200
+    # a browser on another origin gets no CORS permission
+    request = urllib.request.Request(api + "/health", method="OPTIONS", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            allowed = resp.headers.get("access-control-allow-origin")
+    except urllib.error.HTTPError as exc:
+        allowed = exc.headers.get("access-control-allow-origin")
+    assert allowed not in ("*", "http://evil.example")
+
+
+@pytest.mark.slow
 def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed):
     _, env = services
 
@@ -220,7 +274,7 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
         flow = api(env["PREFECT_API_URL"], lambda c, fid=d.flow_id: c.read_flow(fid))
         names.add(f"{flow.name}/{d.name}")
         assert d.work_pool_name == WORK_POOL
-        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        assert d.pull_steps == [{"infra.deploy_steps.enter_project": {"directory": str(REPO)}}]
     assert names == DEPLOYMENTS
 
 
