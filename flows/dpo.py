@@ -23,6 +23,7 @@ import time
 
 from prefect import flow, get_run_logger
 
+from flows.guard import check_run_parameters
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
@@ -75,6 +76,7 @@ def accuracy_examples(df, task: str) -> list[Example]:
 def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     """Train a DPO recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
     overrides = list(overrides or [])
+    check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
     if cfg.job.algorithm != "dpo":

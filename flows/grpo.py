@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
 
+from flows.guard import check_run_parameters
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
@@ -46,6 +47,7 @@ GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
 def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
     """Train a GRPO-family recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
     overrides = list(overrides or [])
+    check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
     return run_on_policy(cfg, recipe, overrides)

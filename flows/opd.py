@@ -16,6 +16,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.grpo import run_on_policy
+from flows.guard import check_run_parameters
 from rl_core.config import PosttrainConfig, check, load_config
 from rl_core.config.loader import ConfigError
 
@@ -34,6 +35,7 @@ def require_teacher(cfg: PosttrainConfig) -> None:
 def opd(recipe: str, overrides: list[str] | None = None) -> dict:
     """Train an OPD recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
     overrides = list(overrides or [])
+    check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
     require_teacher(cfg)

@@ -454,3 +454,40 @@ def test_the_pull_step_refuses_a_directory_that_is_not_a_checkout(tmp_path, monk
     with pytest.raises(RuntimeError, match="not a posttrain checkout.*POSTTRAIN_PROJECT_DIR"):
         enter_project("")
     assert Path.cwd() == tmp_path
+
+
+# ------------------------------------------------------------------ untrusted deployment parameters
+
+
+def test_deployment_parameters_run_project_recipes_only_and_no_unsafe_overrides(tmp_path):
+    from flows.guard import deployment_problems
+
+    ok = deployment_problems("recipes/arithmetic.py", ["rl.max_steps=3"], project=REPO, allow_unsafe=False)
+    assert ok == []
+    evil = tmp_path / "evil.py"
+    evil.write_text("import os; os.system('touch pwned')\n")
+    for recipe in (str(evil), "recipes/../tests/conftest.py", "/etc/passwd", "recipes/missing.py"):
+        problems = deployment_problems(recipe, [], project=REPO, allow_unsafe=False)
+        assert len(problems) == 1 and "recipes under" in problems[0], recipe
+    unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "rl.max_steps=3"]
+    problems = deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=False)
+    assert [p.split(":")[0] for p in problems] == ["override model.trust_remote_code", "override job.out_dir",
+                                                 "override job.overwrite"]
+    assert deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=True) == []
+
+
+@pytest.mark.slow
+def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(services, deployed, client_env, tmp_path):
+    """The attack of the audit: `recipe=/any/file.py` through the API. The run fails in the guard, naming the
+    parameter, and the file never runs."""
+    evil = tmp_path / "evil.py"
+    marker = tmp_path / "pwned"
+    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    _, env = services
+    out = prefect(client_env, "deployment", "run", "grpo/arithmetic", "--param", f"recipe={evil}",
+                  "--param", 'overrides=["job.overwrite=true"]')
+    flow_run_id = UUID.search(out.stdout).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id, timeout=300)
+    assert run.state.type.value == "FAILED"
+    assert "recipes under" in (run.state.message or "") or "recipes under" in str(run.state)
+    assert not marker.exists()
