@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 
 from flows.guard import check_run_parameters
 from flows.progress import RunProgress
-from flows.runner import Timer, TrainingRun, mean_over_ranks
+from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.tracking import RunTracker
@@ -81,6 +81,11 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     check(cfg)  # preflight: before any placement or model construction
     if cfg.job.algorithm != "dpo":
         raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the dpo flow trains job.algorithm=dpo only"])
+    return run_with_restarts(cfg, lambda c: train_dpo(c, recipe, overrides), get_run_logger().warning)
+
+
+def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
+    """The DPO run proper, inside the flow (started again by `run_with_restarts` when a Ray actor dies)."""
     logger = get_run_logger()
     ensure_quickstart_artifacts(cfg, announce=logger.info)
 

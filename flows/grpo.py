@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 
 from flows.guard import check_run_parameters
 from flows.progress import RunProgress
-from flows.runner import Timer, TrainingRun, mean_over_ranks
+from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.roles import RolloutRole
@@ -50,7 +50,7 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
     check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
-    return run_on_policy(cfg, recipe, overrides)
+    return run_with_restarts(cfg, lambda c: run_on_policy(c, recipe, overrides), get_run_logger().warning)
 
 
 def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, with_teacher: bool = False) -> dict:

@@ -13,10 +13,11 @@ advantage (logged, and a training signal only with `rl.opd_task_reward_weight > 
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.grpo import run_on_policy
 from flows.guard import check_run_parameters
+from flows.runner import run_with_restarts
 from rl_core.config import PosttrainConfig, check, load_config
 from rl_core.config.loader import ConfigError
 
@@ -39,4 +40,5 @@ def opd(recipe: str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(recipe, overrides)
     check(cfg)  # preflight: before any placement or model construction
     require_teacher(cfg)
-    return run_on_policy(cfg, recipe, overrides, with_teacher=True)
+    return run_with_restarts(cfg, lambda c: run_on_policy(c, recipe, overrides, with_teacher=True),
+                             get_run_logger().warning)

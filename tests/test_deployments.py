@@ -466,9 +466,9 @@ def test_deployment_parameters_run_project_recipes_only_and_no_unsafe_overrides(
     assert ok == []
     evil = tmp_path / "evil.py"
     evil.write_text("import os; os.system('touch pwned')\n")
-    for recipe in (str(evil), "recipes/../tests/conftest.py", "/etc/passwd", "recipes/missing.py"):
-        problems = deployment_problems(recipe, [], project=REPO, allow_unsafe=False)
-        assert len(problems) == 1 and "recipes under" in problems[0], recipe
+    for candidate in (str(evil), "recipes/../tests/conftest.py", "/etc/passwd", "recipes/missing.py"):
+        problems = deployment_problems(candidate, [], project=REPO, allow_unsafe=False)
+        assert len(problems) == 1 and "recipes under" in problems[0], candidate
     unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "rl.max_steps=3"]
     problems = deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=False)
     assert [p.split(":")[0] for p in problems] == ["override model.trust_remote_code", "override job.out_dir",

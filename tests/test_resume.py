@@ -712,3 +712,72 @@ def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(
     with TrainingRun.prepare(cfg, "r", [], announce=print):  # released by the context exit
         pass
     assert run.lock is not None
+
+
+# ------------------------------------------------------------------------------ faults survived
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
+    """SIGKILL of a PolicyWorker (a Ray actor) after step 3 of 6 (checkpoints every 2 steps): the flow places
+    every role again, resumes from step 2 and finishes; steps 1-6 are logged once each, and steps 1-2 are the
+    same lines as before the kill (only step 3 was redone)."""
+    import signal
+    import threading
+    import time
+
+    run_dir = cwd / "runs" / "killed"
+    killed: dict = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            records = read_metrics(run_dir)
+            placement = run_dir / "placement.json"
+            if any(r.get("step") == 3 for r in records) and placement.is_file():
+                pid = json.loads(placement.read_text())["trainers"][0]["pid"]
+                killed.update(pid=pid, before=records)
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    result = run_flow("job.name=killed", "rl.max_steps=6", "rl.save_every=2", "rl.validation.every_steps=0",
+                      "rl.validation.before_training=false", "rl.resume=off")
+    thread.join(timeout=5)
+    assert killed, "the trainer rank was never killed"
+    assert result["restarts"] == 1 and result["step"] == 6
+    records = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    before = [r for r in killed["before"] if "train/loss" in r]
+    assert records[:2] == before[:2]  # restored from the step-2 checkpoint, not redone
+    new_pid = json.loads((run_dir / "placement.json").read_text())["trainers"][0]["pid"]
+    assert new_pid != killed["pid"]
+
+
+def test_the_restart_budget_is_bounded_and_only_actor_deaths_restart():
+    from ray.exceptions import ActorDiedError
+
+    from flows.runner import run_with_restarts
+    from rl_core.config import ConfigError
+
+    cfg = _cfg("job.max_restarts=2", "rl.resume=off")
+    seen = []
+
+    def dies(c):
+        seen.append(c.rl.resume)
+        raise ActorDiedError()
+
+    with pytest.raises(RuntimeError, match=r"after 2 automatic restart\(s\) \(job\.max_restarts=2\)"):
+        run_with_restarts(cfg, dies, announce=lambda *a: None)
+    assert seen == ["off", "auto", "auto"]  # the first attempt as asked, restarts resume
+    calls = []
+
+    def bad_config(c):
+        calls.append(1)
+        raise ConfigError(["x: wrong"])
+
+    with pytest.raises(ConfigError):
+        run_with_restarts(cfg, bad_config, announce=lambda *a: None)
+    assert calls == [1]  # not an actor death: no restart

@@ -30,6 +30,7 @@ class JobConfig(_Section):
     task_retries: int = Field(2, ge=0, description="Retries of the rollout and reward tasks before the flow fails.")
     retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
     overwrite: bool = Field(False, description="With rl.resume=off, delete an existing run directory instead of refusing.")
+    max_restarts: int = Field(2, ge=0, le=100, description="Automatic restarts of a run whose Ray actor (trainer rank, engine, teacher) died: each resumes from the newest checkpoint; then the flow fails.")
 
 
 class ModelConfig(_Section):
