@@ -10,6 +10,11 @@ from rl_core.config import check, load_config
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Prefect gives its temporary (ephemeral) API server 20 s to start; on a loaded 2-core machine that failed
+# 2 runs in 4 ("Timed out while attempting to connect to ephemeral Prefect API server"). Startup is ~17 s
+# on a quiet one, so allow 3 minutes (a user's own value wins).
+EPHEMERAL_STARTUP_TIMEOUT_S = "180"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT_S)
 
 
 def flow_for(algorithm: str):

@@ -491,3 +491,17 @@ def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(service
     assert run.state.type.value == "FAILED"
     assert "recipes under" in (run.state.message or "") or "recipes under" in str(run.state)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("user_value, expected", [(None, 180), ("45", 45)])
+def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expected):
+    """Prefect's 20 s default for its temporary API server failed half the runs on a loaded 2-core machine;
+    `posttrain run` (flows.entry) allows 180 s unless the user set a value."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    if user_value is not None:
+        env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = user_value
+    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+            "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert int(float(out.stdout.strip().splitlines()[-1])) == expected
