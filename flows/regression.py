@@ -40,6 +40,7 @@ import yaml
 from prefect import flow, get_run_logger
 
 from infra.tracking import MetricsLog
+from rl_core.redact import redact_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/arithmetic.py"
@@ -455,7 +456,7 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
     from prefect.runtime import flow_run
 
     from flows.grpo import grpo
-    from infra.tracking import git_revision, resolve_tracking_uri
+    from infra.tracking import git_revision, resolve_tracking_uri, set_terminated
     from rl_core.config import load_config
 
     logger = get_run_logger()
@@ -522,14 +523,15 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
             client.log_artifact(run_id, str(report_dir / name), "report")
         client.log_artifact(run_id, str(_resolve(thresholds)), "report")
     finally:
-        client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+        set_terminated(client, run_id, "FAILED" if failed else "FINISHED")  # its printed URI scrubbed
 
     create_table_artifact(key="nightly-regression", table=[asdict(c) for c in checks],
                           description=f"Nightly regression: {tonight['status'].upper()} "
                                       f"({len(failed)} regressed; MLflow run {run_id})")
     create_markdown_artifact(key="nightly-regression-report", markdown=report,
                              description="Nightly regression report (the plot is in the MLflow run)")
-    logger.info("regression report: %s (MLflow run %s at %s)", report_dir / "report.md", run_id, tracking_uri)
+    logger.info("regression report: %s (MLflow run %s at %s)", report_dir / "report.md", run_id,
+                redact_uri(tracking_uri))  # $MLFLOW_TRACKING_URI may carry basic-auth credentials
     if failed:
         raise RegressionFailed(f"{len(failed)} check(s) regressed: " + "; ".join(
             f"{c.name} ({c.value}, wants {c.threshold}){': ' + c.detail if c.detail else ''}" for c in failed))

@@ -14,10 +14,19 @@ missing, unparsable or does not match its files is never loaded. Nothing is ever
 come from `safetensors.torch.load_file`, everything else from JSON, decoded into a fixed set of types.
 
 With `remote_uri="s3://bucket/prefix"` each completed checkpoint is uploaded to
-`prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files, retried with exponential
-backoff) and verified (size and sha256 of every object) before older checkpoints are pruned. A
-failed upload raises `CheckpointUploadError`; the local checkpoint and its predecessors stay.
-Credentials come only from the environment / AWS profiles (boto3's own chain) and are never logged.
+`prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files) and verified (size and
+sha256 of every object) before older checkpoints are pruned. A failed upload raises
+`CheckpointUploadError`; the local checkpoint and its predecessors stay.
+
+What is retried: transient S3 errors (connection errors, timeouts, 5xx, throttling/SlowDown,
+RequestTimeout) are retried with exponential backoff and jitter for up to S3_RETRY_BUDGET_S seconds
+in all (long enough to ride out an endpoint restart; `retry_budget_s=` or the environment variable
+POSTTRAIN_S3_RETRY_BUDGET_S override it). Anything else (an invalid request such as a bad bucket
+name, NoSuchBucket, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, missing credentials)
+fails at once, naming the URI and what to fix.
+
+Credentials come only from the environment / AWS profiles (boto3's own chain): a URI with
+`user:password@` is refused, and every message and log line goes through `rl_core.redact`.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import time
@@ -40,6 +50,8 @@ from urllib.parse import urlparse
 import numpy as np
 import safetensors.torch
 import torch
+
+from rl_core.redact import has_userinfo, redact_message, redact_uri
 
 log = logging.getLogger("posttrain.storage")
 
@@ -54,6 +66,12 @@ _RESERVED_PARTS = {"meta", "manifest"}
 _LOADABLE_SUFFIXES = (".safetensors", ".json")
 _SAFETENSORS_DTYPES = frozenset(safetensors.torch._TYPES.values())
 MiB = 1024 * 1024
+# Total time (seconds) a transient S3 failure of one call is retried for: a shared S3 outage or an
+# endpoint restart (~30 s) is ridden out instead of stopping training.
+S3_RETRY_BUDGET_S = 120.0
+RETRY_BUDGET_ENV = "POSTTRAIN_S3_RETRY_BUDGET_S"
+# Jitter has its own generator: the global `random` stream belongs to the training run (checkpointed).
+_JITTER = random.Random()
 
 
 class CheckpointError(RuntimeError):
@@ -294,14 +312,6 @@ def checkpoint_step(path: str | Path) -> int:
     return int(match.group(1))
 
 
-def _redact(text: str) -> str:
-    """Remove credential values and URL user-info from text that may reach logs or errors."""
-    for name, value in os.environ.items():
-        if value and len(value) >= 8 and re.search(r"SECRET|TOKEN|PASSWORD|KEY|CREDENTIAL", name, re.IGNORECASE):
-            text = text.replace(value, "***")
-    return re.sub(r"://[^/@\s]+@", "://***@", text)
-
-
 def verify_checkpoint(path: str | Path, *, check_hashes: bool = True) -> dict:
     """The parsed manifest of a complete, intact checkpoint directory; else CheckpointError.
 
@@ -389,20 +399,28 @@ class CheckpointStore:
       s3_client: a boto3 S3 client; default `boto3.client("s3", endpoint_url=endpoint_url)`, which
         honours `AWS_ENDPOINT_URL` and takes credentials from the environment / AWS profiles only.
       endpoint_url: an explicit S3 endpoint (else `AWS_ENDPOINT_URL` or AWS).
-      upload_attempts / retry_base_delay_s / retry_max_delay_s: each S3 call is tried up to
-        `upload_attempts` times, sleeping base * 2**i (capped) between tries.
+      retry_budget_s: how long (seconds, in all) one S3 call is retried on transient errors; None
+        reads POSTTRAIN_S3_RETRY_BUDGET_S, else S3_RETRY_BUDGET_S. Other errors are not retried.
+      retry_base_delay_s / retry_max_delay_s: between tries it sleeps base * 2**i, capped at max, with
+        jitter (a uniform draw from half of that to all of it), never past the budget.
+      upload_attempts: an optional cap on the tries of one call (None: the budget alone decides).
       multipart_threshold / multipart_chunksize: files of at least the threshold are uploaded in
         parts of chunksize bytes (S3 requires parts of >= 5 MiB except the last).
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, remote_uri: str | None = None, s3_client=None,
-                 endpoint_url: str | None = None, upload_attempts: int = 5, retry_base_delay_s: float = 0.5,
-                 retry_max_delay_s: float = 30.0, multipart_threshold: int = 64 * MiB,
+                 endpoint_url: str | None = None, upload_attempts: int | None = None,
+                 retry_base_delay_s: float = 0.5, retry_max_delay_s: float = 30.0,
+                 retry_budget_s: float | None = None, multipart_threshold: int = 64 * MiB,
                  multipart_chunksize: int = 16 * MiB, max_concurrency: int = 4):
         if int(keep) < 1:
             raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept (keep >= 1)")
-        if int(upload_attempts) < 1:
-            raise ValueError(f"upload_attempts={upload_attempts}: must be >= 1")
+        if upload_attempts is not None and int(upload_attempts) < 1:
+            raise ValueError(f"upload_attempts={upload_attempts}: must be >= 1 (or None: no cap)")
+        if retry_budget_s is None:
+            retry_budget_s = _budget_from_env()
+        if not float(retry_budget_s) >= 0:
+            raise ValueError(f"retry_budget_s={retry_budget_s}: must be >= 0 seconds")
         if multipart_chunksize < 5 * MiB:
             raise ValueError(f"multipart_chunksize={multipart_chunksize}: S3 parts must be >= 5 MiB")
         self.root = Path(root)
@@ -411,7 +429,8 @@ class CheckpointStore:
         self.bucket, self.prefix = _parse_s3_uri(remote_uri) if remote_uri else (None, "")
         self._s3 = s3_client
         self.endpoint_url = endpoint_url
-        self.upload_attempts = int(upload_attempts)
+        self.upload_attempts = None if upload_attempts is None else int(upload_attempts)
+        self.retry_budget_s = float(retry_budget_s)
         self.retry_base_delay_s = float(retry_base_delay_s)
         self.retry_max_delay_s = float(retry_max_delay_s)
         self.multipart_threshold = int(multipart_threshold)
@@ -524,7 +543,7 @@ class CheckpointStore:
             try:
                 return self.download(step)
             except CheckpointError as exc:
-                log.warning("skipping remote checkpoint step %d: %s", step, _redact(str(exc)))
+                log.warning("skipping remote checkpoint step %d: %s", step, redact_message(str(exc)))
         return None
 
     def _step_dirs(self) -> list[Path]:
@@ -585,21 +604,42 @@ class CheckpointStore:
         return "/".join(x for x in (self.prefix, step_dir_name(step), name) if x)
 
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
-        from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
+        """`fn()`, retried on transient S3 errors until `retry_budget_s` is spent (or `upload_attempts`
+        tries); any other S3 error raises _S3Failure at once with what to fix. Each failure is logged
+        as "<what> failed (attempt n ...)"."""
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
-        retryable = (ClientError, BotoCoreError, S3UploadFailedError, S3TransferFailedError, ConnectionError)
-        for attempt in range(self.upload_attempts):
+        caught = (ClientError, BotoCoreError, Boto3Error, ConnectionError, TimeoutError)
+        what = redact_message(what)
+        start = time.monotonic()
+        deadline = start + self.retry_budget_s
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn()
-            except retryable as exc:
-                code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
-                final = attempt + 1 == self.upload_attempts or code in _NOT_RETRYABLE
-                log.warning("%s failed (attempt %d/%d): %s", what, attempt + 1, self.upload_attempts,
-                            _redact(f"{type(exc).__name__}: {exc}"))
-                if final:
-                    raise _S3Failure(what, attempt + 1, _redact(f"{type(exc).__name__}: {exc}")) from None
-                time.sleep(min(self.retry_max_delay_s, self.retry_base_delay_s * 2 ** attempt))
+            except caught as exc:
+                reason = redact_message(f"{type(exc).__name__}: {exc}")
+                if not is_transient_s3_error(exc):
+                    log.warning("%s failed (attempt %d): %s; not retried: not a transient error", what, attempt,
+                                reason)
+                    raise _S3Failure(what, attempt, reason,
+                                     f"not retried: this error is not transient; {s3_error_fix(exc)}") from None
+                now = time.monotonic()
+                capped = self.upload_attempts is not None and attempt >= self.upload_attempts
+                if now >= deadline or capped:
+                    log.warning("%s failed (attempt %d, %.1f s): %s; giving up", what, attempt, now - start, reason)
+                    limit = (f"upload_attempts={self.upload_attempts} reached" if capped else
+                             f"transient errors are retried for {self.retry_budget_s:g} s ({RETRY_BUDGET_ENV})")
+                    raise _S3Failure(what, attempt, reason,
+                                     f"{limit}; gave up after {now - start:.1f} s: check that the endpoint "
+                                     f"(AWS_ENDPOINT_URL) is up and reachable") from None
+                cap = min(self.retry_max_delay_s, self.retry_base_delay_s * 2 ** min(attempt - 1, 60))
+                delay = min(_JITTER.uniform(cap / 2, cap), deadline - now)
+                log.warning("%s failed (attempt %d, %.1f s of %g s): %s; transient, retrying in %.2f s", what,
+                            attempt, now - start, self.retry_budget_s, reason, delay)
+                time.sleep(delay)
 
     def upload(self, path: str | Path, *, verify_local: bool = True) -> None:
         """Upload a complete local checkpoint (manifest last) and verify every object's size and sha256.
@@ -639,11 +679,11 @@ class CheckpointStore:
                 raise _S3Failure(f"verify s3://{self.bucket}/{self._key(step, MANIFEST)}", 1,
                                  "the manifest read back differs from the local one")
         except _S3Failure as exc:
-            raise CheckpointUploadError(
+            raise CheckpointUploadError(redact_message(
                 f"uploading checkpoint {path} to {self.remote_uri} failed: {exc}. The local checkpoint is "
                 f"intact and older checkpoints were not pruned; check the endpoint (AWS_ENDPOINT_URL), the "
                 f"bucket and the credentials in the environment, then call CheckpointStore.upload({str(path)!r}) "
-                f"or save again", local_path=path) from None
+                f"or save again"), local_path=path) from None
         log.info("checkpoint step %d uploaded to %s and verified", step, self.remote_uri)
 
     def _verify_remote_object(self, step: int, name: str, entry: dict) -> None:
@@ -669,8 +709,8 @@ class CheckpointStore:
         try:
             all_keys = self._retry(f"list s3://{self.bucket}/{base}", list_all)
         except _S3Failure as exc:
-            raise CheckpointError(f"listing {self.remote_uri} failed: {exc}; check AWS_ENDPOINT_URL, the "
-                                  f"bucket and the credentials in the environment") from None
+            raise CheckpointError(redact_message(f"listing {self.remote_uri} failed: {exc}; check AWS_ENDPOINT_URL, "
+                                                 f"the bucket and the credentials in the environment")) from None
         for key in all_keys:
             rest = key[len(base):].split("/")
             if len(rest) == 2 and _STEP_DIR.match(rest[0]):
@@ -715,7 +755,7 @@ class CheckpointStore:
             self._move_into_place(tmp, self.path_for(step))
         except _S3Failure as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"downloading {remote} failed: {exc}") from None
+            raise CheckpointError(redact_message(f"downloading {remote} failed: {exc}")) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -753,13 +793,111 @@ class CheckpointStore:
             log.info("pruned remote checkpoints older than step %d (keep=%d)", oldest_kept, self.keep)
 
 
-_NOT_RETRYABLE = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
-                  "AllAccessDisabled", "InvalidBucketName", "NoSuchKey", "404"}
+# ------------------------------------------------------------------------------ S3 error classes
+
+# ClientError codes worth retrying (throttling, timeouts, server-side trouble); any HTTP 5xx or 429 too.
+TRANSIENT_S3_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "InternalServerError", "ServiceUnavailable",
+    "ServiceUnavailableException", "PriorRequestNotComplete", "OperationAborted", "500", "502", "503", "504",
+})
+# What to fix, for the non-transient errors a misconfiguration produces.
+_FIXES = {
+    "NoSuchBucket": "the bucket does not exist at this endpoint: create it, or fix the bucket in "
+                    "tracking.checkpoint_uri (and AWS_ENDPOINT_URL)",
+    "InvalidBucketName": "fix the bucket name in tracking.checkpoint_uri",
+    "AccessDenied": "the credentials may not use this bucket/prefix: check the bucket policy and the "
+                    "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)",
+    "AllAccessDisabled": "all access to this bucket is disabled: use another bucket in tracking.checkpoint_uri",
+    "InvalidAccessKeyId": "the access key is unknown to this endpoint: fix AWS_ACCESS_KEY_ID (or AWS_PROFILE) "
+                          "and AWS_ENDPOINT_URL",
+    "SignatureDoesNotMatch": "the secret key does not match the access key: fix AWS_SECRET_ACCESS_KEY "
+                             "(or AWS_PROFILE)",
+    "ExpiredToken": "the session token expired: refresh the credentials (AWS_SESSION_TOKEN or AWS_PROFILE)",
+    "NoSuchKey": "the object is missing: the remote checkpoint is incomplete; use another step",
+    "404": "the object or bucket is missing: check tracking.checkpoint_uri",
+    "403": "access refused: check the credentials and the bucket policy",
+}
+
+
+def _error_chain(exc: BaseException) -> Iterable[BaseException]:
+    """`exc`, then what it wraps (boto3's S3UploadFailedError wraps a ClientError, RetriesExceededError its last
+    error), outermost first."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = getattr(current, "last_exception", None) or current.__cause__ or current.__context__
+
+
+def _client_error(exc: BaseException):
+    from botocore.exceptions import ClientError
+
+    return next((e for e in _error_chain(exc) if isinstance(e, ClientError)), None)
+
+
+def is_transient_s3_error(exc: BaseException) -> bool:
+    """True for errors a retry can cure: connection errors, timeouts, HTTP 5xx/429, throttling
+    (SlowDown, ...), RequestTimeout. False for invalid requests (ParamValidationError), missing
+    credentials, NoSuchBucket, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, other 4xx."""
+    from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    for err in _error_chain(exc):
+        if isinstance(err, ClientError):
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return code in TRANSIENT_S3_CODES or status >= 500 or status == 429
+        if isinstance(err, (BotoConnectionError, HTTPClientError, IncompleteReadError, ConnectionError,
+                            TimeoutError)):
+            return True
+    return False
+
+
+def s3_error_fix(exc: BaseException) -> str:
+    """What to fix for a non-transient S3 error, in words."""
+    from botocore.exceptions import (
+        NoCredentialsError,
+        NoRegionError,
+        ParamValidationError,
+        PartialCredentialsError,
+    )
+
+    client_error = _client_error(exc)
+    if client_error is not None:
+        code = str(client_error.response.get("Error", {}).get("Code", ""))
+        return _FIXES.get(code, f"S3 refused the request ({code or 'no error code'}): check "
+                                f"tracking.checkpoint_uri, AWS_ENDPOINT_URL and the credentials")
+    for err in _error_chain(exc):
+        if isinstance(err, ParamValidationError):
+            return ("the request is invalid before it reaches S3: fix tracking.checkpoint_uri "
+                    "(s3://bucket/prefix, a valid bucket name)")
+        if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+            return "no usable AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        if isinstance(err, NoRegionError):
+            return "no AWS region: set AWS_DEFAULT_REGION (or AWS_PROFILE's region)"
+    return "check tracking.checkpoint_uri, AWS_ENDPOINT_URL and the credentials in the environment"
+
+
+def _budget_from_env() -> float:
+    raw = os.environ.get(RETRY_BUDGET_ENV, "").strip()
+    if not raw:
+        return S3_RETRY_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{RETRY_BUDGET_ENV}={raw!r}: expected seconds, e.g. {S3_RETRY_BUDGET_S:g}") from None
+    if not value >= 0:
+        raise ValueError(f"{RETRY_BUDGET_ENV}={raw!r}: must be >= 0 seconds")
+    return value
 
 
 class _S3Failure(Exception):
-    def __init__(self, what: str, attempts: int, reason: str):
-        super().__init__(f"{what}: {reason} (after {attempts} attempt{'s' if attempts > 1 else ''})")
+    def __init__(self, what: str, attempts: int, reason: str, note: str = ""):
+        tries = f"after {attempts} attempt{'s' if attempts > 1 else ''}"
+        super().__init__(redact_message(f"{what}: {reason} ({tries}{'; ' + note if note else ''})"))
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:
@@ -768,7 +906,10 @@ def _chunks(items: list, size: int) -> Iterable[list]:
 
 
 def _parse_s3_uri(uri: str) -> tuple[str, str]:
+    if has_userinfo(uri) or "@" in urlparse(uri).netloc:
+        raise ValueError(f"remote_uri={redact_uri(uri)!r}: credentials in the URI are refused; give them through "
+                         f"the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or an AWS profile (AWS_PROFILE)")
     parsed = urlparse(uri)
     if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"remote_uri={uri!r}: expected s3://bucket/prefix")
+        raise ValueError(f"remote_uri={redact_uri(uri)!r}: expected s3://bucket/prefix")
     return parsed.netloc, parsed.path.strip("/")

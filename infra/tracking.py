@@ -4,7 +4,7 @@ Every key is a stable public name (`train/*`, `rollout/*`, `perf/*`, `val/*`). L
 DVC metrics) read this file rather than keeping numbers of their own.
 
 `RunTracker` mirrors a run into MLflow (params, tags, metrics, artifacts, provenance per attempt);
-`redact` is the one rule for keeping credentials out of everything that is logged.
+what it logs is scrubbed by `rl_core.redact`, the one rule for keeping credentials out of output.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
+
+from rl_core.redact import redact, redact_override, redact_text
 
 log = logging.getLogger("posttrain.tracking")
 
@@ -130,7 +132,6 @@ def last_values(records: Iterable[dict[str, Any]], key: str) -> list[tuple[int, 
 # process-global tracking URI or active-run stack, so several trackers can live in one process.
 # mlflow itself is imported lazily, so `MetricsLog` users do not pay for it.
 
-REDACTED = "***"
 TAG_PREFIX = "posttrain."
 MLFLOW_PARAM_MAX_CHARS = 6000
 MLFLOW_TAG_MAX_CHARS = 8000
@@ -141,78 +142,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------ redaction
 #
-# The rule (applied to config keys, metric/record keys, env-style names and URI query parameters):
-# a name is split into components on "." and "/", each component into lower-case words on "_", "-",
-# spaces and camelCase boundaries. The name is secret when any component
-#   * contains, with separators removed, one of SECRET_SUBSTRINGS (secret, password, passwd,
-#     passphrase, credential, apikey, accesskey, privatekey, authtoken, ...); or
-#   * has a word in SECRET_WORDS (key, keys, auth, private, pwd, creds, signature, sig, bearer, ...);
-#   * or has the word "token" (singular) and no COUNTING_WORDS word (max, min, num, per, count, id,
-#     eos, pad, ...) in the same component.
-# Plural "tokens" names a count (max_tokens, shared_prefix_min_tokens, tokens_per_s) and is kept;
-# `api_token`, `hf_token`, `auth_token`, `HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `password` are
-# redacted. Independently of the name, every string value is scrubbed of credentials embedded in
-# URIs: `scheme://user:pass@host` -> `scheme://user:***@host` (https, s3, http mlflow URIs, ...),
-# and query parameters whose name is secret (`?token=...`, `X-Amz-Signature=...`) -> `name=***`.
-# Over-redacting is the safe direction: a false positive only hides a value in the MLflow UI.
-
-SECRET_SUBSTRINGS = ("secret", "password", "passwd", "passphrase", "credential", "apikey", "accesskey",
-                     "privatekey", "authtoken", "accesstoken", "sessiontoken", "securitytoken")
-SECRET_WORDS = frozenset({"key", "keys", "auth", "private", "pwd", "creds", "signature", "sig", "bearer",
-                          "cookie", "authorization", "authentication"})
-COUNTING_WORDS = frozenset({"max", "min", "num", "n", "per", "count", "counts", "id", "ids", "len", "length",
-                            "limit", "budget", "level", "type", "eos", "bos", "pad", "unk", "sep", "cls",
-                            "mask", "special"})
-_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
-# The password part may hold unencoded "/" or "@" (AWS secret keys do): it runs to the last "@".
-_URI_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s?#'\"]*):(?P<secret>[^\s?#'\"]*)@")
-_QUERY_PARAM = re.compile(r"(?P<head>[?&;](?P<name>[^=&#;\s]+)=)(?P<value>[^&#;\s]*)")
-
-
-def _component_is_secret(component: str) -> bool:
-    squashed = re.sub(r"[^a-z0-9]", "", component.lower())
-    if any(s in squashed for s in SECRET_SUBSTRINGS):
-        return True
-    words = {w.lower() for w in _WORD.findall(component)}
-    if words & SECRET_WORDS:
-        return True
-    return "token" in words and not (words & COUNTING_WORDS)
-
-
-def is_secret_name(name: str) -> bool:
-    """True when a key/env-var/parameter name looks like it holds a credential (rule above)."""
-    return any(_component_is_secret(part) for part in re.split(r"[./]", str(name)) if part)
-
-
-def redact_text(text: str) -> str:
-    """Scrub credentials embedded in URIs from free text (config values, error messages)."""
-    text = _URI_USERINFO.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
-    return _QUERY_PARAM.sub(
-        lambda m: m.group("head") + (REDACTED if is_secret_name(m.group("name")) else m.group("value")), text)
-
-
-def _redact_value(value: Any) -> Any:
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, Mapping):
-        return redact(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_redact_value(v) for v in value)
-    return value
-
-
-def redact(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `mapping` (same key order) safe to log: values of secret-looking keys become "***"
-    (whole sub-trees for a secret section name), every other string value is scrubbed of URI
-    credentials; nested mappings and lists are handled recursively."""
-    return {k: (REDACTED if is_secret_name(str(k)) else _redact_value(v)) for k, v in mapping.items()}
-
-
-def _redact_override(item: str) -> str:
-    key, sep, value = str(item).partition("=")
-    if not sep:
-        return redact_text(key)
-    return f"{key}={REDACTED if is_secret_name(key) else redact_text(value)}"
+# One rule for everything that is logged, in `rl_core.redact`: values of secret-named keys (params,
+# identity, config_resolved.yaml) become "***", and every string value is scrubbed of credentials
+# embedded in URIs (`scheme://user:pass@host` -> `scheme://***@host`, s3/https/http MLflow URIs, ...)
+# and of secret-named query parameters (`?token=...`, `X-Amz-Signature=...`). Over-redacting is the
+# safe direction: a false positive only hides a value in the MLflow UI.
 
 
 # ---------------------------------------------------------------------------------- provenance
@@ -460,7 +394,7 @@ class RunTracker:
             f"{TAG_PREFIX}algorithm": cfg.job.algorithm,
             f"{TAG_PREFIX}job_name": cfg.job.name,
             f"{TAG_PREFIX}recipe": redact_text(str(recipe)),
-            f"{TAG_PREFIX}overrides": canonical_json([_redact_override(o) for o in overrides]),
+            f"{TAG_PREFIX}overrides": canonical_json([redact_override(o) for o in overrides]),
             f"{TAG_PREFIX}config_hash": cfg_hash,
             f"{TAG_PREFIX}objective_identity": canonical_json(redact(identity)),
             f"{TAG_PREFIX}objective_hash": objective_hash(identity),
@@ -502,7 +436,7 @@ class RunTracker:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "recipe": redact_text(str(recipe)),
-            "overrides": [_redact_override(o) for o in overrides],
+            "overrides": [redact_override(o) for o in overrides],
             "resumed_from": redact_text(str(resumed_from)) if resumed_from else None,
             "prefect_flow_run_id": prefect_flow_run_id,
             "dvc": dict(dvc_hashes or {}),
@@ -557,10 +491,17 @@ class RunTracker:
             raise ValueError(f"finish(status={status!r}); expected FINISHED, FAILED or KILLED")
         if self._finished:
             return
-        # MLflow prints "View run ... at: <tracking URI>" for a server; the URI may carry credentials.
-        printed = io.StringIO()
+        self._call("set_terminated", set_terminated, self.client, self.run_id, status)
+        self._finished = True
+
+
+def set_terminated(client: Any, run_id: str, status: str) -> None:
+    """`client.set_terminated(run_id, status=status)`. MLflow prints "View run ... at: <tracking URI>" for a
+    server, and the URI may carry credentials ($MLFLOW_TRACKING_URI): what it prints is scrubbed first."""
+    printed = io.StringIO()
+    try:
         with contextlib.redirect_stdout(printed):
-            self._call("set_terminated", self.client.set_terminated, self.run_id, status=status)
+            client.set_terminated(run_id, status=status)
+    finally:
         if printed.getvalue():
             sys.stdout.write(redact_text(printed.getvalue()))
-        self._finished = True

@@ -43,18 +43,45 @@ def _started(proc: subprocess.Popen, ready, timeout: float, what: str, log: Path
                            f"{log.read_text(errors='replace')[-3000:]}")
 
 
+# moto's server with buckets created before it accepts a connection: a restarted server (moto keeps its
+# state in memory) then looks to a client like an S3 endpoint that came back, buckets and all.
+_MOTO_WITH_BUCKETS = """
+import sys
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.s3.models import s3_backends
+from moto.server import main
+port, buckets = sys.argv[1], sys.argv[2:]
+for name in buckets:
+    s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(name, "us-east-1")
+main(["-H", "127.0.0.1", "-p", port])
+"""
+
+
+def start_moto(port: int, log: Path, buckets: tuple[str, ...] = ()) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:`port` in a process group of its own (stop it with
+    `stop_group(proc, proc.pid)`), holding `buckets` from the start; returns once it accepts connections."""
+    exe = Path(_bin("moto_server"))
+    if buckets:
+        cmd = [sys.executable, "-c", _MOTO_WITH_BUCKETS, str(port), *buckets]
+    else:
+        cmd = [*([str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]),
+               "-H", "127.0.0.1", "-p", str(port)]
+    with open(log, "ab") as out:  # the child keeps its own fd
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _started(proc, lambda: _accepts(port), 30, "moto_server", log)
+    except BaseException:
+        stop_group(proc, proc.pid)
+        raise
+    return proc
+
+
 @contextmanager
 def moto_server(log_dir: Path) -> Iterator[str]:
     """moto in server mode on 127.0.0.1:<free port>; yields its URL; stopped by its own process group on exit."""
     port = free_port()
-    exe = Path(_bin("moto_server"))
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-    log = Path(log_dir) / "moto.log"
-    with open(log, "wb") as out:  # the child keeps its own fd
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_moto(port, Path(log_dir) / "moto.log")
     try:
-        _started(proc, lambda: _accepts(port), 30, "moto_server", log)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_group(proc, proc.pid)

@@ -12,6 +12,8 @@ import math
 import random
 import shutil
 import struct
+import threading
+import time
 import traceback
 import uuid
 
@@ -20,17 +22,31 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from botocore.exceptions import ClientError
+from boto3.exceptions import S3UploadFailedError
+from botocore.exceptions import (
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ParamValidationError,
+    ReadTimeoutError,
+)
 
+from infra.services import free_port
 from infra.storage import (
     MANIFEST,
+    RETRY_BUDGET_ENV,
+    S3_RETRY_BUDGET_S,
     CheckpointError,
     CheckpointStore,
     CheckpointUploadError,
+    _S3Failure,
     flatten_state,
+    is_transient_s3_error,
     unflatten_state,
     verify_checkpoint,
 )
+from tests.servers import _accepts, start_moto, stop_group
 
 SECRET = "tEsT-sEcReT-9f2c1d7e0b4a-do-not-print"
 MiB = 1024 * 1024
@@ -242,16 +258,22 @@ def test_bad_arguments_are_refused(tmp_path):
 # ---------------------------------------------------------------------------------------- S3 (moto)
 
 @pytest.fixture
-def s3(moto_server, monkeypatch, tmp_path):
-    """Environment pointing boto3 at moto (dummy credentials), and a fresh bucket: yields its name."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3"):
+def aws_env(monkeypatch, tmp_path):
+    """Dummy credentials in the environment, no AWS profile or config file, no endpoint yet."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL",
+                 RETRY_BUDGET_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+
+
+@pytest.fixture
+def s3(moto_server, aws_env, monkeypatch):
+    """Environment pointing boto3 at moto (dummy credentials), and a fresh bucket: yields its name."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
     bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     return bucket
@@ -361,3 +383,184 @@ def test_s3_multipart_upload_of_a_large_file(s3, tmp_path):
     shutil.rmtree(path)
     restored = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run").latest_valid()
     assert torch.equal(CheckpointStore(tmp_path).load(restored)[0]["weights"]["w"], big)
+
+
+# ------------------------------------------------------------------------- S3: what is retried, how long
+
+def s3_attempts(caplog) -> int:
+    """Tries of S3 calls that failed, from the store's own log line for each ("<what> failed (attempt n ...")."""
+    return len([r for r in caplog.records if r.name == "posttrain.storage" and " failed (attempt " in r.getMessage()])
+
+
+def client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
+
+
+def wrapped_by_upload_file(exc: Exception) -> S3UploadFailedError:
+    """What boto3's upload_file raises for a ClientError: S3UploadFailedError, the ClientError as its context."""
+    try:
+        try:
+            raise exc
+        except ClientError as e:
+            raise S3UploadFailedError(f"Failed to upload f to b/k: {e}")  # as boto3 does: `e` is its __context__
+    except S3UploadFailedError as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize("exc, transient", [
+    (client_error("SlowDown", 503), True),
+    (client_error("RequestTimeout", 400), True),
+    (client_error("InternalError", 500), True),
+    (client_error("ThrottlingException", 400), True),
+    (client_error("WhateverUnavailable", 502), True),
+    (client_error("TooManyRequests", 429), True),
+    (EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), True),
+    (ConnectTimeoutError(endpoint_url="http://127.0.0.1:9"), True),
+    (ReadTimeoutError(endpoint_url="http://127.0.0.1:9"), True),
+    (ConnectionResetError("reset"), True),
+    (wrapped_by_upload_file(client_error("SlowDown", 503)), True),
+    (client_error("NoSuchBucket", 404), False),
+    (client_error("AccessDenied", 403), False),
+    (client_error("InvalidAccessKeyId", 403), False),
+    (client_error("SignatureDoesNotMatch", 403), False),
+    (wrapped_by_upload_file(client_error("NoSuchBucket", 404)), False),
+    (wrapped_by_upload_file(client_error("AccessDenied", 403)), False),
+    (ParamValidationError(report="Invalid bucket name"), False),
+    (NoCredentialsError(), False),
+], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v))
+def test_s3_errors_are_classified_transient_or_not(exc, transient):
+    assert is_transient_s3_error(exc) is transient
+
+
+def test_s3_retry_budget_default_env_and_parameter(aws_env, monkeypatch, tmp_path):
+    assert S3_RETRY_BUDGET_S >= 60  # rides out a ~30 s endpoint restart
+    assert CheckpointStore(tmp_path).retry_budget_s == S3_RETRY_BUDGET_S
+    assert CheckpointStore(tmp_path).upload_attempts is None  # the budget decides, not a count
+    monkeypatch.setenv(RETRY_BUDGET_ENV, "7.5")
+    assert CheckpointStore(tmp_path).retry_budget_s == 7.5
+    assert CheckpointStore(tmp_path, retry_budget_s=2).retry_budget_s == 2
+    monkeypatch.setenv(RETRY_BUDGET_ENV, "soon")
+    with pytest.raises(ValueError, match=RETRY_BUDGET_ENV):
+        CheckpointStore(tmp_path)
+
+
+def test_s3_invalid_request_fails_at_once(s3, tmp_path, caplog):
+    """A bucket name botocore refuses (ParamValidationError): one try, an error naming the URI and the fix."""
+    store = CheckpointStore(tmp_path, remote_uri="s3://not!a!bucket/run", retry_budget_s=60)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
+        store.save(1, {"s": small_state(1.0)}, {})
+    assert time.monotonic() - start < 10
+    assert s3_attempts(caplog) == 1
+    message = str(info.value)
+    assert "s3://not!a!bucket/run" in message and "ParamValidationError" in message
+    assert "not retried" in message and "tracking.checkpoint_uri" in message
+    assert store.list_valid() == [tmp_path / "step_00000001"]  # the local checkpoint stays
+
+
+def test_s3_missing_bucket_fails_at_once(s3, tmp_path, caplog):
+    """NoSuchBucket, from a plain call and wrapped by upload_file (S3UploadFailedError): one try each."""
+    missing = f"{s3}-missing"
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{missing}/run", retry_budget_s=60)
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
+        store.save(1, {"s": small_state(1.0)}, {})
+    assert s3_attempts(caplog) == 1
+    assert f"s3://{missing}/run" in str(info.value) and "NoSuchBucket" in str(info.value)
+    assert "create it" in str(info.value)
+
+    caplog.clear()
+    local = tmp_path / "step_00000001" / MANIFEST
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(_S3Failure) as info:
+        store._retry("upload", lambda: store.s3.upload_file(str(local), missing, "run/x"))
+    assert time.monotonic() - start < 10
+    assert s3_attempts(caplog) == 1
+    assert "S3UploadFailedError" in str(info.value) and "not retried" in str(info.value)
+
+
+def test_s3_transient_errors_are_retried_until_the_budget_is_spent(s3, tmp_path, caplog):
+    failing = FlakyUploads(boto3.client("s3"), failures=10**9)  # SlowDown, forever
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=failing, retry_budget_s=1.5,
+                            retry_base_delay_s=0.05, retry_max_delay_s=0.2)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
+        store.save(1, {"s": small_state(1.0)}, {})
+    took = time.monotonic() - start
+    assert 1.5 <= took < 10
+    assert failing.calls >= 6 and s3_attempts(caplog) == failing.calls
+    assert "SlowDown" in str(info.value) and "retried for 1.5 s" in str(info.value)
+
+
+class OutageAtFirstUpload:
+    """The real boto3 client; its first upload_file call starts the outage (`outage()`) before sending."""
+
+    def __init__(self, client, outage):
+        self._client, self._outage = client, outage
+
+    def upload_file(self, *args, **kwargs):
+        outage, self._outage = self._outage, None
+        if outage is not None:
+            outage()
+        return self._client.upload_file(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("when", ["before_save", "mid_upload"])
+def test_s3_upload_rides_out_an_endpoint_restart(aws_env, monkeypatch, tmp_path, caplog, when):
+    """moto stopped (by its own pid) and started again on the same port ~4 s later, either before a save
+    starts or once the save is uploading its files: the checkpoint is uploaded and verified once the
+    endpoint is back. botocore's own retries are off (AWS_MAX_ATTEMPTS=1), so every retry is the store's."""
+    port, bucket = free_port(), f"ckpt-{uuid.uuid4().hex[:12]}"
+    log = tmp_path / "moto.log"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    servers = [start_moto(port, log, (bucket,))]
+    problems: list[BaseException] = []
+    threads: list[threading.Thread] = []
+
+    def restart_later() -> None:
+        time.sleep(4)
+        try:
+            servers.append(start_moto(port, log, (bucket,)))  # moto forgets everything: the bucket is recreated
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            problems.append(exc)
+
+    def outage() -> None:
+        stop_group(servers[0], servers[0].pid)
+        assert not _accepts(port)
+        threads.append(threading.Thread(target=restart_later))
+        threads[-1].start()
+
+    try:
+        client = boto3.client("s3")
+        store = CheckpointStore(tmp_path / "a", remote_uri=f"s3://{bucket}/run", retry_budget_s=30,
+                                retry_base_delay_s=0.2, retry_max_delay_s=1.0,
+                                s3_client=OutageAtFirstUpload(client, outage) if when == "mid_upload" else client)
+        if when == "before_save":
+            store.save(1, {"s": small_state(1.0)}, {})
+            assert store.list_remote() == [1]
+            outage()
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="posttrain.storage"):
+            path = store.save(2, {"s": small_state(2.0)}, {"k": 2})
+        took = time.monotonic() - start
+        for thread in threads:
+            thread.join()
+        assert threads and not problems, problems
+        assert took >= 3.5  # it did wait for the endpoint
+        retried = [r.getMessage() for r in caplog.records if "transient, retrying" in r.getMessage()]
+        assert len(retried) >= 2
+        if when == "mid_upload":
+            assert all(m.startswith("upload ") for m in retried)  # the upload in progress was retried
+        assert store.list_remote() == [2]  # the restarted server holds step 2, complete and verified
+        restored = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{bucket}/run").latest_valid()
+        assert restored == tmp_path / "b" / "step_00000002"
+        assert_same(CheckpointStore(tmp_path / "b").load(restored)[0], CheckpointStore(tmp_path / "a").load(path)[0])
+    finally:
+        for thread in threads:
+            thread.join()
+        for proc in servers:
+            stop_group(proc, proc.pid)

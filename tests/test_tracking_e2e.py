@@ -2,8 +2,9 @@
 `mlflow server` on loopback. Expected values are computed here from the config, the run directory,
 git and package metadata, not read back from the tracker.
 
-Both runs carry credentials in the environment (and the server run one in its tracking URI); none of
-them may reach MLflow params, tags, metrics or artifacts, nor the run's printed output.
+Both runs carry credentials in the environment (and the server run one in its tracking URI,
+$MLFLOW_TRACKING_URI: `tracking.mlflow_uri` refuses credentials); none of them may reach MLflow params,
+tags, metrics or artifacts, nor the run's printed output.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def test_sqlite_run_holds_no_secret_from_the_environment(sqlite_run, tmp_path):
 
 @pytest.mark.slow
 def test_mlflow_server_holds_the_run_and_no_secret(mlflow_server, tmp_path, workdir, capfd):
-    """A flow run tracked by a loopback `mlflow server`, its URI carrying basic-auth credentials."""
+    """A flow run tracked by a loopback `mlflow server`, its URI ($MLFLOW_TRACKING_URI) carrying basic-auth
+    credentials."""
     from mlflow import MlflowClient
 
     from rl_core.config import load_config
@@ -228,27 +230,22 @@ def test_mlflow_server_holds_the_run_and_no_secret(mlflow_server, tmp_path, work
     host = url.removeprefix("http://")
     uri = f"http://posttrain:{URI_SECRET}@{host}"
     cwd = make_cwd(tmp_path / "cwd", workdir)
-    overrides = [*FAST, "job.name=track-server", "rl.max_steps=2", f"tracking.mlflow_uri={uri}"]
+    overrides = [*FAST, "job.name=track-server", "rl.max_steps=2"]
     capfd.readouterr()
-    run = run_flow(cwd, overrides, SECRETS)
+    run = run_flow(cwd, overrides, {**SECRETS, "MLFLOW_TRACKING_URI": uri})
     printed = capfd.readouterr()
     assert not (cwd / "mlflow.db").exists()  # nothing fell back to the default store
 
     cfg = load_config(recipe("arithmetic"), overrides)
-    scrubbed = f"http://posttrain:***@{host}"
     params = {k: str(v) for k, v in flatten(cfg).items()}
-    assert params["tracking.mlflow_uri"] == uri
-    params["tracking.mlflow_uri"] = scrubbed
+    assert params["tracking.mlflow_uri"] == "None"
     resolved = config_dict(cfg)
-    resolved["tracking"]["mlflow_uri"] = scrubbed
     client = MlflowClient(tracking_uri=url)
     run_id = check_run(client, run, tmp_path, expected_params=params, resolved_yaml=resolved)
     assert client.get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:")
     assert list(artifact_root.rglob("attempt_1.json")) and list(artifact_root.rglob("model.safetensors"))
-    tags = client.get_run(run_id).data.tags
-    assert f"tracking.mlflow_uri={scrubbed}" in json.loads(tags["posttrain.overrides"])
 
     secrets = [*SECRETS.values(), URI_SECRET]
     assert_no_secret_in_mlflow(client, run_id, tmp_path / "dl", secrets)
     assert not [s for s in secrets if s in printed.out + printed.err]
-    assert f"posttrain:***@{host}" in printed.out  # MLflow's "View run ... at" line, scrubbed
+    assert f"http://***@{host}" in printed.out  # MLflow's "View run ... at" line, scrubbed

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rl_core.config.schema import PosttrainConfig
+from rl_core.redact import redact_uri
 
 # Retired keys are unknown keys: nothing is aliased, the error names the replacement.
 RETIRED_KEYS: dict[str, dict[str | None, str]] = {
@@ -174,7 +175,7 @@ def _describe(err: dict) -> str:
     value = err.get("input")
     kind = err["type"]
     ctx = err.get("ctx", {}) or {}
-    shown = repr(value)
+    shown = redact_uri(repr(value))  # never echo credentials embedded in a URI
     if kind == "extra_forbidden":
         return _unknown_key_message(loc, value)
     if isinstance(value, bool) and kind in ("int_type", "float_type"):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from rl_core.redact import has_userinfo
 
 Algorithm = Literal["grpo", "dr_grpo", "gspo", "legacy_pg", "opd", "dpo"]
 LossType = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
@@ -118,11 +121,35 @@ class ClusterConfig(_Section):
     gpu_memory_gib: float | None = Field(None, gt=0, description="Memory of one GPU for the preflight memory plan; None reads it from this machine's GPU (no GPU here: the plan is printed, not enforced).")
 
 
+# Where credentials go instead of a URI's `user:password@` (which would be written to config_resolved.yaml,
+# the checkpoints' meta.json, MLflow params and logs).
+URI_CREDENTIALS_GO = {
+    "checkpoint_uri": "give S3 credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) "
+                      "or an AWS profile (AWS_PROFILE)",
+    "mlflow_uri": "give MLflow credentials through MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD "
+                  "(or MLFLOW_TRACKING_TOKEN)",
+}
+
+
 class TrackingConfig(_Section):
-    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; None uses MLFLOW_TRACKING_URI or ./mlflow.db.")
+    # the error text of a refused URI must not echo it (pydantic quotes the input by default)
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI, without credentials (MLFLOW_TRACKING_USERNAME/PASSWORD); None uses MLFLOW_TRACKING_URI or ./mlflow.db.")
     experiment: str = Field("posttrain", min_length=1, description="MLflow experiment name.")
-    checkpoint_uri: str | None = Field(None, description="s3://bucket/prefix to upload checkpoints to; None keeps them local.")
+    checkpoint_uri: str | None = Field(None, description="s3://bucket/prefix to upload checkpoints to, without credentials (AWS env vars/profile); None keeps them local.")
     keep_checkpoints: int = Field(3, gt=0, description="Newest checkpoints kept, locally and remotely.")
+
+    @field_validator("mlflow_uri", "checkpoint_uri")
+    @classmethod
+    def _no_credentials_in_uri(cls, value: str | None, info) -> str | None:
+        if value is not None and has_userinfo(value):
+            raise PydanticCustomError(
+                "uri_credentials",
+                "credentials in the URI are refused (they would be written to config_resolved.yaml, checkpoint "
+                "metadata and logs); remove the user:password@ part and {where}",
+                {"where": URI_CREDENTIALS_GO[info.field_name]})
+        return value
 
 
 class PosttrainConfig(_Section):

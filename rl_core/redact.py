@@ -1,0 +1,188 @@
+"""The one redactor: keeps credentials out of everything posttrain prints, logs, raises or uploads.
+
+Pure text and dict handling (no Prefect, Ray, MLflow or boto3 imports), used by the config loader,
+checkpoint storage (`infra.storage`), MLflow tracking (`infra.tracking`) and the flows.
+
+  * `redact_uri(text)`: the userinfo of every `scheme://user[:password]@host` in free text becomes
+    `***` (`s3://***@bucket/p`, `https://***@host`). A password may hold unencoded `/`, `#`, `?`, `@`
+    and `:` (AWS secret keys hold `/`); a bare token (`https://TOKEN@host`) counts as userinfo too.
+  * `is_secret_name(name)`: whether a key / env-var / query-parameter name looks like it holds a
+    credential (rule below).
+  * `redact_text(text)`: `redact_uri`, plus the values of secret-named URI query parameters
+    (`?token=...`, `X-Amz-Signature=...`).
+  * `redact_environment_values(text)`: the values (8+ characters) of secret-named environment
+    variables, wherever they appear (an AWS secret quoted back in a botocore error).
+  * `redact_message(text)`: both of the above, for error messages and log lines.
+  * `redact(mapping)`: a copy of a (nested) dict safe to log: values of secret-named keys become
+    `***`, every other string is scrubbed by `redact_text`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+REDACTED = "***"
+
+# ------------------------------------------------------------------------------------ URI userinfo
+#
+# A URI starts at `scheme://` (RFC 3986 scheme, not glued to a preceding scheme character) and runs
+# to the first whitespace, quote, `<`, `>` or backquote, or to the next `scheme://`. Within it:
+#   * the text up to its LAST "@" is userinfo when it holds no "/" at all, or when the part before
+#     its first "/", "?" or "#" holds a ":" (user:password, the password possibly holding "/", "#",
+#     "?", "@", ":");
+#   * otherwise an "@" inside the authority proper (before the first "/", "?", "#") ends the
+#     userinfo (RFC 3986: `https://TOKEN@host/path@ref`).
+# So `hf://datasets/org/name@main` and `git+https://github.com/o/r@v1` (an "@" in the path) are kept.
+# Over-redacting is the safe direction: `https://host:8080/a@b` becomes `https://***@b`.
+
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
+_URI_END = re.compile(r"[\s'\"<>`]")
+_AUTHORITY_END = re.compile(r"[/?#]")
+
+
+def _userinfo_end(rest: str) -> int:
+    """Length of the userinfo at the start of `rest` (the text after `scheme://`); 0 when there is none."""
+    last_at = rest.rfind("@")
+    if last_at <= 0:
+        return 0
+    candidate = rest[:last_at]
+    head = _AUTHORITY_END.split(candidate, 1)[0]
+    if "/" not in candidate or ":" in head:
+        return last_at
+    authority = _AUTHORITY_END.split(rest, 1)[0]
+    return max(authority.rfind("@"), 0)
+
+
+def redact_uri(text: str) -> str:
+    """`text` with the userinfo of every URI in it replaced by `***` (rule above); the rest unchanged."""
+    text = str(text)
+    if "://" not in text:
+        return text
+    schemes = list(_SCHEME.finditer(text))
+    out: list[str] = []
+    pos = 0
+    for i, match in enumerate(schemes):
+        start = match.end()
+        if start <= pos:  # inside userinfo already redacted
+            continue
+        limit = schemes[i + 1].start() if i + 1 < len(schemes) else len(text)
+        end = _URI_END.search(text, start, limit)
+        rest = text[start:end.start() if end else limit]
+        n = _userinfo_end(rest)
+        if n:
+            out.append(text[pos:start])
+            out.append(REDACTED)
+            pos = start + n
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def has_userinfo(uri: str) -> bool:
+    """True when `uri` carries `user[:password]@`: what `redact_uri` removes, or an "@" in the authority
+    as `urllib.parse` reads it (e.g. a password with an unencoded space)."""
+    uri = str(uri)
+    if redact_uri(uri) != uri:
+        return True
+    try:
+        return "@" in urlsplit(uri).netloc
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------ secret names
+#
+# The rule (applied to config keys, metric/record keys, env-style names and URI query parameters):
+# a name is split into components on "." and "/", each component into lower-case words on "_", "-",
+# spaces and camelCase boundaries. The name is secret when any component
+#   * contains, with separators removed, one of SECRET_SUBSTRINGS (secret, password, passwd,
+#     passphrase, credential, apikey, accesskey, privatekey, authtoken, ...); or
+#   * has a word in SECRET_WORDS (key, keys, auth, private, pwd, creds, signature, sig, bearer, ...);
+#   * or has the word "token" (singular) and no COUNTING_WORDS word (max, min, num, per, count, id,
+#     eos, pad, ...) in the same component.
+# Plural "tokens" names a count (max_tokens, shared_prefix_min_tokens, tokens_per_s) and is kept;
+# `api_token`, `hf_token`, `auth_token`, `HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `password` are secret.
+
+SECRET_SUBSTRINGS = ("secret", "password", "passwd", "passphrase", "credential", "apikey", "accesskey",
+                     "privatekey", "authtoken", "accesstoken", "sessiontoken", "securitytoken")
+SECRET_WORDS = frozenset({"key", "keys", "auth", "private", "pwd", "creds", "signature", "sig", "bearer",
+                          "cookie", "authorization", "authentication"})
+COUNTING_WORDS = frozenset({"max", "min", "num", "n", "per", "count", "counts", "id", "ids", "len", "length",
+                            "limit", "budget", "level", "type", "eos", "bos", "pad", "unk", "sep", "cls",
+                            "mask", "special"})
+_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+_QUERY_PARAM = re.compile(r"(?P<head>[?&;](?P<name>[^=&#;\s]+)=)(?P<value>[^&#;\s]*)")
+# environment values shorter than this are not scrubbed from text (too likely to occur by chance)
+MIN_ENV_SECRET_CHARS = 8
+
+
+def _component_is_secret(component: str) -> bool:
+    squashed = re.sub(r"[^a-z0-9]", "", component.lower())
+    if any(s in squashed for s in SECRET_SUBSTRINGS):
+        return True
+    words = {w.lower() for w in _WORD.findall(component)}
+    if words & SECRET_WORDS:
+        return True
+    return "token" in words and not (words & COUNTING_WORDS)
+
+
+def is_secret_name(name: str) -> bool:
+    """True when a key/env-var/parameter name looks like it holds a credential (rule above)."""
+    return any(_component_is_secret(part) for part in re.split(r"[./]", str(name)) if part)
+
+
+# ------------------------------------------------------------------------------------- free text
+
+def redact_text(text: str) -> str:
+    """Scrub credentials embedded in URIs from free text (config values, error messages): the userinfo
+    and the values of secret-named query parameters."""
+    text = redact_uri(text)
+    return _QUERY_PARAM.sub(
+        lambda m: m.group("head") + (REDACTED if is_secret_name(m.group("name")) else m.group("value")), text)
+
+
+def redact_environment_values(text: str, environ: Mapping[str, str] | None = None) -> str:
+    """`text` with the value of every secret-named environment variable (`AWS_SECRET_ACCESS_KEY`,
+    `HF_TOKEN`, ...) of at least MIN_ENV_SECRET_CHARS characters replaced by `***`."""
+    text = str(text)
+    env = os.environ if environ is None else environ
+    values = sorted({v for k, v in env.items() if v and len(v) >= MIN_ENV_SECRET_CHARS and is_secret_name(k)},
+                    key=len, reverse=True)  # longest first: a value that contains another is removed whole
+    for value in values:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def redact_message(text: str) -> str:
+    """An error message or log line made safe: `redact_text` and `redact_environment_values`."""
+    return redact_environment_values(redact_text(text))
+
+
+# ----------------------------------------------------------------------------------------- dicts
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, Mapping):
+        return redact(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact_value(v) for v in value)
+    return value
+
+
+def redact(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `mapping` (same key order) safe to log: values of secret-looking keys become "***"
+    (whole sub-trees for a secret section name), every other string value is scrubbed of URI
+    credentials; nested mappings and lists are handled recursively."""
+    return {k: (REDACTED if is_secret_name(str(k)) else _redact_value(v)) for k, v in mapping.items()}
+
+
+def redact_override(item: str) -> str:
+    """A `key=value` dotlist override safe to log: the value hidden when the key is secret, else scrubbed."""
+    key, sep, value = str(item).partition("=")
+    if not sep:
+        return redact_text(key)
+    return f"{key}={REDACTED if is_secret_name(key) else redact_text(value)}"

@@ -1,0 +1,194 @@
+"""Credentials inside URIs: one redactor (`rl_core.redact`), refused in config URI fields, never in output.
+
+Covers the rule on the tricky cases, the config refusal (its message names the key and where credentials
+go, without echoing them), and storage messages built by the real code paths with a credentialed URI or
+endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from infra.storage import CheckpointStore, CheckpointUploadError
+from rl_core.config import ConfigError, load_config
+from rl_core.config.loader import config_from_dict
+from rl_core.redact import has_userinfo, redact, redact_environment_values, redact_message, redact_uri
+
+ROOT = Path(__file__).resolve().parents[1]
+ARITH = ROOT / "recipes" / "arithmetic.py"
+SECRET = "se/cr#et?x"  # "/", "#", "?": each broke one of the two redactors this module replaced
+
+
+# -------------------------------------------------------------------------------------- redact_uri
+
+@pytest.mark.parametrize("text, expected", [
+    ("s3://AK:se/cr#et?x@bucket/p", "s3://***@bucket/p"),  # "/", "#", "?" in the password
+    ("https://TOKEN@host/x", "https://***@host/x"),  # a bare token is userinfo too
+    ("https://u:p@h:5000", "https://***@h:5000"),
+    ("s3://AK:p@ss:w/d@bucket/p", "s3://***@bucket/p"),  # "@" and ":" in the password
+    ("http://u:pw@127.0.0.1:5000/api/2.0", "http://***@127.0.0.1:5000/api/2.0"),
+    ("upload to s3://AK:a/b@bkt/run failed; tracking at https://tok@mlflow.example/x (retrying)",
+     "upload to s3://***@bkt/run failed; tracking at https://***@mlflow.example/x (retrying)"),  # two URIs
+    ("s3://a:b/c@x/p,https://t@y/q", "s3://***@x/p,https://***@y/q"),  # two URIs, no space between
+    ('Could not connect to the endpoint URL: "http://u:s3cr/t@127.0.0.1:9/b/k"',
+     'Could not connect to the endpoint URL: "http://***@127.0.0.1:9/b/k"'),
+    ("remote_uri='s3://AK:x/y@b/p': bad", "remote_uri='s3://***@b/p': bad"),
+    ("https://TOKEN@host/path@ref", "https://***@host/path@ref"),
+])
+def test_redact_uri_removes_userinfo(text, expected):
+    assert redact_uri(text) == expected
+    assert has_userinfo(text)
+
+
+@pytest.mark.parametrize("text", [
+    "s3://bucket/prefix",
+    "https://host:8080/path s3://bucket/prefix",
+    "http://127.0.0.1:5000",
+    "sqlite:////tmp/runs@2/mlflow.db",
+    "hf://datasets/org/name@main",  # an "@" in the path is a revision, not userinfo
+    "git+https://github.com/org/repo@v1.2",
+    "https://host/x?email=a@b.com",
+    "no uri here: user:pass@host",
+    "",
+])
+def test_redact_uri_leaves_uris_without_credentials_unchanged(text):
+    assert redact_uri(text) == text
+    assert not has_userinfo(text)
+
+
+def test_key_names_and_environment_values_are_redacted_too():
+    assert redact({"hf_token": "x", "rollout.max_tokens": 4, "uri": "s3://AK:s/k@b/p"}) == \
+        {"hf_token": "***", "rollout.max_tokens": 4, "uri": "s3://***@b/p"}
+    env = {"AWS_SECRET_ACCESS_KEY": "abc/DEF+ghi123", "HOME": "/home/someone-long", "HF_TOKEN": "short"}
+    assert redact_environment_values("key abc/DEF+ghi123 in /home/someone-long", env) == \
+        "key *** in /home/someone-long"
+
+
+# ------------------------------------------------------------------------- refused in the config
+
+@pytest.mark.parametrize("key, uri, where", [
+    ("tracking.checkpoint_uri", f"s3://AKIAEXAMPLE:{SECRET}@bucket/run", "AWS_SECRET_ACCESS_KEY"),
+    ("tracking.checkpoint_uri", "s3://TOKEN0123456789@bucket/run", "AWS_PROFILE"),
+    ("tracking.mlflow_uri", f"https://user:{SECRET}@mlflow.example:5000", "MLFLOW_TRACKING_PASSWORD"),
+    ("tracking.mlflow_uri", "https://TOKEN0123456789@mlflow.example", "MLFLOW_TRACKING_USERNAME"),
+])
+def test_credentials_in_uri_fields_are_refused_without_echoing_them(key, uri, where, tmp_path):
+    secret = SECRET if SECRET in uri else "TOKEN0123456789"
+    with pytest.raises(ConfigError) as info:  # a dotlist override
+        load_config(ARITH, [f"{key}={uri}"])
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{key}=") and "credentials in the URI are refused" in problem
+    assert where in problem
+    assert secret not in str(info.value)
+
+    section, field = key.split(".")
+    with pytest.raises(ConfigError) as info:  # a resolved YAML file (e.g. an old run's config_resolved.yaml)
+        path = tmp_path / "config_resolved.yaml"
+        path.write_text(yaml.safe_dump({section: {field: uri}}))
+        load_config(path)
+    assert secret not in str(info.value) and key in str(info.value)
+
+    with pytest.raises(ConfigError) as info:  # a config handed over as data (Ray workers)
+        config_from_dict({section: {field: uri}})
+    assert secret not in str(info.value)
+
+    cfg = load_config(ARITH)
+    with pytest.raises(ValueError) as info:  # a recipe assigning it: pydantic's own message
+        setattr(cfg.tracking, field, uri)
+    assert secret not in str(info.value) and "credentials in the URI are refused" in str(info.value)
+
+
+def test_uris_without_credentials_still_load():
+    cfg = load_config(ARITH, ["tracking.checkpoint_uri=s3://bucket/run", "tracking.mlflow_uri=http://127.0.0.1:5000"])
+    assert cfg.tracking.checkpoint_uri == "s3://bucket/run"
+
+
+def test_cli_validate_refuses_a_credentialed_uri_without_printing_it():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", "recipes/arithmetic.py", "--",
+                          f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/run"],
+                         capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 1
+    assert "tracking.checkpoint_uri='s3://***@bucket/run'" in out.stderr
+    assert SECRET not in out.stdout + out.stderr and "AKIAEXAMPLE" not in out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------- storage
+
+def test_checkpoint_store_refuses_a_credentialed_remote_uri(tmp_path):
+    with pytest.raises(ValueError) as info:
+        CheckpointStore(tmp_path, remote_uri=f"s3://AKIAEXAMPLE:{SECRET}@bucket/run")
+    assert "s3://***@bucket/run" in str(info.value) and "AWS_ACCESS_KEY_ID" in str(info.value)
+    assert SECRET not in str(info.value)
+
+
+@pytest.fixture
+def no_aws(monkeypatch, tmp_path):
+    """Dummy credentials only, no profile or config file; botocore does not retry by itself."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-key-0123")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+
+
+@pytest.mark.parametrize("endpoint_secret", ["pa55w0rd-0123", "TOKEN-4567-abcd"])
+def test_storage_error_with_a_credentialed_endpoint_hides_the_secret(no_aws, tmp_path, caplog, endpoint_secret):
+    """botocore quotes the endpoint URL, userinfo included, in its connection error: through the real
+    upload path (CheckpointStore against a closed loopback port) neither the error nor a log line holds it."""
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    userinfo = f"user:{endpoint_secret}" if endpoint_secret.startswith("pa") else endpoint_secret
+    store = CheckpointStore(tmp_path / "ckpt", remote_uri="s3://bucket/run",
+                            endpoint_url=f"http://{userinfo}@127.0.0.1:{port}", retry_budget_s=0.5,
+                            retry_base_delay_s=0.05, retry_max_delay_s=0.1)
+    with caplog.at_level(logging.DEBUG, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
+        store.save(1, {"s": {"w": torch.zeros(2)}}, {})
+    err = info.value
+    assert f"http://***@127.0.0.1:{port}" in str(err)  # still says where it failed
+    assert "transient errors are retried" in str(err)
+    text = str(err) + "".join(traceback.format_exception(err)) + caplog.text
+    assert endpoint_secret not in text
+    assert len([r for r in caplog.records if " failed (attempt " in r.getMessage()]) >= 2
+
+
+def test_redact_message_scrubs_uris_and_secret_environment_values(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG")
+    text = 'SignatureDoesNotMatch for key wJalrXUtnFEMI/K7MDENG at "https://t0ken@s3.example/b"'
+    assert redact_message(text) == 'SignatureDoesNotMatch for key *** at "https://***@s3.example/b"'
+
+
+# ------------------------------------------------------------------------------ $MLFLOW_TRACKING_URI
+
+class PrintingClient:
+    """Prints what MlflowClient.set_terminated prints for a server run (its tracking URI, credentials and all)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    def set_terminated(self, run_id, status):
+        print(f"🏃 View run nightly at: {self.uri}/#/experiments/1/runs/{run_id}")
+
+
+def test_terminating_a_run_prints_the_tracking_uri_scrubbed(capsys):
+    """What MLflow prints on set_terminated (RunTracker.finish and the regression flow, whose prints are logged)
+    names the server without the token of a credentialed $MLFLOW_TRACKING_URI."""
+    from infra.tracking import set_terminated
+
+    set_terminated(PrintingClient("https://TOKEN0123456789@mlflow.example"), "abc", "FINISHED")
+    out = capsys.readouterr().out
+    assert "View run nightly at: https://***@mlflow.example/#/experiments/1/runs/abc" in out
+    assert "TOKEN0123456789" not in out
