@@ -168,7 +168,9 @@ def wait_for_flow_run(url: str, flow_run_id: str, timeout: float = 420):
 def services(tmp_path_factory):
     svc = Services.at(tmp_path_factory.mktemp("services"))
     env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
-                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
+                 # the run tests write to their own tmp job.out_dir: the operator allows it for every deployment
+                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
+                             "POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"})
     _AUTH[env["PREFECT_API_URL"]] = env["PREFECT_API_AUTH_STRING"]
     try:
         yield svc, env
@@ -407,6 +409,23 @@ def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, clie
 
 
 @pytest.mark.slow
+def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(services, deployed, client_env, tmp_path):
+    """The attack of the audit: `recipe=/any/file.py` through the API. The run fails in the guard, naming the
+    parameter, and the file never runs."""
+    evil = tmp_path / "evil.py"
+    marker = tmp_path / "pwned"
+    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    _, env = services
+    out = prefect(client_env, "deployment", "run", "grpo/arithmetic", "--param", f"recipe={evil}")
+    assert UUID.search(out.stdout), out.stdout[-2000:] + out.stderr[-2000:]
+    flow_run_id = UUID.search(out.stdout).group(0)
+    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id, timeout=300)
+    assert run.state.type.value == "FAILED"
+    assert "recipes under" in (run.state.message or "") or "recipes under" in str(run.state)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
 def test_down_stops_exactly_the_service_processes(services):
     import psutil
 
@@ -474,23 +493,6 @@ def test_deployment_parameters_run_project_recipes_only_and_no_unsafe_overrides(
     assert [p.split(":")[0] for p in problems] == ["override model.trust_remote_code", "override job.out_dir",
                                                  "override job.overwrite"]
     assert deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=True) == []
-
-
-@pytest.mark.slow
-def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(services, deployed, client_env, tmp_path):
-    """The attack of the audit: `recipe=/any/file.py` through the API. The run fails in the guard, naming the
-    parameter, and the file never runs."""
-    evil = tmp_path / "evil.py"
-    marker = tmp_path / "pwned"
-    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
-    _, env = services
-    out = prefect(client_env, "deployment", "run", "grpo/arithmetic", "--param", f"recipe={evil}",
-                  "--param", 'overrides=["job.overwrite=true"]')
-    flow_run_id = UUID.search(out.stdout).group(0)
-    run = wait_for_flow_run(env["PREFECT_API_URL"], flow_run_id, timeout=300)
-    assert run.state.type.value == "FAILED"
-    assert "recipes under" in (run.state.message or "") or "recipes under" in str(run.state)
-    assert not marker.exists()
 
 
 @pytest.mark.parametrize("user_value, expected", [(None, 180), ("45", 45)])
