@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from infra.storage import CheckpointStore, checkpoint_step
+from infra.storage import CheckpointStore, checkpoint_step, fsync_dir, write_durably
 from rl_core.config import ConfigError, PosttrainConfig, flatten
 from rl_core.config.loader import config_dict
 
@@ -103,6 +103,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         import fcntl
         import os
+        import socket
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
@@ -116,7 +117,7 @@ class RunLock:
                             f"(lock {self.path}); wait for it to finish, or pick another job.name") from None
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()} on {__import__('socket').gethostname()}\n")
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         fh.flush()
         self._fh = fh
         return self
@@ -136,8 +137,6 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
 
 
 def write_run_state(run_dir: Path, state: dict[str, Any]) -> None:
-    from infra.tracking import fsync_dir, write_durably
-
     path = run_dir / RUN_STATE
     tmp = path.with_suffix(".json.tmp")
     write_durably(tmp, json.dumps(state, indent=2, sort_keys=True))

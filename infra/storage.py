@@ -284,7 +284,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that a rename or a new file inside it survives a crash."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
@@ -292,12 +293,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    data = json.dumps(obj, indent=1, ensure_ascii=False).encode()
+def write_durably(path: Path, data: bytes | str) -> None:
+    """Write `data` to `path` and fsync it (a rename after this publishes complete contents only)."""
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    write_durably(path, json.dumps(obj, indent=1, ensure_ascii=False))
 
 
 def step_dir_name(step: int) -> str:
@@ -482,7 +487,7 @@ class CheckpointStore:
             manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step,
                         "parts": list(parts), "created_unix": time.time(), "files": files}
             _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the checkpoint complete
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             self._move_into_place(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -574,7 +579,7 @@ class CheckpointStore:
             old = final.parent / f"{TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -750,7 +755,7 @@ class CheckpointStore:
             manifest_file = tmp / MANIFEST
             manifest_file.write_bytes(body)
             _fsync_file(manifest_file)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             verify_checkpoint(tmp)  # sizes and sha256 of what arrived
             self._move_into_place(tmp, self.path_for(step))
         except _S3Failure as exc:

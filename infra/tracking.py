@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
+from infra.storage import fsync_dir, write_durably
 from rl_core.redact import redact, redact_override, redact_text
 
 log = logging.getLogger("posttrain.tracking")
@@ -92,28 +93,6 @@ class MetricsLog:
         write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
-
-
-def write_durably(path: Path, text: str) -> None:
-    """Write `text` to `path` and fsync it (a rename after this publishes complete contents only)."""
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so a rename inside it survives a power cut (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def last_values(records: Iterable[dict[str, Any]], key: str) -> list[tuple[int, float]]:

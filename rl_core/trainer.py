@@ -1,4 +1,4 @@
-"""The accumulating trainer (SPEC.md §4): micro-batches, data-parallel sums, one normalisation per step.
+"""The accumulating trainer (docs/objectives.md): micro-batches, data-parallel sums, one normalisation per step.
 
 One `train_step(batch, micro_batch_size, mini_batch_size=None)` trains on one collected batch:
 

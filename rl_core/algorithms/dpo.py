@@ -1,4 +1,4 @@
-"""Direct preference optimisation (DPO): config -> Objective (SPEC.md §6, on the §4 contract).
+"""Direct preference optimisation (DPO): config -> Objective (docs/objectives.md).
 
 Offline: no rollout, no reward, no π_old. For a pair (x, y_w, y_l) with sequence log-probs
 `ℓ_w = Σ_t M ℓ_t` of the chosen and `ℓ_l` of the rejected response (sum over response tokens and

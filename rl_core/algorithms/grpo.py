@@ -1,4 +1,4 @@
-"""GRPO-family objective (GRPO, Dr-GRPO, GSPO, legacy PG): config -> Objective (SPEC.md §2–§4).
+"""GRPO-family objective (GRPO, Dr-GRPO, GSPO, legacy PG): config -> Objective (docs/objectives.md).
 
 Everything is selected from `rl` alone: the surrogate (`grpo_surrogate`), the ratio level
 (`importance_sampling_level`), the reduction (`loss_type`, fixed divisor from the context) and the

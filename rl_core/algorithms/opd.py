@@ -1,4 +1,4 @@
-"""On-policy distillation (OPD): config -> Objective (SPEC.md §6, on the §4 contract).
+"""On-policy distillation (OPD): config -> Objective (docs/objectives.md).
 
 The student samples, a frozen teacher scores the student's sampled tokens at the loss temperature,
 and the teacher's log-probs reach the trainer as a declared batch field, `Trajectory.teacher_logp

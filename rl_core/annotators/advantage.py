@@ -1,4 +1,4 @@
-"""Group-relative advantages (SPEC.md §1), computed on complete groups before dispatch.
+"""Group-relative advantages (docs/objectives.md), computed on complete groups before dispatch.
 
 The objective never derives group statistics from its local batch: dispatch may split a group
 across ranks and micro-batches, so the advantage is an annotation made here, on the whole batch.

@@ -1,4 +1,4 @@
-"""Shared-prefix loss mask (SPEC.md §1, `rl.shared_prefix_min_tokens`).
+"""Shared-prefix loss mask (docs/objectives.md).
 
 Inside one group, when two or more completions share a maximal common token prefix of at least
 `min_tokens` tokens and their rewards differ, the shared prefix tokens of those completions get loss

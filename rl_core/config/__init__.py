@@ -1,4 +1,4 @@
-"""Typed configuration: schema, recipes + dotlist loading, preflight (SPEC.md §5)."""
+"""Typed configuration: schema, recipes + dotlist loading, preflight (docs/config.md)."""
 
 from rl_core.config.loader import (
     ConfigError,

@@ -1,4 +1,4 @@
-"""Recipes, dotlist overrides, error reporting and the config identity (SPEC.md §5).
+"""Recipes, dotlist overrides, error reporting and the config identity (docs/config.md).
 
 `load_config(recipe_path, overrides)` is the one way a config is built from a recipe: the CLI, the flows
 and deployments call it, and the same recipe path and dotlist always rebuild the identical config. Ray actors do not re-run a recipe:

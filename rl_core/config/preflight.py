@@ -1,4 +1,4 @@
-"""Preflight (SPEC.md §5): cross-field rules checked before any placement or model construction.
+"""Preflight (docs/config.md): cross-field rules checked before any placement or model construction.
 
 Errors: the temperature contract, knobs that the selected objective never reads set to non-default
 values, group size, batch divisibility. Warnings: knobs that are honoured but inert or risky; each

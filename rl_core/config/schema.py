@@ -1,4 +1,4 @@
-"""The typed configuration tree (SPEC.md §5).
+"""The typed configuration tree (docs/config.md).
 
 One owner and one default per value: every field below is declared exactly once, with its default
 and a one-line description. Models are strict (no coercion: a bool is not a number, 1.5 is not an

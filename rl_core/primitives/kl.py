@@ -1,4 +1,4 @@
-"""Per-token KL estimators for the KL anchor to the reference (SPEC.md §2.4): pure tensor functions."""
+"""Per-token KL estimators for the KL anchor to the reference (docs/objectives.md): pure tensor functions."""
 
 from __future__ import annotations
 

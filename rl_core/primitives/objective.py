@@ -1,4 +1,4 @@
-"""The Objective contract (SPEC.md §4): what an algorithm hands the trainer.
+"""The Objective contract (docs/objectives.md): what an algorithm hands the trainer.
 
 ```
 Objective(fn, reduction, metric_adapter, old_logp_cache=None, reference_scorer=None, identity={})

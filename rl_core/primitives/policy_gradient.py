@@ -1,4 +1,4 @@
-"""Policy-gradient surrogates and their reductions (SPEC.md §2.1–§2.3, §3): pure tensor functions.
+"""Policy-gradient surrogates and their reductions (docs/objectives.md): pure tensor functions.
 
 Shapes: `B` completions, `T` token positions. `logp`, `old_logp`, `mask` are `[B, T]` (mask float or
 bool, 1 on loss tokens); `advantages` are `[B]` (one per completion) or `[B, T]` (per token).
