@@ -105,6 +105,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
     # the preflight plan again, with the data's real lengths: its sequence (prompt + max_tokens) = the widest pair
     check_memory(cfg, max(max_model_len - 2 * cfg.rollout.max_tokens, 1))
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
+    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
 
     step = run.start_step
     with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:
@@ -122,11 +123,13 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
             run.log(record, bar)
 
         def evaluate() -> dict:
-            out = evaluate_pairs_task(cluster, val_pairs)
+            out = evaluate_pairs_task.with_options(**retry)(cluster, val_pairs)
             if val_examples:
-                out.update(evaluate_task(cluster.engines, tokenizer, val_examples, cfg.data, cfg.rollout.max_tokens))
+                out.update(evaluate_task.with_options(**retry)(cluster.engines, tokenizer, val_examples, cfg.data,
+                                                               cfg.rollout.max_tokens))
             return out
 
+        run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate(), "perf/reference_s": reference_s})
@@ -149,14 +152,9 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
                     version = step
                     record.update(sync_task(cluster, version))
                     record["perf/sync_s"] = time.perf_counter() - t
-                    t = time.perf_counter()
-                    record.update(evaluate())
-                    record["perf/evaluate_s"] = time.perf_counter() - t
                 step_s = time.perf_counter() - t_step
                 record.update({"perf/step_s": step_s,
                                "perf/tokens_per_s": float(batch.loss_mask.sum()) / step_s,
                                "perf/policy_version": version})
-                if run.due(cfg.rl.save_every, step):
-                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, sampler, version, record)
-                log(record)
+                run.end_step(cluster, step, sampler, version, record, evaluate, bar)
         return run.finish(cluster, step, logger.info)

@@ -80,8 +80,10 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             run.log(record, bar)
 
         def evaluate() -> dict:
-            return evaluate_task(engines, role.tokenizer, role.val, cfg.data, cfg.rollout.max_tokens)
+            return evaluate_task.with_options(**retry)(engines, role.tokenizer, role.val, cfg.data,
+                                                       cfg.rollout.max_tokens)
 
+        run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate()})
@@ -127,14 +129,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 # orchestration overhead: step wall time not spent sampling or in forward/backward
                 record["perf/overhead_s"] = step_s - record["perf/generate_s"] - max(
                     m["perf/train_compute_s"] for m in per_rank)
-                if run.due(cfg.rl.validation.every_steps, step):
-                    t = time.perf_counter()
-                    record.update(evaluate())
-                    timer.lap("evaluate", t)
-                    record["perf/evaluate_s"] = timer.laps["perf/evaluate_s"]
-                if run.due(cfg.rl.save_every, step):
-                    record["perf/checkpoint_s"] = run.checkpoint(cluster, step, role.sampler, version, record)
-                log(record)
+                run.end_step(cluster, step, role.sampler, version, record, evaluate, bar)
         return run.finish(cluster, step, logger.info)
 
 

@@ -200,6 +200,7 @@ class TrainingRun:
             cluster.load_trainer_parts(parts)
             sampler.load_state_dict(parts["driver"]["sampler"])
             version = int(parts["driver"]["policy_version"])
+            self._evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
             self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
         self.record_placement(cluster)
         cluster.sync_weights(version)
@@ -214,11 +215,48 @@ class TrainingRun:
         """Cadence: every `every` steps (0: never) and always at the last step."""
         return bool(every and step % every == 0) or step == self.cfg.rl.max_steps
 
-    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int, record: dict) -> float:
+    def end_step(self, cluster: Any, step: int, sampler: Any, version: int, record: dict,
+                 evaluate: Callable[[], dict], bar: Any) -> None:
+        """The end of a step, in this order: the checkpoint (when due), the evaluation (when due), the metrics line.
+
+        The checkpoint comes first so that an evaluation that fails (after its task retries) or is killed
+        never costs the step's training; a run resumed from that checkpoint finishes the evaluation it was
+        waiting for (`finish_pending_evaluation`).
+        """
+        evaluating = self.due(self.cfg.rl.validation.every_steps, step)
+        if self.due(self.cfg.rl.save_every, step):
+            record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler, version, record,
+                                                          evaluation_due=evaluating)
+        if evaluating:
+            t = time.perf_counter()
+            record.update(evaluate())
+            record["perf/evaluate_s"] = time.perf_counter() - t
+        self.log(record, bar)
+
+    def finish_pending_evaluation(self, evaluate: Callable[[], dict], announce: Callable[..., None]) -> None:
+        """After `restore`: when the checkpoint's step was due for evaluation and its metrics line has none (the
+        run stopped during it), evaluate now (the engines hold exactly that step's weights) and complete the line."""
+        if not getattr(self, "_evaluation_pending", False):
+            return
+        self._evaluation_pending = False
+        records = self.metrics_log.read()
+        if not records or records[-1].get("step") != self.start_step or any(k.startswith("val/") for k in records[-1]):
+            return
+        announce("step %d was checkpointed but its evaluation did not finish; evaluating it now", self.start_step)
+        t = time.perf_counter()
+        records[-1].update(evaluate())
+        records[-1]["perf/evaluate_s"] = time.perf_counter() - t
+        self.metrics_log.replace(records)
+        self.tracker.log_metrics(records[-1], step=self.start_step)
+
+    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int, record: dict, *,
+                   evaluation_due: bool = False) -> float:
         """Save the trainer parts and the driver's state (sampler cursor, policy version, the metrics.jsonl
-        lines up to this step: those logged and `record`, this step's, still to be logged); returns seconds."""
+        lines up to this step: those logged and `record`, this step's, still to be logged; whether the step's
+        evaluation is still to run); returns seconds."""
         t = time.perf_counter()
         driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step,
+                  "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
         return time.perf_counter() - t

@@ -78,6 +78,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, verified or loaded; the message says what to do."""
 
 
+class CheckpointUnavailable(CheckpointError):
+    """The remote store could not be reached (transient errors past the retry budget); nothing is damaged."""
+
+
 class CheckpointUploadError(CheckpointError):
     """The upload to S3 failed after all retries; `local_path` is the intact local checkpoint."""
 
@@ -536,20 +540,47 @@ class CheckpointStore:
         return [p for p in self._step_dirs() if self._is_valid(p)]
 
     def latest_valid(self, prefer_remote_if_local_missing: bool = True) -> Path | None:
-        """The newest valid local checkpoint; if there is none and a remote is configured (and
-        `prefer_remote_if_local_missing`), the newest remote checkpoint that downloads and verifies,
-        restored into `root`. None when there is no checkpoint anywhere."""
-        for path in reversed(self._step_dirs()):
-            if self._is_valid(path):
-                return path
-        if self.bucket is None or not prefer_remote_if_local_missing:
-            return None
-        for step in reversed(self.list_remote()):
+        """The newest checkpoint that verifies, local or remote; None when there is none anywhere.
+
+        With a remote configured (and `prefer_remote_if_local_missing`), local and remote steps are
+        considered together, newest first: a step whose local copy is missing or damaged (a truncated
+        file, a crash mid-copy) is restored from its remote copy instead of falling back to an older
+        step, whose next save would overwrite the intact remote one. A remote copy that is itself
+        damaged is skipped with a warning naming it. When the remote cannot be listed or a download
+        fails for a transient reason (the endpoint down past the retry budget), this raises
+        CheckpointUnavailable rather than silently resuming from an older step. Every step passed over
+        is logged as a warning.
+        """
+        local = self._step_dirs()
+        valid = {checkpoint_step(p): p for p in local if self._is_valid(p)}
+        damaged = sorted(checkpoint_step(p) for p in local if checkpoint_step(p) not in valid)
+        remote: list[int] = []
+        if self.bucket is not None and prefer_remote_if_local_missing:
+            remote = self.list_remote()  # raises CheckpointUnavailable when the endpoint stays down
+        skipped: list[str] = []
+        for step in sorted(set(valid) | set(remote), reverse=True):
+            if step in valid:
+                chosen = valid[step]
+                break
             try:
-                return self.download(step)
+                chosen = self.download(step)
+                break
+            except CheckpointUnavailable as exc:
+                raise CheckpointUnavailable(redact_message(
+                    f"checkpoint step {step} is on {self.remote_uri} but could not be downloaded: {exc}. Not resuming "
+                    f"from an older step (its next save would overwrite step {step}); retry when the endpoint "
+                    f"(AWS_ENDPOINT_URL) is reachable")) from None
             except CheckpointError as exc:
-                log.warning("skipping remote checkpoint step %d: %s", step, redact_message(str(exc)))
-        return None
+                skipped.append(f"step {step} (remote copy damaged: {redact_message(str(exc))})")
+        else:
+            chosen = None
+        newest_chosen = checkpoint_step(chosen) if chosen is not None else -1
+        skipped += [f"step {s} (local copy damaged, no remote copy)" for s in damaged
+                    if s > newest_chosen and s not in remote]
+        if skipped:
+            log.warning("resuming from %s, passing over newer %s",
+                        f"step {newest_chosen}" if chosen is not None else "the start", "; ".join(skipped))
+        return chosen
 
     def _step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -629,8 +660,11 @@ class CheckpointStore:
                 if not is_transient_s3_error(exc):
                     log.warning("%s failed (attempt %d): %s; not retried: not a transient error", what, attempt,
                                 reason)
+                    error = _client_error(exc)
+                    code = str(error.response.get("Error", {}).get("Code", "")) if error is not None else ""
                     raise _S3Failure(what, attempt, reason,
-                                     f"not retried: this error is not transient; {s3_error_fix(exc)}") from None
+                                     f"not retried: this error is not transient; {s3_error_fix(exc)}",
+                                     missing=code in ("NoSuchKey", "404")) from None
                 now = time.monotonic()
                 capped = self.upload_attempts is not None and attempt >= self.upload_attempts
                 if now >= deadline or capped:
@@ -714,7 +748,7 @@ class CheckpointStore:
         try:
             all_keys = self._retry(f"list s3://{self.bucket}/{base}", list_all)
         except _S3Failure as exc:
-            raise CheckpointError(redact_message(f"listing {self.remote_uri} failed: {exc}; check AWS_ENDPOINT_URL, "
+            raise CheckpointUnavailable(redact_message(f"listing {self.remote_uri} failed: {exc}; check AWS_ENDPOINT_URL, "
                                                  f"the bucket and the credentials in the environment")) from None
         for key in all_keys:
             rest = key[len(base):].split("/")
@@ -760,7 +794,10 @@ class CheckpointStore:
             self._move_into_place(tmp, self.path_for(step))
         except _S3Failure as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(redact_message(f"downloading {remote} failed: {exc}")) from None
+            # an object missing from a listed step is damage (skip the step); anything else (the endpoint
+            # down past the budget, credentials) says nothing about the checkpoint
+            error = CheckpointError if exc.missing else CheckpointUnavailable
+            raise error(redact_message(f"downloading {remote} failed: {exc}")) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -900,7 +937,11 @@ def _budget_from_env() -> float:
 
 
 class _S3Failure(Exception):
-    def __init__(self, what: str, attempts: int, reason: str, note: str = ""):
+    """An S3 call that failed for good; `missing`: the object does not exist (NoSuchKey / 404), as opposed to
+    an endpoint, credential or bucket problem."""
+
+    def __init__(self, what: str, attempts: int, reason: str, note: str = "", missing: bool = False):
+        self.missing = missing
         tries = f"after {attempts} attempt{'s' if attempts > 1 else ''}"
         super().__init__(redact_message(f"{what}: {reason} ({tries}{'; ' + note if note else ''})"))
 

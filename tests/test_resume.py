@@ -756,6 +756,87 @@ def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
     assert new_pid != killed["pid"]
 
 
+def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_it(cwd, monkeypatch):
+    """Evaluation fails at step 2 on every try (1 retry): step 2's checkpoint is already written, so nothing is
+    lost; the resumed run does not train step 2 again, it evaluates it (with step 2's weights) and completes the
+    step's metrics line."""
+    import tasks.evaluate
+    from rl_core.evaluation import evaluate_accuracy
+
+    calls = {"failed": 0, "ran": 0}
+
+    def broken(*args, **kwargs):
+        calls["failed"] += 1
+        raise RuntimeError("injected evaluation failure")
+
+    def counted(*args, **kwargs):
+        calls["ran"] += 1
+        return evaluate_accuracy(*args, **kwargs)
+
+    run_dir = cwd / "runs" / "evalfail"
+    common = ["job.name=evalfail", "rl.max_steps=2", "rl.save_every=2", "rl.validation.every_steps=2",
+              "rl.validation.before_training=false", "job.task_retries=1", "job.retry_delay_s=0"]
+    monkeypatch.setattr(tasks.evaluate, "evaluate_accuracy", broken)
+    with pytest.raises(Exception, match="injected evaluation failure"):
+        run_flow(*common)
+    assert calls["failed"] == 2  # the try and its retry
+    assert checkpoint_steps(run_dir) == [2]  # written before the evaluation
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+
+    monkeypatch.setattr(tasks.evaluate, "evaluate_accuracy", counted)
+    result = run_flow(*common, "rl.resume=must")
+    assert result["step"] == 2 and calls["ran"] == 1
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert "train/loss" in records[1] and "val/accuracy" in records[1] and "perf/evaluate_s" in records[1]
+    history = mlflow_client(cwd).get_metric_history(result["mlflow_run_id"], "val/accuracy")
+    assert [(m.step, m.value) for m in history] == [(2, records[1]["val/accuracy"])]
+
+
+TEARDOWN_SCRIPT = """
+import ray
+from infra.cluster import Cluster
+from rl_core.config import load_config
+
+class Actor:
+    def shutdown(self):
+        pass
+
+ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False, log_to_driver=False)
+cluster = Cluster(load_config(RECIPE, []))
+dead, alive = ray.remote(Actor).remote(), ray.remote(Actor).remote()
+ray.get([dead.shutdown.remote(), alive.shutdown.remote()])
+ray.kill(dead, no_restart=True)
+cluster.workers, cluster.engine_actors, cluster.started_ray = [dead], [alive], True
+ray.shutdown()  # Ray is gone before the teardown
+try:
+    ray.kill(alive, no_restart=True)
+    raise SystemExit("ray.kill without Ray did not raise: this test no longer tests anything")
+except SystemExit:
+    raise
+except Exception:
+    pass
+cluster.__exit__(None, None, None)
+assert cluster.workers == [] and cluster.engine_actors == [] and cluster.engines is None
+assert not cluster.started_ray and not ray.is_initialized()
+print("teardown ok")
+"""
+
+
+def test_cluster_teardown_survives_dead_actors_and_a_ray_that_is_already_gone(tmp_path):
+    """A restart tears the old cluster down after an actor died, sometimes after Ray itself went away: every
+    clean-up call (shutdown.remote, ray.kill) then raises, and each is skipped so the rest still runs. In a
+    subprocess: it stops its own Ray, not the session's."""
+    from tests.conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    script = TEARDOWN_SCRIPT.replace("RECIPE", repr(recipe("arithmetic")))
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0 and "teardown ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
 def test_the_restart_budget_is_bounded_and_only_actor_deaths_restart():
     from ray.exceptions import ActorDiedError
 

@@ -39,6 +39,7 @@ from infra.storage import (
     S3_RETRY_BUDGET_S,
     CheckpointError,
     CheckpointStore,
+    CheckpointUnavailable,
     CheckpointUploadError,
     _S3Failure,
     flatten_state,
@@ -340,6 +341,85 @@ def test_s3_remote_checkpoint_with_bad_checksum_is_skipped_on_restore(s3, tmp_pa
     fresh = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run")
     assert fresh.latest_valid() == tmp_path / "b" / "step_00000001"
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["step_00000001"]  # nothing half-downloaded
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_s3_truncated_newest_local_copy_is_restored_from_its_intact_remote_copy(s3, tmp_path, caplog):
+    """The newest local checkpoint torn (a disk filled mid-copy): resume takes the same step from S3 rather than
+    falling back to an older step whose next save would overwrite the intact remote copy."""
+    store = CheckpointStore(tmp_path, keep=3, remote_uri=f"s3://{s3}/run")
+    store.save(1, {"s": small_state(1.0)}, {})
+    newest = store.save(2, {"s": small_state(2.0)}, {})
+    truncate(newest / "s.safetensors")
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"):
+        assert store.latest_valid() == newest
+    parts, _ = store.load(newest)
+    assert torch.equal(parts["s"]["weights"]["w"], torch.full((3, 4), 2.0))
+    assert store.list_remote() == [1, 2]
+    # local only: the torn step is passed over, and the log says which step and why
+    caplog.clear()
+    truncate(newest / "s.safetensors")
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"):
+        assert store.latest_valid(prefer_remote_if_local_missing=False) == tmp_path / "step_00000001"
+    assert "passing over newer step 2 (local copy damaged" in caplog.text
+
+
+def test_s3_remote_newer_than_local_wins(s3, tmp_path):
+    """A stale local directory (another machine went on and saved step 3 to S3): resume takes step 3."""
+    a = CheckpointStore(tmp_path / "a", remote_uri=f"s3://{s3}/run")
+    for step in (1, 2, 3):
+        a.save(step, {"s": small_state(float(step))}, {})
+    b = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run")
+    shutil.copytree(tmp_path / "a" / "step_00000001", tmp_path / "b" / "step_00000001")
+    assert b.latest_valid() == tmp_path / "b" / "step_00000003"
+
+
+def test_s3_unreachable_at_resume_never_falls_back_to_an_older_step(s3, tmp_path, monkeypatch):
+    """The newest local copy torn and the endpoint down: resume fails naming the step and the endpoint, instead of
+    resuming from step 1 (and later overwriting the intact step 2 on S3). Listing failures fail the same way."""
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run")
+    store.save(1, {"s": small_state(1.0)}, {})
+    newest = store.save(2, {"s": small_state(2.0)}, {})
+    truncate(newest / "s.safetensors")
+
+    class DownloadsFail:
+        def __init__(self, client):
+            self._client = client
+
+        def download_file(self, *args, **kwargs):
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+    down = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=DownloadsFail(boto3.client("s3")),
+                           retry_budget_s=0.3, retry_base_delay_s=0.05)
+    with pytest.raises(CheckpointUnavailable, match=r"step 2 is on s3://.*could not be downloaded.*Not resuming from "
+                                                    r"an older step"):
+        down.latest_valid()
+    assert not down._is_valid(newest)  # the torn copy was left as it was, not replaced by an older step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]  # no temp dir left
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    unlisted = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", retry_budget_s=0.3, retry_base_delay_s=0.05,
+                               endpoint_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(CheckpointUnavailable, match="listing s3://.* failed"):
+        unlisted.latest_valid()
+
+
+def test_s3_step_missing_an_object_is_passed_over_with_a_warning(s3, tmp_path, caplog):
+    a = CheckpointStore(tmp_path / "a", remote_uri=f"s3://{s3}/run")
+    a.save(1, {"s": small_state(1.0)}, {})
+    a.save(2, {"s": small_state(2.0)}, {})
+    boto3.client("s3").delete_object(Bucket=s3, Key="run/step_00000002/s.safetensors")
+    b = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run")
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"):
+        assert b.latest_valid() == tmp_path / "b" / "step_00000001"
+    assert "passing over newer step 2 (remote copy damaged" in caplog.text
 
 
 def test_s3_failed_uploads_are_retried_and_succeed(s3, tmp_path):

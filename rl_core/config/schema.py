@@ -30,7 +30,7 @@ class JobConfig(_Section):
     name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
     out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="The one seed behind data order, sampling and initialisation (< 2^32).")
-    task_retries: int = Field(2, ge=0, description="Retries of the rollout and reward tasks before the flow fails.")
+    task_retries: int = Field(2, ge=0, description="Retries of the rollout, reward and evaluation tasks before the flow fails.")
     retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
     overwrite: bool = Field(False, description="With rl.resume=off, delete an existing run directory instead of refusing.")
     max_restarts: int = Field(2, ge=0, le=100, description="Automatic restarts of a run whose Ray actor (trainer rank, engine, teacher) died: each resumes from the newest checkpoint; then the flow fails.")
