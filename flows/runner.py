@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from prefect.runtime import flow_run
 from infra.cluster import BUILDERS
 from infra.provenance import dvc_hashes
 from infra.resume import ResumePlan, RunLock, checkpoint_meta, checkpoint_prefix, plan_resume, write_run_state
-from infra.storage import CheckpointStore
+from infra.storage import CheckpointError, CheckpointStore
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
@@ -146,8 +147,9 @@ class TrainingRun:
     def _prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str], announce: Callable[[str], None],
                  lock: RunLock) -> TrainingRun:
         run_dir = Path(cfg.run_dir)
+        # uploads in the background: training goes on while S3 is slow or briefly down (`finish` waits for them)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                                remote_uri=checkpoint_prefix(cfg))
+                                remote_uri=checkpoint_prefix(cfg), background_upload=True)
         plan = plan_resume(cfg, store)
         config_path = write_resolved(cfg, run_dir)
         metrics_log = MetricsLog(run_dir / "metrics.jsonl")
@@ -166,8 +168,16 @@ class TrainingRun:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            # a failed run still finishes its last upload, so a restart or a resume elsewhere finds it on S3
+            self.store.flush()
+        except CheckpointError as error:
+            if exc[0] is None:
+                raise
+            logging.getLogger("posttrain").warning("%s", error)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     @property
     def start_step(self) -> int:
@@ -264,6 +274,7 @@ class TrainingRun:
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
         """Save the final model, log the curve and the model to MLflow; the flow's return value."""
         model_dir = save_model_task(cluster, self.run_dir / "final_model")
+        self.store.flush()  # every checkpoint is on S3 (or the failure is raised) before the run reports done
         self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")
         self.tracker.log_model_dir(model_dir)
         announce("run finished: %s (metrics: %s, MLflow run %s)", self.run_dir, self.metrics_log.path, self.run_id)

@@ -16,7 +16,9 @@ come from `safetensors.torch.load_file`, everything else from JSON, decoded into
 With `remote_uri="s3://bucket/prefix"` each completed checkpoint is uploaded to
 `prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files) and verified (size and
 sha256 of every object) before older checkpoints are pruned. A failed upload raises
-`CheckpointUploadError`; the local checkpoint and its predecessors stay.
+`CheckpointUploadError`; the local checkpoint and its predecessors stay. With `background_upload=True`
+(what training runs use) the upload runs in a thread, so training continues on local checkpoints
+while S3 is down, and the upload catches up when it is back; `flush()` waits for it.
 
 What is retried: transient S3 errors (connection errors, timeouts, 5xx, throttling/SlowDown,
 RequestTimeout) are retried with exponential backoff and jitter for up to S3_RETRY_BUDGET_S seconds
@@ -40,6 +42,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -413,6 +416,10 @@ class CheckpointStore:
       retry_base_delay_s / retry_max_delay_s: between tries it sleeps base * 2**i, capped at max, with
         jitter (a uniform draw from half of that to all of it), never past the budget.
       upload_attempts: an optional cap on the tries of one call (None: the budget alone decides).
+      background_upload: upload from a background thread, so `save` returns once the local checkpoint is
+        in place and training goes on while S3 is slow or briefly down. One upload runs at a time; a
+        checkpoint still waiting when a newer one is saved is skipped (the newer one supersedes it).
+        A background upload that fails for good is raised by the next `save` or by `flush()`.
       multipart_threshold / multipart_chunksize: files of at least the threshold are uploaded in
         parts of chunksize bytes (S3 requires parts of >= 5 MiB except the last).
     """
@@ -421,7 +428,7 @@ class CheckpointStore:
                  endpoint_url: str | None = None, upload_attempts: int | None = None,
                  retry_base_delay_s: float = 0.5, retry_max_delay_s: float = 30.0,
                  retry_budget_s: float | None = None, multipart_threshold: int = 64 * MiB,
-                 multipart_chunksize: int = 16 * MiB, max_concurrency: int = 4):
+                 multipart_chunksize: int = 16 * MiB, max_concurrency: int = 4, background_upload: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept (keep >= 1)")
         if upload_attempts is not None and int(upload_attempts) < 1:
@@ -445,6 +452,12 @@ class CheckpointStore:
         self.multipart_threshold = int(multipart_threshold)
         self.multipart_chunksize = int(multipart_chunksize)
         self.max_concurrency = int(max_concurrency)
+        self.background_upload = bool(background_upload) and self.bucket is not None
+        self._uploads = threading.Condition()
+        self._pending: Path | None = None  # the newest checkpoint waiting for the uploader
+        self._uploading: Path | None = None
+        self._upload_error: CheckpointUploadError | None = None
+        self._uploader: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------- local
 
@@ -472,9 +485,12 @@ class CheckpointStore:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"save: meta must be JSON-serialisable ({exc}); put tensors in parts") from exc
 
+        self._raise_upload_error()
+        final = self.path_for(step)
+        if final in (self._pending, self._uploading):  # a step rewritten while it is being uploaded
+            self.flush()
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp_dirs()
-        final = self.path_for(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -498,12 +514,73 @@ class CheckpointStore:
             raise
         log.info("checkpoint step %d written to %s", step, final)
 
-        if self.bucket is not None:
+        if self.background_upload:
+            self._queue_upload(final)
+        elif self.bucket is not None:
             # just written and hashed; raises CheckpointUploadError, and then nothing is pruned
             self.upload(final, verify_local=False)
             self._prune_remote()
         self._prune_local()
         return final
+
+    # --------------------------------------------------------------------------- background uploads
+
+    def _queue_upload(self, path: Path) -> None:
+        with self._uploads:
+            if self._pending is not None:
+                log.info("checkpoint %s not uploaded: superseded by %s before its upload started", self._pending.name,
+                         path.name)
+            self._pending = path
+            if self._uploader is None or not self._uploader.is_alive():
+                self._uploader = threading.Thread(target=self._upload_loop, name="checkpoint-upload", daemon=True)
+                self._uploader.start()
+            self._uploads.notify_all()
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._uploads:
+                if self._pending is None or self._upload_error is not None:
+                    self._uploader = None
+                    self._uploads.notify_all()
+                    return
+                path, self._pending, self._uploading = self._pending, None, self._pending
+            try:
+                self.upload(path, verify_local=False)
+                self._prune_remote()
+            except CheckpointUploadError as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - reported to the training thread, never lost
+                error = CheckpointUploadError(redact_message(f"uploading checkpoint {path} failed: "
+                                                             f"{type(exc).__name__}: {exc}"), local_path=path)
+            else:
+                error = None
+            with self._uploads:
+                self._uploading = None
+                if error is not None:
+                    log.warning("%s", error)
+                    self._upload_error = error
+                self._uploads.notify_all()
+
+    def _raise_upload_error(self) -> None:
+        with self._uploads:
+            error, self._upload_error = self._upload_error, None
+        if error is not None:
+            raise error
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the background upload (if any) to finish; raise CheckpointUploadError when it failed.
+
+        `timeout` (seconds; None: as long as it takes, which the retry budget bounds) raises
+        CheckpointUploadError when the upload is still running by then.
+        """
+        with self._uploads:
+            # done: nothing waiting or running, or the uploader stopped at a failure (raised below)
+            done = self._uploads.wait_for(lambda: self._uploading is None and (
+                self._pending is None or self._upload_error is not None), timeout)
+        if not done:
+            raise CheckpointUploadError(f"the upload of {self._uploading or self._pending} to {self.remote_uri} "
+                                        f"was still running after {timeout:g} s", local_path=self._uploading)
+        self._raise_upload_error()
 
     def load(self, path_or_step: int | str | Path) -> tuple[dict[str, Any], dict]:
         """`(parts, meta)` of a verified checkpoint (a step of this store, or a directory path).
@@ -620,8 +697,10 @@ class CheckpointStore:
         if len(complete) <= self.keep:
             return
         oldest_kept = checkpoint_step(complete[-self.keep])
+        with self._uploads:
+            busy = {self._pending, self._uploading}
         for path in dirs:
-            if checkpoint_step(path) < oldest_kept:
+            if checkpoint_step(path) < oldest_kept and path not in busy:
                 log.info("pruning local checkpoint %s (keep=%d)", path, self.keep)
                 doomed = path.parent / f"{TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(path, doomed)  # so a crash mid-delete leaves no half step dir
@@ -697,20 +776,30 @@ class CheckpointStore:
                                 max_concurrency=self.max_concurrency)
         files = dict(manifest["files"])
         files[MANIFEST] = {"size": (path / MANIFEST).stat().st_size, "sha256": _sha256_file(path / MANIFEST)}
-        order = sorted(n for n in files if n != MANIFEST) + [MANIFEST]
+        data_files = sorted(n for n in files if n != MANIFEST)
+
+        def put(name: str) -> None:
+            key = self._key(step, name)
+            extra = {"Metadata": {"sha256": files[name]["sha256"]}}
+            self._retry(f"upload {path / name} to s3://{self.bucket}/{key}", lambda: self.s3.upload_file(
+                str(path / name), self.bucket, key, ExtraArgs=extra, Config=config))
+
         try:
             # a rewritten step: drop the old manifest first so the remote copy is never "complete"
             # with a mix of old and new files
             self._retry(f"delete old s3://{self.bucket}/{self._key(step, MANIFEST)}",
                         lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, MANIFEST)))
-            for name in order:
-                key = self._key(step, name)
-                extra = {"Metadata": {"sha256": files[name]["sha256"]}}
-                self._retry(f"upload {path / name} to s3://{self.bucket}/{key}",
-                            lambda name=name, key=key, extra=extra: self.s3.upload_file(
-                                str(path / name), self.bucket, key, ExtraArgs=extra, Config=config))
-            for name in order:
-                self._verify_remote_object(step, name, files[name])
+            for name in data_files:
+                put(name)
+            for name in data_files:  # every object verified before the manifest makes the step look complete
+                try:
+                    self._verify_remote_object(step, name, files[name])
+                except _S3Failure as exc:  # lost or altered while the endpoint was down: the local file is the truth
+                    log.warning("%s; uploading it again", exc)
+                    put(name)
+                    self._verify_remote_object(step, name, files[name])
+            put(MANIFEST)
+            self._verify_remote_object(step, MANIFEST, files[MANIFEST])
             remote_manifest = self._retry(
                 f"read back s3://{self.bucket}/{self._key(step, MANIFEST)}",
                 lambda: self.s3.get_object(Bucket=self.bucket, Key=self._key(step, MANIFEST))["Body"].read())

@@ -452,6 +452,67 @@ def test_s3_upload_that_keeps_failing_keeps_local_copies_and_hides_the_secret(s3
     assert not [k for k in remote_keys(s3) if "step_00000002" in k and k.endswith(MANIFEST)]
 
 
+class GatedUploads:
+    """The real boto3 client whose upload_file waits for `gate` (an Event) before sending."""
+
+    def __init__(self, client, gate):
+        self._client, self.gate, self.uploaded = client, gate, []
+
+    def upload_file(self, filename, bucket, key, **kwargs):
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.uploaded.append(key)
+        return self._client.upload_file(filename, bucket, key, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_s3_background_upload_returns_at_once_supersedes_waiting_steps_and_keeps_busy_ones(s3, tmp_path):
+    gate = threading.Event()
+    client = GatedUploads(boto3.client("s3"), gate)
+    store = CheckpointStore(tmp_path, keep=1, remote_uri=f"s3://{s3}/run", s3_client=client, background_upload=True)
+    one = store.save(1, {"s": small_state(1.0)}, {})
+    store.save(2, {"s": small_state(2.0)}, {})  # step 1 is uploading (held at the gate): step 2 waits
+    three = store.save(3, {"s": small_state(3.0)}, {})  # supersedes step 2 before its upload started
+    assert store.list_remote() == []  # every save returned with nothing uploaded yet
+    assert one.is_dir() and not (tmp_path / "step_00000002").exists()  # keep=1, but step 1 is still uploading
+    gate.set()
+    store.flush()
+    assert store.list_remote() == [3]  # step 1 was uploaded, then pruned remotely (keep=1) after step 3
+    assert not [k for k in client.uploaded if "step_00000002" in k]
+    restored = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run").latest_valid()
+    assert_same(CheckpointStore(tmp_path / "b").load(restored)[0], store.load(three)[0])
+
+
+def test_s3_background_upload_failure_is_raised_by_flush_or_the_next_save(s3, tmp_path):
+    failing = FlakyUploads(boto3.client("s3"), failures=10**9)
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=failing, upload_attempts=2,
+                            retry_base_delay_s=0.01, background_upload=True)
+    first = store.save(1, {"s": small_state(1.0)}, {})
+    with pytest.raises(CheckpointUploadError, match="SlowDown") as info:
+        store.flush()
+    assert info.value.local_path == first and store.list_valid() == [first]
+    store.save(2, {"s": small_state(2.0)}, {})
+    deadline = time.monotonic() + 30
+    while store._uploader is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(CheckpointUploadError, match="SlowDown"):
+        store.save(3, {"s": small_state(3.0)}, {})  # the failure of step 2's upload, before step 3 is written
+    assert [p.name for p in store.list_valid()] == ["step_00000001", "step_00000002"]
+
+    # a failure while a newer step waits: flush reports it instead of waiting for an upload that never starts
+    gate = threading.Event()
+    gated = CheckpointStore(tmp_path / "g", remote_uri=f"s3://{s3}/run", upload_attempts=1, background_upload=True,
+                            s3_client=GatedUploads(FlakyUploads(boto3.client("s3"), failures=10**9), gate))
+    gated.save(1, {"s": small_state(1.0)}, {})
+    gated.save(2, {"s": small_state(2.0)}, {})
+    gate.set()
+    finished = threading.Event()
+    threading.Thread(target=lambda: (pytest.raises(CheckpointUploadError, gated.flush), finished.set()),
+                     daemon=True).start()
+    assert finished.wait(30), "flush hung after a failed upload with a newer step waiting"
+
+
 def test_s3_multipart_upload_of_a_large_file(s3, tmp_path):
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", multipart_threshold=1 * MiB,
                             multipart_chunksize=5 * MiB)
