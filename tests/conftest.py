@@ -128,3 +128,33 @@ FAST = [
     "rl.validation.max_prompts=16",
     "rl.validation.every_steps=2",
 ]
+
+
+# --------------------------------------------- private working directories for in-process flow runs
+
+@pytest.fixture(scope="module")
+def ref_model(tmp_path_factory) -> Path:
+    """A second random-init tiny model (another seed): the KL reference."""
+    from rl_core.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("ref") / "ref"
+    build_tiny_model(path, seed=1)
+    return path
+
+
+def make_cwd(path: Path, workdir: Path, ref: Path) -> Path:
+    """A private working directory (own runs/, own mlflow.db) sharing the session's data and model."""
+    (path / "artifacts" / "tiny-model").mkdir(parents=True)
+    (path / "data").symlink_to(workdir / "data", target_is_directory=True)
+    (path / "artifacts" / "tiny-model" / "init").symlink_to(workdir / "artifacts" / "tiny-model" / "init")
+    (path / "artifacts" / "tiny-model" / "ref").symlink_to(ref)
+    return path
+
+
+@pytest.fixture
+def cwd(tmp_path, workdir, ref_model, monkeypatch) -> Path:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = make_cwd(tmp_path / "cwd", workdir, ref_model)
+    monkeypatch.chdir(path)
+    return path

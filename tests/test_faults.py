@@ -30,7 +30,7 @@ from infra.services import _bin, _http_ok, free_port
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
 from tests.conftest import REPO, recipe
 from tests.servers import _started, start_moto, stop_group
-from tests.test_resume import MATH, STARTUP_TIMEOUT_S, cwd, read_metrics, ref_model, run_flow  # noqa: F401 - fixtures
+from tests.test_resume import MATH, STARTUP_TIMEOUT_S, read_metrics, run_flow
 
 pytestmark = pytest.mark.slow
 OUTAGE_S = 30.0

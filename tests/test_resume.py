@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, recipe
+from tests.conftest import FAST, make_cwd, recipe
 
 VENV_BIN = Path(sys.executable).parent
 # non-zero gradients on the random-init model (KL to another random init) and a per-step lr (warmup)
@@ -38,34 +38,6 @@ MATH = [*FAST, "rl.kl_beta=0.1", "rl.reference=artifacts/tiny-model/ref", "rl.op
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-@pytest.fixture(scope="module")
-def ref_model(tmp_path_factory) -> Path:
-    """A second random-init tiny model (another seed): the KL reference."""
-    from rl_core.models import build_tiny_model
-
-    path = tmp_path_factory.mktemp("ref") / "ref"
-    build_tiny_model(path, seed=1)
-    return path
-
-
-def make_cwd(path: Path, workdir: Path, ref: Path) -> Path:
-    """A private working directory (own runs/, own mlflow.db) sharing the session's data and model."""
-    (path / "artifacts" / "tiny-model").mkdir(parents=True)
-    (path / "data").symlink_to(workdir / "data", target_is_directory=True)
-    (path / "artifacts" / "tiny-model" / "init").symlink_to(workdir / "artifacts" / "tiny-model" / "init")
-    (path / "artifacts" / "tiny-model" / "ref").symlink_to(ref)
-    return path
-
-
-@pytest.fixture
-def cwd(tmp_path, workdir, ref_model, monkeypatch) -> Path:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    path = make_cwd(tmp_path / "cwd", workdir, ref_model)
-    monkeypatch.chdir(path)
-    return path
-
 
 # the ephemeral Prefect API server may take longer than its default 20 s to start on a loaded machine
 STARTUP_TIMEOUT_S = "180"
