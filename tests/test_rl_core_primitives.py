@@ -265,6 +265,145 @@ def test_token_equals_sequence_on_policy(loss_type):
     assert g_tok.abs().sum() > 0
 
 
+# ------------------------------------------------------------------------------ fast path = autograd composition
+
+
+def _exact_log(target, dtype):
+    """A float x with exp(x) == target exactly in `dtype` (searched around log(target)), or None."""
+    x = torch.tensor(math.log(target), dtype=dtype)
+    want = torch.tensor(target, dtype=dtype)
+    for _ in range(64):
+        got = torch.exp(x)
+        if got == want:
+            return x
+        x = torch.nextafter(x, torch.tensor(math.inf if got < want else -math.inf, dtype=dtype))
+    return None
+
+
+def near_bounds(dtype, b=32, t=64, seed=0):
+    """Log-ratios at and a few ulps around ρ = 0.8, 1.28, 3 (ε_low = 0.2, ε_high = 0.28, c = 3) and
+    advantages of mixed scale and sign, some 0, per token: exact and rounding ties between the max / min
+    operands occur. NaN and ±inf log-probs sit off the mask (the last 6 positions)."""
+    g = torch.Generator().manual_seed(seed)
+    bases = [x for x in (_exact_log(v, dtype) for v in (0.8, 1.28, 3.0)) if x is not None]
+    bases = torch.stack(bases + [torch.tensor(0.1, dtype=dtype)])
+    d = bases[torch.randint(0, len(bases), (b, t), generator=g)]
+    for _ in range(3):
+        up = torch.rand(b, t, generator=g) < 0.5
+        step = torch.nextafter(d, torch.where(up, math.inf, -math.inf).to(dtype))
+        d = torch.where(torch.rand(b, t, generator=g) < 0.4, step, d)
+    logp = -torch.rand(b, t, generator=g, dtype=dtype)
+    old = logp - d
+    scales = torch.tensor([1.0, 1e-3, 3.0, 7.0], dtype=dtype)
+    adv = torch.randn(b, t, generator=g, dtype=dtype) * scales[torch.randint(0, 4, (b, t), generator=g)]
+    adv[:, :3] = 0.0
+    mask = torch.ones(b, t, dtype=dtype)
+    mask[:, -6:] = 0
+    old[:, -1], old[:, -2], old[:, -4] = math.nan, -math.inf, 1e30
+    logp[:, -3], old[:, -3] = -math.inf, -math.inf  # Δ = NaN
+    return logp, old, adv, mask
+
+
+def _surrogate_step(logp, old, adv, mask, loss_type="token-mean", composed=False, **kw):
+    """Value, ∂/∂ℓ and stats; `composed=True` makes the advantages need a gradient, which selects the
+    op-by-op autograd composition of the formula."""
+    logp = logp.clone().requires_grad_(True)
+    adv = adv.clone().requires_grad_(composed)
+    per_token, stats = clipped_policy_gradient_loss(logp, old, adv, mask, **kw)
+    num, weight = reduce_policy_gradient_loss(per_token, mask, loss_type, max_response_length=MAX_LEN)
+    (num / weight).backward()
+    return per_token.detach(), logp.grad, stats
+
+
+def _assert_identical(fast, composed):
+    (v1, g1, s1), (v2, g2, s2) = fast, composed
+    torch.testing.assert_close(v1, v2, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(g1, g2) and bool(torch.isfinite(g1).all())
+    for k in s2:
+        torch.testing.assert_close(s1[k], s2[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, DT])
+@pytest.mark.parametrize("c", [0.0, 3.0])
+@pytest.mark.parametrize("per_token_adv", [True, False])
+def test_fast_path_equals_autograd_composition_bitwise(dtype, c, per_token_adv):
+    """Value, gradient and stats are bitwise those of autograd through the formula op by op, at ties of
+    max / min too (where autograd splits the gradient in half), with NaN / inf off the mask."""
+    logp, old, adv, mask = near_bounds(dtype)
+    if not per_token_adv:
+        adv = adv[:, 5]
+    kw = {"epsilon_low": 0.2, "epsilon_high": 0.28, "lower_bound_ratio": c}
+    fast = _surrogate_step(logp, old, adv, mask, **kw)
+    _assert_identical(fast, _surrogate_step(logp, old, adv, mask, composed=True, **kw))
+    assert torch.equal(fast[1][mask == 0], torch.zeros_like(fast[1][mask == 0]))
+    if dtype == torch.float32 and per_token_adv:  # the data does hit both kinds of tie
+        with torch.no_grad():
+            r = torch.exp((logp - old).clamp(-20, 20))
+            unclipped, clipped = -adv * r, -adv * r.clamp(0.8, 1.28)
+            on = (mask > 0) & (adv != 0)
+            assert bool(((unclipped == clipped) & (r != r.clamp(0.8, 1.28)) & on).any())
+            assert bool(((torch.maximum(unclipped, clipped) == -3.0 * adv) & (adv < 0) & on).any())
+
+
+@pytest.mark.parametrize("bool_mask", [False, True])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_fast_path_equals_autograd_composition_gspo(loss_type, bool_mask):
+    logp, old, _, mask = ragged(lengths=[1, 3, 7, 16, 0, 5], spread=0.01)
+    old[0] = logp[0] - 11.0  # z > 10: λ clamped, zero gradient
+    old[5, :4] = math.nan  # off the mask (prompt positions)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.25, 2.0, 0.0], dtype=DT)
+    if bool_mask:
+        mask = mask.bool()
+    kw = {"epsilon_low": 3e-3, "epsilon_high": 4e-3, "importance_sampling_level": "sequence"}
+    fast = _surrogate_step(logp, old, adv, mask, loss_type, **kw)
+    _assert_identical(fast, _surrogate_step(logp, old, adv, mask, loss_type, composed=True, **kw))
+    assert bool((fast[1][0] == 0).all()) and bool((fast[1][1:4] != 0).any())
+
+
+def test_stats_against_their_definitions():
+    logp, old, adv, mask = ragged(spread=1.5)
+    old[1, 2:5] = logp[1, 2:5] - torch.tensor([-2.0, 0.5, 1.5], dtype=DT)
+    adv[1] = -abs(adv[1]) - 0.5
+    old[mask == 0] = math.nan  # never reaches a statistic
+    _, stats = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
+                                            lower_bound_ratio=3.0)
+    with torch.no_grad():
+        values, no_grad_stats = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=0.2,
+                                                             epsilon_high=0.28, lower_bound_ratio=3.0)
+    on = mask > 0
+    delta = (logp - old)[on]
+    a = adv.unsqueeze(-1).expand_as(logp)[on]
+    r = torch.exp(delta)
+    expected = {
+        "clip_frac": (a * r.clamp(0.8, 1.28) < a * r).double().mean(),
+        "clip_frac_low": ((a < 0) & (r < 0.8)).double().mean(),
+        "clip_frac_high": ((a > 0) & (r > 1.28)).double().mean(),
+        "dual_clip_frac": ((a < 0) & (r > 3.0)).double().mean(),
+        "ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
+        "approx_kl_old": (torch.exp(delta) - delta - 1).mean(),
+    }
+    assert expected["dual_clip_frac"] > 0 and expected["clip_frac"] > 0
+    for k, v in expected.items():
+        assert stats[k].item() == pytest.approx(v.item(), rel=1e-12, abs=1e-15), k
+        assert torch.equal(stats[k], no_grad_stats[k]), k
+    assert torch.isfinite(values[on]).all()
+    _, none = clipped_policy_gradient_loss(logp, old, adv, torch.zeros_like(mask), epsilon_low=0.2, epsilon_high=0.2)
+    assert none["ratio_min"].item() == math.inf and none["ratio_max"].item() == -math.inf
+    assert all(none[k].item() == 0.0 for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+                                               "ratio_mean", "approx_kl_old"))
+
+
+def test_old_logp_gradient_through_the_composition():
+    logp, old, adv, mask = ragged(spread=1.5)
+    old = old.clone().requires_grad_(True)
+    logp = logp.clone().requires_grad_(True)
+    per_token, _ = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
+                                                lower_bound_ratio=3.0)
+    num, weight = reduce_policy_gradient_loss(per_token, mask, "token-mean")
+    (num / weight).backward()
+    assert torch.equal(old.grad, -logp.grad) and logp.grad.abs().sum() > 0
+
+
 # ------------------------------------------------------------------------------ legacy PG and reductions
 
 

@@ -8,6 +8,7 @@ Every function keeps the dtype of `logp` (tests run them in float64).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 LOG_RATIO_CLAMP = 20.0  # ρ = exp(clamp(ℓ − ℓ_old, −20, 20)): keeps exp finite for any log-prob gap
 SEQUENCE_LOG_RATIO_MAX = 10.0  # GSPO: λ ≤ 10, from above only
@@ -16,7 +17,12 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return mask.to(like.dtype)
+    return mask.to(like.dtype)  # no copy when the dtype already matches
+
+
+def _loss_tokens(mask: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Boolean `[B, T]`: the loss tokens (`M > 0`); a bool mask is used as it is."""
+    return mask if mask.dtype == torch.bool else m > 0
 
 
 def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -32,9 +38,12 @@ def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch
     return advantages.to(like.dtype)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    count = mask.sum()
-    return torch.where(mask > 0, values, torch.zeros_like(values)).sum() / count.clamp_min(1)
+def _sequence_mean_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, m: torch.Tensor,
+                             on: torch.Tensor) -> torch.Tensor:
+    """Detached `z_i = Σ_t M_{i,t} (ℓ_{i,t} − ℓ^old_{i,t}) / max(L_i, 1)`, `[B]`."""
+    with torch.no_grad():
+        diff = torch.where(on, logp - old_logp, 0.0)
+        return diff.sum(-1) / m.sum(-1).clamp_min(1)
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,12 +56,45 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     `ℓ_{i,t}` (with coefficient 1 while z_i < 10, 0 once clamped).
     """
     m = _float_mask(mask, logp)
-    diff = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
-    lengths = m.sum(-1).clamp_min(1)
-    z = (diff.sum(-1) / lengths).detach()
+    z = _sequence_mean_log_ratio(logp, old_logp, m, _loss_tokens(mask, m))
     # ℓ − sg[ℓ] is exactly 0 in value, so the value is exactly z (no rounding through ℓ).
     token_path = logp - logp.detach()
     return torch.clamp(z.unsqueeze(-1) + token_path, max=SEQUENCE_LOG_RATIO_MAX)
+
+
+class _SurrogateWithRatioGradient(torch.autograd.Function):
+    """Value `op(x, y)`: the surrogate's last step on detached tensors, taken here so that the output is
+    a tensor of its own. Gradient `∂/∂ℓ = (grad · coef_a) · coef_r`, in the order of the products
+    autograd forms through `−A · ρ` and `exp` (so the result is bitwise the same)."""
+
+    @staticmethod
+    def forward(ctx, logp, op, x, y, coef_a, coef_r):
+        ctx.save_for_backward(coef_a, coef_r)
+        return op(x, y)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        coef_a, coef_r = ctx.saved_tensors
+        return (grad * coef_a) * coef_r, None, None, None, None, None
+
+
+def _clipped_surrogate_autograd(logp, old_logp, adv, m, *, epsilon_low, epsilon_high, lower_bound_ratio, sequence):
+    """The surrogate as one autograd composition (the formula, op by op). `clipped_policy_gradient_loss`
+    uses it when `old_logp` or the advantages need a gradient too; otherwise it computes the same value
+    without autograd and attaches the gradient this composition would give (tests compare the two)."""
+    if sequence:
+        log_ratio = sequence_log_ratio(logp, old_logp, m)
+    else:
+        log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = torch.maximum(unclipped, clipped)
+    if lower_bound_ratio > 0:
+        dual = torch.minimum(loss, -lower_bound_ratio * adv)
+        loss = torch.where(adv < 0, dual, loss)
+    return loss
 
 
 def clipped_policy_gradient_loss(
@@ -81,6 +123,12 @@ def clipped_policy_gradient_loss(
     `clip_frac_high` (A > 0, ρ > 1 + ε_high), `dual_clip_frac` (A < 0, −cA binding), `ratio_mean`,
     `ratio_min`, `ratio_max` (±inf when there is no masked token), `approx_kl_old`
     (k3 estimate of KL(π_old ‖ π): E[exp(Δ) − Δ − 1], Δ = ℓ − ℓ^old).
+
+    Value and gradient are bitwise those of the formula written op by op with autograd (at an exact
+    tie of a max / min the gradient is split in half, as autograd splits it; a zero gradient may be
+    −0.0 where autograd gives +0.0). The value is computed once without autograd, the statistics
+    reuse it, and one backward node gives ∂/∂ℓ (first order only: no double backward). When
+    `old_logp` or the advantages need a gradient too, the op-by-op composition is used instead.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}; expected one of "
@@ -100,38 +148,93 @@ def clipped_policy_gradient_loss(
                          "(SPEC §2.2); pass 0")
     adv = _broadcast_advantages(advantages, logp)
     m = _float_mask(mask, logp)
-
-    if sequence:
-        log_ratio = sequence_log_ratio(logp, old_logp, m)
-    else:
-        log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = torch.maximum(unclipped, clipped)
-    if lower_bound_ratio > 0:
-        dual = torch.minimum(loss, -lower_bound_ratio * adv)
-        loss = torch.where(adv < 0, dual, loss)
+    on = _loss_tokens(mask, m)
+    dtype, device = logp.dtype, logp.device
+    dual_clip = lower_bound_ratio > 0
+    lo, hi = 1.0 - epsilon_low, 1.0 + epsilon_high
+    grad_enabled = torch.is_grad_enabled()
+    # Fast path: the value below, computed without autograd, plus one backward node for ∂/∂ℓ. When
+    # old_logp or the advantages need a gradient as well, the op-by-op composition builds the graph.
+    fast = grad_enabled and logp.requires_grad and not (old_logp.requires_grad or advantages.requires_grad)
 
     with torch.no_grad():
-        r = ratio.detach()
-        a = adv.expand_as(r)
-        on = m > 0
-        low = (a < 0) & (r < 1.0 - epsilon_low)
-        high = (a > 0) & (r > 1.0 + epsilon_high)
-        dual_active = (a < 0) & (r > lower_bound_ratio) if lower_bound_ratio > 0 else torch.zeros_like(on)
-        delta = (logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        inf = torch.tensor(float("inf"), dtype=r.dtype)
+        if sequence:
+            # λ' = z + (ℓ − ℓ) and λ = min(λ', 10): the values `sequence_log_ratio` computes
+            log_ratio = _sequence_mean_log_ratio(logp, old_logp, m, on).unsqueeze(-1) + (logp - logp)
+            ratio_passes = log_ratio <= SEQUENCE_LOG_RATIO_MAX if fast else None  # the clamp's gradient mask
+            log_ratio.clamp_(max=SEQUENCE_LOG_RATIO_MAX)
+            delta = (logp - old_logp).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        else:
+            log_ratio = logp - old_logp
+            ratio_passes = log_ratio.abs() <= LOG_RATIO_CLAMP if fast else None  # the clamp's gradient mask
+            delta = log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        del log_ratio
+        unclipped = (adv * ratio).neg_()  # −A ρ (negation is exact)
+        clipped = torch.clamp(ratio, lo, hi).mul_(adv).neg_()
+        clip_active = clipped > unclipped
+        below, above = ratio < lo, ratio > hi
+        adv_neg = adv < 0
+
+        # counts over the loss tokens, in one pass: #loss tokens, clip_frac, _low, _high, dual_clip_frac
+        flags = [on, clip_active, adv_neg & below, (adv > 0) & above,
+                 adv_neg & (ratio > lower_bound_ratio) if dual_clip else torch.zeros_like(on)]
+        counts = (torch.stack(flags) & on).flatten(1).view(torch.uint8).sum(1, dtype=torch.int32)
+        denom = m.sum().clamp_min(1)
+        fractions = (counts[1:].to(dtype) / denom).unbind()  # integer counts: what a float sum of 0/1 gives
+        buf = torch.where(on, ratio, 0.0)  # ρ on the loss tokens, 0 elsewhere; the buffer is reused below
+        ratio_sum = buf.sum()
+        inf = torch.full((), torch.inf, dtype=dtype, device=device)
+        if buf.numel():
+            ratio_max = torch.where(counts[0] > 0, buf.max(), -inf)  # ρ ≥ 0: the zeros do not win
+            ratio_min = torch.where(on, ratio, inf, out=buf).min()
+        else:
+            ratio_min, ratio_max = inf, -inf
+        torch.expm1(delta, out=buf).sub_(delta)  # k3 = exp(Δ) − Δ − 1
+        del delta
         stats = {
-            "clip_frac": _masked_mean((clipped.detach() > unclipped.detach()).to(r.dtype), m),
-            "clip_frac_low": _masked_mean(low.to(r.dtype), m),
-            "clip_frac_high": _masked_mean(high.to(r.dtype), m),
-            "dual_clip_frac": _masked_mean(dual_active.to(r.dtype), m),
-            "ratio_mean": _masked_mean(r, m),
-            "ratio_min": torch.where(on, r, inf).min() if r.numel() else inf,
-            "ratio_max": torch.where(on, r, -inf).max() if r.numel() else -inf,
-            "approx_kl_old": _masked_mean(torch.expm1(delta) - delta, m),
+            **dict(zip(("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac"), fractions)),
+            "ratio_mean": ratio_sum / denom,
+            "ratio_min": ratio_min,
+            "ratio_max": ratio_max,
+            "approx_kl_old": torch.where(on, buf, torch.zeros((), dtype=dtype, device=device), out=buf).sum() / denom,
         }
+        del buf
+
+        if fast:
+            # ∂loss/∂ℓ = s · (−A) · ρ with s ∈ {0, ¼, ½, 1}, as autograd of the composition gives it:
+            # maximum / minimum pass the gradient to the larger / smaller operand and half to each at a
+            # tie; clamp passes it on its closed range only, so at a tie inside [1 − ε_low, 1 + ε_high]
+            # both halves reach ρ. Per step, 2 = all, 1 = half, 0 = none (s = product / 4):
+            #   max:  [clipped ≯ unclipped] + [unclipped > clipped or ρ in range]
+            #   min:  [loss ≤ bound] + [loss < bound]          (bound = +inf where A ≥ 0: always 2)
+            code = torch.add((~clip_active).view(torch.uint8),
+                             ((unclipped > clipped) | ~(below | above)).view(torch.uint8))
+            code.mul_(ratio_passes.view(torch.uint8))
+            scale = -0.5
+        if dual_clip or not fast:
+            loss = torch.maximum(unclipped, clipped, out=unclipped)  # the two branches are not needed after
+            del clipped
+        if dual_clip:
+            # −cA where A < 0 and +inf elsewhere, so the dual clip is one `minimum`: (c|A| + [A ≥ 0]) / [A < 0]
+            # (c|A| equals −cA exactly when A < 0; x / 0 = +inf for x > 0).
+            bound = (adv.abs().mul_(lower_bound_ratio).add_((~adv_neg).view(torch.uint8))
+                     .div_(adv_neg.view(torch.uint8)))
+            if fast:
+                code.mul_(torch.add((loss <= bound).view(torch.uint8), (loss < bound).view(torch.uint8)))
+                scale = -0.25
+        if fast:
+            coef_a = code.to(dtype).mul_(scale).mul_(adv)  # −A · s (scaling by a power of 2 is exact)
+            coef_r = ratio.nan_to_num_(0.0)  # a NaN log-ratio is gated to zero gradient above
+
+    if fast:
+        x, y, op = (loss, bound, torch.minimum) if dual_clip else (unclipped, clipped, torch.maximum)
+        return _SurrogateWithRatioGradient.apply(logp, op, x, y, coef_a, coef_r), stats
+    if grad_enabled and (logp.requires_grad or old_logp.requires_grad or advantages.requires_grad):
+        loss = _clipped_surrogate_autograd(logp, old_logp, adv, m, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                           lower_bound_ratio=lower_bound_ratio, sequence=sequence)
+    elif dual_clip:
+        loss = torch.minimum(loss, bound)
     return loss, stats
 
 
@@ -172,7 +275,9 @@ def reduce_policy_gradient_loss(
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; expected one of {LOSS_TYPES}")
     m = _float_mask(mask, per_token_loss)
-    masked = torch.where(m > 0, per_token_loss * m, torch.zeros_like(per_token_loss))
+    # a bool mask is 1 on every loss token: M · loss = loss there, exactly, so the product is skipped
+    weighted = per_token_loss if mask.dtype == torch.bool else per_token_loss * m
+    masked = torch.where(_loss_tokens(mask, m), weighted, 0.0)
     seq_sum = masked.sum(-1)  # S_i
     lengths = m.sum(-1)  # L_i
     if loss_type == "token-mean":
@@ -180,7 +285,7 @@ def reduce_policy_gradient_loss(
     has_tokens = lengths > 0
     n_seq = has_tokens.to(per_token_loss.dtype).sum()
     if loss_type == "seq-mean-token-mean":
-        per_seq = torch.where(has_tokens, seq_sum / lengths.clamp_min(1), torch.zeros_like(seq_sum))
+        per_seq = torch.where(has_tokens, seq_sum / lengths.clamp_min(1), 0.0)
         return per_seq.sum(), n_seq
     if loss_type == "seq-mean-token-sum":
         return seq_sum.sum(), n_seq
