@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from rl_core.config import check, load_config
+from rl_core.registry import algorithm
 
 # Quiet, local defaults for the embedded Prefect API (a user's own settings win).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -17,18 +19,14 @@ EPHEMERAL_STARTUP_TIMEOUT_S = "180"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT_S)
 
 
-def flow_for(algorithm: str):
-    if algorithm == "opd":
-        from flows.opd import opd
+# the flow that runs each topology of rl_core.registry (module, flow function)
+FLOWS = {"on_policy": ("flows.grpo", "grpo"), "teacher": ("flows.opd", "opd"), "offline": ("flows.dpo", "dpo")}
 
-        return opd
-    if algorithm == "dpo":
-        from flows.dpo import dpo
 
-        return dpo
-    from flows.grpo import grpo
-
-    return grpo
+def flow_for(name: str):
+    """The Prefect flow that runs `job.algorithm=name` (from its topology in the registry)."""
+    module, attr = FLOWS[algorithm(name).topology]
+    return getattr(importlib.import_module(module), attr)
 
 
 def run_recipe(recipe: str, overrides: list[str]) -> dict:

@@ -27,6 +27,7 @@ from infra.teacher import TeacherRole
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig, check, load_config
 from rl_core.config.environment import check_memory
+from rl_core.registry import algorithm
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
@@ -39,9 +40,6 @@ from tasks.validate import validate_task
 # Failures, retries and the flow's own lines still show; set POSTTRAIN_TASK_LOG_LEVEL=INFO to see all.
 logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
 
-# The annotations table's advantage is a group advantage (for OPD too: the teacher's per-token signal
-# is a separate batch field, checked by the teacher task).
-GROUP_RELATIVE = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
 
 @flow(name="grpo", log_prints=True)
 def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
@@ -112,7 +110,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     annotated = distill_task(annotated, scored, cfg.rl)
                     timer.lap("distill", t)
                 t = time.perf_counter()
-                validate_task(annotated, cfg.rollout.max_tokens, cfg.job.algorithm in GROUP_RELATIVE)
+                validate_task(annotated, cfg.rollout.max_tokens, algorithm(cfg.job.algorithm).group_relative)
                 timer.lap("validate", t)
                 t = time.perf_counter()
                 per_rank = train_task(cluster, annotated.batch)

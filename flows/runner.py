@@ -13,7 +13,6 @@ The flows keep only the phases of a step.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -24,13 +23,13 @@ from typing import Any, Self
 
 from prefect.runtime import flow_run
 
-from infra.cluster import BUILDERS
 from infra.provenance import dvc_hashes
 from infra.resume import ResumePlan, RunLock, checkpoint_meta, checkpoint_prefix, plan_resume, write_run_state
 from infra.storage import CheckpointError, CheckpointStore
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
+from rl_core.registry import build_objective
 from tasks.checkpoint import checkpoint_task, save_model_task
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
@@ -159,8 +158,7 @@ class TrainingRun:
             restored = restore_metrics(metrics_log, plan.parts.get("driver", {}).get(METRICS_PART))
             if restored:
                 announce(f"metrics.jsonl: steps {restored[0]}..{restored[-1]} restored from {plan.checkpoint}")
-        identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
-            cfg.rl, ObjectiveContext.from_config(cfg)).identity
+        identity = build_objective(cfg, ObjectiveContext.from_config(cfg)).identity
         return cls(cfg, recipe, list(overrides), run_dir, store, plan, config_path, metrics_log, identity,
                    config_hash(cfg), lock=lock)
 

@@ -25,7 +25,6 @@ model must be a hub id.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import time
 from contextlib import AbstractContextManager
@@ -42,17 +41,9 @@ from infra.ray_connect import connect_ray
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
+from rl_core.registry import build_objective
 
 log = logging.getLogger("posttrain.cluster")
-
-BUILDERS = {  # job.algorithm -> module whose build_objective(rl, context) makes the Objective
-    "grpo": "rl_core.algorithms.grpo",
-    "dr_grpo": "rl_core.algorithms.grpo",
-    "gspo": "rl_core.algorithms.grpo",
-    "legacy_pg": "rl_core.algorithms.grpo",
-    "opd": "rl_core.algorithms.opd",
-    "dpo": "rl_core.algorithms.dpo",
-}
 
 
 class WeightSyncError(RuntimeError):
@@ -291,9 +282,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
         from infra.distributed import shard_policy
 
         shard_policy(model, device or torch.device("cpu"), torch_dtype(cfg.model.compute_dtype))
-    builder = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective
-    context = ObjectiveContext.from_config(cfg)
-    objective = builder(cfg.rl, context)
+    objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # the registry's, or rl.custom_objective
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:
         ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})

@@ -8,6 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rl_core.evaluation import evaluate_accuracy
+from rl_core.rewards import configured_reward
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -15,5 +16,6 @@ def evaluate_task(engine: Any, tokenizer: Any, examples: list, data_cfg: Any, ma
     result = evaluate_accuracy(
         None, tokenizer, examples, task=data_cfg.task, reward_mode=data_cfg.reward_mode,
         prompt_template=data_cfg.prompt_template, max_tokens=max_tokens, engine=engine,
+        reward_fn=configured_reward(data_cfg),
     )
     return {"val/accuracy": result["accuracy"], "val/mean_reward": result["mean_reward"], "val/n": result["n"]}

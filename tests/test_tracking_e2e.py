@@ -10,7 +10,6 @@ tags, metrics or artifacts, nor the run's printed output.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
 import subprocess
@@ -96,9 +95,9 @@ def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, s
     """Everything MLflow holds for one finished flow run; returns the run id."""
     from mlflow.entities import ViewType
 
-    from infra.cluster import BUILDERS
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.config import config_hash, load_config
+    from rl_core.registry import build_objective
 
     cwd, overrides = run["cwd"], run["overrides"]
     cfg = load_config(recipe("arithmetic"), overrides)
@@ -118,8 +117,7 @@ def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, s
 
     # tags
     tags = mlrun.data.tags
-    identity = importlib.import_module(BUILDERS[cfg.job.algorithm]).build_objective(
-        cfg.rl, ObjectiveContext.from_config(cfg)).identity
+    identity = build_objective(cfg, ObjectiveContext.from_config(cfg)).identity
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     assert tags["posttrain.algorithm"] == cfg.job.algorithm == "legacy_pg"
     assert tags["posttrain.job_name"] == cfg.job.name

@@ -12,17 +12,12 @@ import warnings
 from dataclasses import dataclass, field
 
 from rl_core.config.schema import PosttrainConfig, RLConfig
+from rl_core.registry import ALGORITHMS, algorithm, names, user_code_problems
 
 log = logging.getLogger("posttrain.preflight")
 _RL_DEFAULTS = RLConfig()
 _EMITTED: set[str] = set()
-GROUP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "legacy_pg", "opd")
-OPD_KNOBS = ("opd_kl_coef", "opd_discount", "opd_task_reward_weight")
 OPD_ADVANTAGE_ONLY_KNOBS = ("opd_kl_coef", "opd_task_reward_weight")
-# RL knobs the DPO loss never reads (it reads dpo_beta, temperature, reference and the trainer knobs)
-DPO_UNREAD_KNOBS = ("grpo_surrogate", "importance_sampling_level", "epsilon_low", "epsilon_high", "lower_bound_ratio",
-                    "loss_type", "unbiased_advantage", "advantage_eps", "kl_beta", "kl_estimator",
-                    "shared_prefix_min_tokens", "certified_deterministic_forward")
 
 
 class PreflightWarning(UserWarning):
@@ -74,6 +69,16 @@ def _non_default(rl: RLConfig, name: str) -> bool:
     return getattr(rl, name) != getattr(_RL_DEFAULTS, name)
 
 
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _matching(knob: str, value: object) -> str:
+    """The registered algorithms whose `requires` accepts rl.<knob>=value (for the error's hint)."""
+    fits = [n for n, s in ALGORITHMS.items() if s.requires.get(knob, value) == value]
+    return "one of " + ", ".join(fits) if fits else "none is registered"
+
+
 def preflight(cfg: PosttrainConfig) -> PreflightReport:
     rep = PreflightReport()
     err, warn = rep.errors.append, rep.warnings.append
@@ -83,6 +88,22 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     opd_advantage = algo == "opd" and rl.distillation_mode == "advantage"
     opd_direct = algo == "opd" and rl.distillation_mode == "direct"
     n_mini = num_mini_batches(cfg)
+    spec = algorithm(algo)
+
+    # -- the registry's rules: what job.algorithm fixes, owns and never reads (rl_core/registry.py)
+    for knob, required in spec.requires.items():
+        if getattr(rl, knob) != required:
+            err(f"rl.{knob}={_show(getattr(rl, knob))}: job.algorithm={algo} requires rl.{knob}={_show(required)}; set "
+                f"it, or pick the job.algorithm that matches ({_matching(knob, getattr(rl, knob))})")
+    for other in ALGORITHMS.values():
+        if other.name != algo:
+            for knob in other.owns:
+                if _non_default(rl, knob):
+                    err(f"rl.{knob}={getattr(rl, knob)!r}: only read by job.algorithm={other.name}")
+    for knob in spec.unread:
+        if _non_default(rl, knob):
+            err(f"rl.{knob}={getattr(rl, knob)!r}: not read by job.algorithm={algo} ({spec.summary}); remove it")
+    rep.errors.extend(user_code_problems(cfg))  # rl.custom_objective / data.custom_reward: imported and checked
 
     # -- the temperature contract
     if algo != "dpo":
@@ -118,27 +139,14 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         for knob in ("kl_estimator", "reference"):
             if _non_default(rl, knob):
                 err(f"rl.{knob}={getattr(rl, knob)!r}: not read while rl.kl_beta=0; set rl.kl_beta > 0 or remove it")
-    if algo != "opd" and _non_default(rl, "distillation_mode"):
-        err(f"rl.distillation_mode={rl.distillation_mode!r}: only read by job.algorithm=opd")
     if opd_direct:
         for knob in ("unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens") + OPD_ADVANTAGE_ONLY_KNOBS:
             if _non_default(rl, knob):
                 err(f"rl.{knob}={getattr(rl, knob)!r}: an advantage knob, not read by rl.distillation_mode=direct")
-    if algo != "opd":
-        for knob in OPD_KNOBS:
-            if _non_default(rl, knob):
-                err(f"rl.{knob}={getattr(rl, knob)!r}: only read by job.algorithm=opd")
-        if cfg.model.teacher is not None:
-            err(f"model.teacher={cfg.model.teacher!r}: only read by job.algorithm=opd (the teacher role)")
-    if algo != "dpo" and _non_default(rl, "dpo_beta"):
-        err(f"rl.dpo_beta={rl.dpo_beta!r}: only read by job.algorithm=dpo")
+    if spec.topology != "teacher" and cfg.model.teacher is not None:
+        err(f"model.teacher={cfg.model.teacher!r}: only read by job.algorithm={','.join(names(topology='teacher'))} "
+            "(the teacher role)")
     if algo == "opd":
-        if not clipped:
-            err(f"rl.grpo_surrogate={rl.grpo_surrogate}: OPD trains through the clipped surrogate in both "
-                "distillation modes; use rl.grpo_surrogate=clipped")
-        if rl.kl_beta > 0:
-            err(f"rl.kl_beta={rl.kl_beta}: OPD has no KL anchor to a reference (the teacher is its anchor); "
-                "set rl.kl_beta=0")
         if opd_advantage and _non_default(rl, "shared_prefix_min_tokens"):
             err(f"rl.shared_prefix_min_tokens={rl.shared_prefix_min_tokens}: not read by OPD (the teacher's "
                 "per-token signal is not shared across a group's common prefix)")
@@ -147,19 +155,14 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
                 if _non_default(rl, knob):
                     err(f"rl.{knob}={getattr(rl, knob)!r}: a group-advantage knob, only read by OPD when "
                         "rl.opd_task_reward_weight > 0")
-    if algo == "dpo":
-        for knob in DPO_UNREAD_KNOBS:
-            if _non_default(rl, knob):
-                err(f"rl.{knob}={getattr(rl, knob)!r}: not read by job.algorithm=dpo (offline pairs, no "
-                    "policy-gradient surrogate); remove it")
-        if rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
-            err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
-                "pairs, so a micro-batch must hold an even number of rows")
+    if algo == "dpo" and rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
+        err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
+            "pairs, so a micro-batch must hold an even number of rows")
     if cfg.data.task != "gsm8k" and cfg.data.reward_mode != "strict":
         err(f"data.reward_mode={cfg.data.reward_mode!r}: only read by data.task=gsm8k")
 
     # -- group size and batch shape
-    if algo in GROUP_ALGORITHMS and ro.n < 2 and not opd_direct:
+    if spec.group_relative and ro.n < 2 and not opd_direct:
         err(f"rollout.n={ro.n}: group-relative advantages need at least 2 completions per prompt")
     total = ro.prompts_per_step * rows_per_prompt(cfg)
     if algo == "dpo" and ro.prompts_per_step % cfg.cluster.num_workers:

@@ -14,7 +14,6 @@ from pydantic_core import PydanticCustomError
 
 from rl_core.redact import has_userinfo
 
-Algorithm = Literal["grpo", "dr_grpo", "gspo", "legacy_pg", "opd", "dpo"]
 LossType = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
 LOSS_TYPES: tuple[str, ...] = LossType.__args__  # type: ignore[attr-defined]
 
@@ -26,7 +25,16 @@ class _Section(BaseModel):
 
 
 class JobConfig(_Section):
-    algorithm: Algorithm = Field("grpo", description="Variant label; selects the entry (opd/dpo have their own flow) and keeps outputs apart.")
+    algorithm: str = Field("grpo", description="A name in rl_core.registry.ALGORITHMS (grpo, dr_grpo, gspo, legacy_pg, opd, dpo): selects the objective, the rl knobs it fixes and the step loop that runs it.")
+
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from rl_core.registry import ALGORITHMS
+
+        if value not in ALGORITHMS:
+            raise ValueError(f"{value!r} is not a registered algorithm; one of: {', '.join(ALGORITHMS)}")
+        return value
     name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
     out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="The one seed behind data order, sampling and initialisation (< 2^32).")
@@ -71,17 +79,17 @@ class ValidationConfig(_Section):
 
 
 class RLConfig(_Section):
-    grpo_surrogate: Literal["clipped", "legacy_pg"] = Field("clipped", description="Policy-gradient surrogate (SPEC §2.1, §2.3).")
-    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Ratio level of the clipped surrogate; 'sequence' is GSPO (SPEC §2.2).")
+    grpo_surrogate: Literal["clipped", "legacy_pg"] = Field("clipped", description="Policy-gradient surrogate (docs/objectives.md).")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Ratio level of the clipped surrogate; 'sequence' is GSPO (docs/objectives.md).")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip range: ratio >= 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Upper clip range: ratio <= 1 + epsilon_high.")
     lower_bound_ratio: float = Field(3.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 disables.")
-    loss_type: LossType = Field("token-mean", description="Reduction of per-token losses over the step (SPEC §3).")
+    loss_type: LossType = Field("token-mean", description="Reduction of per-token losses over the step (docs/objectives.md).")
     unbiased_advantage: bool = Field(False, description="Dr-GRPO advantages r - mean instead of (r - mean)/(std + eps).")
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in the advantage denominator.")
     temperature: float = Field(1.0, gt=0, description="Temperature of the trainer's log-probs log_softmax(logits / T).")
     kl_beta: float = Field(0.0, ge=0, description="Weight of the KL anchor to the reference; 0 disables it.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (SPEC §2.4).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (docs/objectives.md).")
     reference: str | None = Field(None, description="Reference model for the KL anchor/DPO; None is a frozen copy of the initial policy.")
     shared_prefix_min_tokens: int = Field(0, ge=0, description="Mask shared group prefixes at least this long whose rewards differ; 0 disables.")
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
@@ -97,6 +105,7 @@ class RLConfig(_Section):
     opd_discount: float = Field(0.0, ge=0, le=1, description="OPD: discount over future tokens' teacher log-ratios; 0 is per token, 1 the undiscounted sum to the end.")
     opd_task_reward_weight: float = Field(0.0, ge=0, description="OPD advantage mode: weight of the task-reward group advantage added to the teacher advantage; 0 disables.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: beta of the implicit reward beta * (logp - ref_logp) of a response.")
+    custom_objective: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", description="Your own objective: 'package.module:build_objective', called as build_objective(rl, context) -> Objective in place of job.algorithm's (which still picks the step loop); see docs/objectives.md.")
 
 
 class DataConfig(_Section):
@@ -105,6 +114,7 @@ class DataConfig(_Section):
     val: str = Field("data/arithmetic/val.jsonl", min_length=1, description="Held-out split: a local JSONL path, or a hub dataset id.")
     prompt_template: Literal["plain", "chat"] = Field("plain", description="plain for base models; chat applies the tokenizer's chat template.")
     reward_mode: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction: last '#### N' (strict) or last number (flexible).")
+    custom_reward: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", description="Your own reward: 'package.module:reward', called as reward(completion, answer) -> float in place of data.task's (training and held-out scoring); see docs/objectives.md.")
 
 
 class ClusterConfig(_Section):

@@ -1,7 +1,8 @@
 """Reward functions: plain Python `reward(completion_text, answer) -> float`, selected by config.
 
 `get_reward_fn(task, reward_mode)` returns the function for `data.task` ('arithmetic' | 'gsm8k')
-and `data.reward_mode` ('strict' | 'flexible'; only GSM8K reads it).
+and `data.reward_mode` ('strict' | 'flexible'; only GSM8K reads it); `data.custom_reward` names
+your own function by import path instead (docs/objectives.md).
 """
 
 from __future__ import annotations
@@ -30,9 +31,18 @@ def get_reward_fn(task: str, reward_mode: str = "strict") -> RewardFn:
     raise ValueError(f"data.task={task!r} has no reward; known tasks: {', '.join(TASKS)}")
 
 
+def configured_reward(data_cfg) -> RewardFn:
+    """`data.custom_reward` (a `module:function` path) when set, else `get_reward_fn(data.task, data.reward_mode)`."""
+    if data_cfg.custom_reward:
+        from rl_core.registry import REWARD_PARAMS, load_callable
+
+        return load_callable(data_cfg.custom_reward, "data.custom_reward", REWARD_PARAMS)
+    return get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+
+
 def reward_fn_from_config(data_cfg) -> RewardFn:
-    """`get_reward_fn(data.task, data.reward_mode)`, with the fault-injection test hook when it is armed."""
-    fn = get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+    """The training reward: `configured_reward(data_cfg)`, with the fault-injection test hook when it is armed."""
+    fn = configured_reward(data_cfg)
     if not os.environ.get(faults.ENV):
         return fn
 
@@ -43,4 +53,5 @@ def reward_fn_from_config(data_cfg) -> RewardFn:
     return reward_with_faults
 
 
-__all__ = ["RewardFn", "arithmetic_reward", "get_reward_fn", "gsm8k_reward", "reward_fn_from_config"]
+__all__ = ["RewardFn", "arithmetic_reward", "configured_reward", "get_reward_fn", "gsm8k_reward",
+           "reward_fn_from_config"]
