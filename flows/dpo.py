@@ -1,4 +1,4 @@
-"""Direct preference optimisation (DPO): offline pairs, no rollout and no reward (SPEC §6).
+"""Direct preference optimisation (DPO): offline pairs, no rollout and no reward (docs/objectives.md).
 
 Before the loop the driver loads the pairs of `data.train` / `data.val` (JSONL or a hub dataset
 `org/name[:split]`), refuses them with the failing pandera checks (`validate_preference_pairs`:

@@ -1,4 +1,4 @@
-"""On-policy distillation (OPD): GRPO's topology plus a frozen teacher role (SPEC §6).
+"""On-policy distillation (OPD): GRPO's topology plus a frozen teacher role (docs/objectives.md).
 
 Each step runs `rollout -> reward -> annotate -> teacher -> distill -> validate -> train -> sync`,
 then `evaluate` and `checkpoint` on cadence. The student (the policy workers, synced to the rollout

@@ -1,6 +1,6 @@
 """The CPU quickstart and the root default: the tiny model learns two-digit addition.
 
-Pins the legacy policy-gradient surrogate (SPEC §2.3): on-policy, one update per rollout,
+Pins the legacy policy-gradient surrogate (docs/objectives.md): on-policy, one update per rollout,
 sampling at temperature 1.0.
 """
 

@@ -1,4 +1,4 @@
-"""Dr-GRPO on GSM8K: GRPO's recipe with mean-centred advantages and the fixed divisor (SPEC §6).
+"""Dr-GRPO on GSM8K: GRPO's recipe with mean-centred advantages and the fixed divisor (docs/objectives.md).
 
 Config only: `rl.unbiased_advantage=true` + `rl.loss_type=seq-mean-token-sum-fixed`, whose divisor is
 `rollout.max_tokens`.

@@ -1,4 +1,4 @@
-"""GSPO on GSM8K: clipped GRPO with sequence-level importance ratios (SPEC §2.2, §6)."""
+"""GSPO on GSM8K: clipped GRPO with sequence-level importance ratios (docs/objectives.md)."""
 
 from recipes.grpo_gsm8k import build_config as build_grpo_config
 from rl_core.config import PosttrainConfig, RLConfig

@@ -1,6 +1,6 @@
 """The annotate phase: from scored completions to the training batch and its annotations table.
 
-Runs while whole groups are present (SPEC §1): group advantages, the shared-prefix mask, and the
+Runs while whole groups are present (docs/objectives.md): group advantages, the shared-prefix mask, and the
 one-row-per-completion table that the pandera gate checks before anything reaches a trainer.
 """
 

@@ -141,7 +141,7 @@ class LLMTrainer:
 
     Args:
       model: the policy (`torch.nn.Module`, a causal LM); trained in place.
-      objective: an `Objective` (SPEC §4).
+      objective: an `Objective` (docs/objectives.md).
       optimizer_config: `OptimizerConfig` (lr, betas, weight_decay, warmup_steps, max_grad_norm).
       auxiliary_models: frozen networks the objective's scorers need, e.g. `{"reference": model}`
         for a KL anchor (`objective.reference_scorer`); never read off the objective.

@@ -1,4 +1,4 @@
-"""Typed config, recipes, dotlist overrides, error messages and preflight (SPEC.md §5)."""
+"""Typed config, recipes, dotlist overrides, error messages and preflight (docs/config.md)."""
 
 from __future__ import annotations
 

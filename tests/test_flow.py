@@ -91,7 +91,7 @@ def test_metrics_have_every_key_family(faulty_run):
 
 def test_rollout_and_train_stats_agree(faulty_run):
     """Cross-checks by formula: 16 completions give rewards in sixteenths; a step whose groups all have
-    equal rewards has zero advantages (SPEC §1), hence a legacy-PG loss of exactly 0."""
+    equal rewards has zero advantages (docs/objectives.md), hence a legacy-PG loss of exactly 0."""
     _, run_dir = faulty_run
     for r in read_metrics(run_dir):
         assert (r["rollout/reward_mean"] * 16) == pytest.approx(round(r["rollout/reward_mean"] * 16))

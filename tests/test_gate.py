@@ -35,7 +35,7 @@ def test_annotate_builds_the_table_and_batch_by_hand():
     assert list(t["group_size"]) == [4] * 8
     assert list(t["response_len"]) == [2, 4, 2, 4, 1, 3, 2, 4]
     assert list(t["truncated"]) == [False, False, False, True, False, False, False, True]
-    # group 0 rewards [1,0,1,1]: (r - 0.75) / (0.5 + eps)  (SPEC §1 worked check)
+    # group 0 rewards [1,0,1,1]: (r - 0.75) / (0.5 + eps)  (worked check)
     expected = (np.array([1, 0, 1, 1]) - 0.75) / (0.5 + 1e-6)
     np.testing.assert_allclose(t["advantage"][:4], expected, rtol=1e-6)
     assert a.stats["rollout/truncation_rate"] == pytest.approx(2 / 8)

@@ -1,4 +1,4 @@
-"""SPEC §1: group advantages and the shared-prefix mask, against closed forms computed here."""
+"""Group advantages and the shared-prefix mask, against closed forms computed here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §4 contract: reduction and weight key, metric adapter, π_old cache, certified forward, identity,
+"""The Objective contract (docs/objectives.md): reduction and weight key, metric adapter, π_old cache, certified forward, identity,
 module-level picklable builder, data preconditions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPEC §2–§3 formulas against closed forms computed here, scalar by scalar, in float64."""
+"""The loss formulas (docs/objectives.md) against closed forms computed here, scalar by scalar, in float64."""
 
 from __future__ import annotations
 

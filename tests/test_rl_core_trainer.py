@@ -1,4 +1,4 @@
-"""LLMTrainer (SPEC §4): accumulation invariance over micro-batches and simulated data-parallel ranks,
+"""LLMTrainer (docs/objectives.md): accumulation invariance over micro-batches and simulated data-parallel ranks,
 weight-0 chunks, clipping, schedule, KL anchor, temperature and exact resume. Tiny random Llama on CPU."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ class ObjectiveContext:
     """Inputs to `build_objective(rl, context)` that live outside `rl`.
 
     - `max_response_length`: `rollout.max_tokens`; the divisor of `seq-mean-token-sum-fixed`
-      (there is no second config field for it, SPEC §3).
+      (there is no second config field for it).
     - `policy_identity`: what identifies the policy being trained (e.g. model name and dtype); copied
       into the objective's identity as provenance.
     """

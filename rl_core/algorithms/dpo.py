@@ -189,7 +189,7 @@ def evaluate_pairs(objective: Objective, model: torch.nn.Module, batch, *, micro
 
 
 def dpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of DPO (SPEC §4), as plain data."""
+    """Every value that changes the math of DPO (docs/objectives.md), as plain data."""
     return {
         "objective": "dpo",
         "dpo_beta": rl.dpo_beta,

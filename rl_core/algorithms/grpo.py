@@ -136,7 +136,7 @@ class GRPOLoss:
 
 
 def grpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of this objective (SPEC §4), as plain data."""
+    """Every value that changes the math of this objective (docs/objectives.md), as plain data."""
     ident: dict[str, Any] = {"objective": "grpo", "grpo_surrogate": rl.grpo_surrogate}
     if rl.grpo_surrogate == "clipped":
         ident.update(importance_sampling_level=rl.importance_sampling_level, epsilon_low=rl.epsilon_low,

@@ -9,7 +9,7 @@ and the teacher's log-probs reach the trainer as a declared batch field, `Trajec
 Both modes train through the clipped surrogate (`clipped_policy_gradient_loss`, token level, with
 per-token advantages `[B, T]`) and `reduce_policy_gradient_loss(rl.loss_type)`, `Reduction.TOKEN_SUM`
 with the chunk weight reported: the GRPO machinery, so micro-batch and data-parallel invariance hold
-by the same argument (PITFALLS: distillation normalisation).
+by the same argument (docs/pitfalls.md: distillation normalisation).
 
 `rl.distillation_mode = "advantage"` (default). The advantage is an annotation made from batch
 fields before dispatch (`opd_annotate`, which calls the pure `opd_token_advantages`):
@@ -17,7 +17,7 @@ fields before dispatch (`opd_annotate`, which calls the pure `opd_token_advantag
     A_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} · (−kl_coef · sg[ℓ^old_{i,t'} − ℓ^T_{i,t'}])  +  w · A^group_i
 
 with `kl_coef = rl.opd_kl_coef`, `w = rl.opd_task_reward_weight` and `A^group` the task reward's
-group advantage (SPEC §1; `[B]` broadcast over tokens). `ℓ^old` is the *sampling* policy's
+group advantage (docs/objectives.md; `[B]` broadcast over tokens). `ℓ^old` is the *sampling* policy's
 log-prob (`rollout_logp`), not the current forward: the advantage is fixed when the batch is
 collected and shared by every mini-batch, exactly like a GRPO advantage. `γ = 0` is the per-token
 advantage `−kl_coef · (ℓ^old − ℓ^T)`; `γ = 1` the undiscounted log-ratio to go.
@@ -355,7 +355,7 @@ class OPDLoss:
 
 
 def opd_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of OPD (SPEC §4), as plain data."""
+    """Every value that changes the math of OPD (docs/objectives.md), as plain data."""
     ident: dict[str, Any] = {
         "objective": "opd",
         "distillation_mode": rl.distillation_mode,

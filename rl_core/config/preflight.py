@@ -131,7 +131,7 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: the dual-clip constant must be > 1, or 0 to disable it")
     if clipped and sequence and rl.lower_bound_ratio != 0:
         err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: dual clip is not applied at "
-            "rl.importance_sampling_level=sequence (GSPO, SPEC §2.2); set rl.lower_bound_ratio=0")
+            "rl.importance_sampling_level=sequence (GSPO, docs/objectives.md); set rl.lower_bound_ratio=0")
     if sequence and opd_advantage:
         err("rl.importance_sampling_level=sequence: OPD's advantage mode gives per-token advantages, which a sequence "
             "ratio cannot take; use rl.importance_sampling_level=token")

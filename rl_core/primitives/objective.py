@@ -124,7 +124,7 @@ class NondeterministicForwardError(RuntimeError):
 
 
 class OldLogpCache:
-    """π_old per-token log-probs `[N, T]` of one collected batch, keyed by sample id (SPEC §4).
+    """π_old per-token log-probs `[N, T]` of one collected batch, keyed by sample id (docs/objectives.md).
 
     Life cycle, driven by the trainer once per collected batch:
       `fill(sample_ids, logp, policy_version)`  the ahead pass, no grad, before the first update;
@@ -222,7 +222,7 @@ class OldLogpCache:
 
 @dataclass
 class Objective:
-    """An algorithm's loss for the trainer. See the module docstring and SPEC §4.
+    """An algorithm's loss for the trainer. See the module docstring and docs/objectives.md.
 
     `fn(model, batch) -> (loss, metrics)`; `old_logp_cache` (ratio surrogates), `reference_scorer`
     (`scorer(reference_model, batch) -> [B, T]`, the network comes from the trainer's

@@ -47,7 +47,7 @@ def _sequence_mean_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, m: torc
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's sequence log-ratio in stop-gradient token form (SPEC §2.2). `[B, T]` -> `[B, T]`.
+    """GSPO's sequence log-ratio in stop-gradient token form (docs/objectives.md). `[B, T]` -> `[B, T]`.
 
         z_i     = (1 / L_i) Σ_t M_{i,t} (ℓ_{i,t} − ℓ^old_{i,t})          L_i = Σ_t M_{i,t} (≥ 1 used)
         λ_{i,t} = min(sg[z_i] + ℓ_{i,t} − sg[ℓ_{i,t}], 10)
@@ -108,7 +108,7 @@ def clipped_policy_gradient_loss(
     lower_bound_ratio: float = 0.0,
     importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate per token (SPEC §2.1; §2.2 at `importance_sampling_level="sequence"`).
+    """Clipped surrogate per token (docs/objectives.md; GSPO at `importance_sampling_level="sequence"`).
 
     token:     ρ_{i,t} = exp(clamp(ℓ_{i,t} − ℓ^old_{i,t}, −20, 20))
     sequence:  ρ_{i,t} = exp(λ_{i,t})                     (λ from `sequence_log_ratio`)
@@ -145,7 +145,7 @@ def clipped_policy_gradient_loss(
                          "scalar advantage per completion ([B]); use importance_sampling_level='token'")
     if sequence and lower_bound_ratio != 0:
         raise ValueError(f"lower_bound_ratio={lower_bound_ratio}: no dual clip at importance_sampling_level='sequence' "
-                         "(SPEC §2.2); pass 0")
+                         "(GSPO); pass 0")
     adv = _broadcast_advantages(advantages, logp)
     m = _float_mask(mask, logp)
     on = _loss_tokens(mask, m)
@@ -239,7 +239,7 @@ def clipped_policy_gradient_loss(
 
 
 def legacy_policy_gradient_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Plain REINFORCE-style surrogate (SPEC §2.3): `loss_{i,t} = −A_i ℓ_{i,t}`. `[B, T]` -> `[B, T]`.
+    """Plain REINFORCE-style surrogate (docs/objectives.md): `loss_{i,t} = −A_i ℓ_{i,t}`. `[B, T]` -> `[B, T]`.
 
     No ratio, no clip, no π_old; on-policy only. `mask` is accepted for a uniform signature and
     shape-checked; reduction applies it.
@@ -256,7 +256,7 @@ def reduce_policy_gradient_loss(
     *,
     max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and weight of one chunk (SPEC §3); the step loss is `Σ numerator / Σ weight`.
+    """Numerator and weight of one chunk (docs/objectives.md); the step loss is `Σ numerator / Σ weight`.
 
     `S_i = Σ_t M_{i,t} loss_{i,t}`, `L_i = Σ_t M_{i,t}`, `B` = #completions with `L_i > 0`:
 
