@@ -72,6 +72,15 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def module_main(argv: list[str] | None = None, prog: str = "python -m flows.grpo") -> int:
+    """`python -m flows.<flow> --config RECIPE -- <overrides>`: the recipe's flow, as `posttrain run` runs it."""
+    own, overrides = _split_overrides(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--config", required=True, help="recipes/<name>.py")
+    args = parser.parse_args(own)
+    return cmd_run(argparse.Namespace(recipe=args.config), overrides)
+
+
 def summary_line(result: dict) -> str:
     """One line a person reads at the end of a run: held-out accuracy first -> last, and where things are."""
     from infra.tracking import MetricsLog

@@ -17,8 +17,6 @@ then `checkpoint` (trainer parts + the pair sampler's state: exact resume as GRP
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 
 from prefect import flow, get_run_logger
@@ -29,7 +27,7 @@ from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.tracking import RunTracker
-from rl_core.config import PosttrainConfig, check, load_config
+from rl_core.config import PosttrainConfig, load_checked
 from rl_core.config.environment import check_memory
 from rl_core.config.loader import ConfigError
 from rl_core.data import Example, PromptSampler
@@ -44,8 +42,6 @@ from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task
 from tasks.rollout import sync_task
 from tasks.train import train_task
-
-logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
 
 REFERENCE_CHUNK_ROWS = 256  # rows per reference forward when rl.micro_batch_per_replica is unset
 
@@ -77,8 +73,7 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     """Train a DPO recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
     overrides = list(overrides or [])
     check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
-    cfg = load_config(recipe, overrides)
-    check(cfg)  # preflight: before any placement or model construction
+    cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
     if cfg.job.algorithm != "dpo":
         raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the dpo flow trains job.algorithm=dpo only"])
     return run_with_restarts(cfg, lambda c: train_dpo(c, recipe, overrides), get_run_logger().warning)
@@ -135,24 +130,22 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
                 log({"step": 0, **evaluate(), "perf/reference_s": reference_s})
             while step < cfg.rl.max_steps:
                 step += 1
-                timer, t_step = Timer(), time.perf_counter()
-                t = time.perf_counter()
-                idx = sampler.next_batch()
-                batch = train_pairs.select(pair_rows(idx))
-                timer.lap("select", t)
-                t = time.perf_counter()
-                validate_pairs_task(batch, len(cluster.workers))
-                timer.lap("validate", t)
-                t = time.perf_counter()
-                per_rank = train_task(cluster, batch)
-                timer.lap("train", t)
-                record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps}
-                if run.due(cfg.rl.validation.every_steps, step):
-                    t = time.perf_counter()
-                    version = step
-                    record.update(sync_task(cluster, version))
-                    record["perf/sync_s"] = time.perf_counter() - t
-                step_s = time.perf_counter() - t_step
+                timer = Timer()
+                with timer.phase("select"):
+                    idx = sampler.next_batch()
+                    batch = train_pairs.select(pair_rows(idx))
+                with timer.phase("validate"):
+                    validate_pairs_task(batch, len(cluster.workers))
+                with timer.phase("train"):
+                    per_rank = train_task(cluster, batch)
+                if run.due(cfg.rl.validation.every_steps, step):  # the engines evaluate: bring them to this step
+                    with timer.phase("sync"):
+                        version = step
+                        synced = sync_task(cluster, version)
+                else:
+                    synced = {}
+                record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps, **synced}
+                step_s = timer.elapsed()
                 record.update({"perf/step_s": step_s,
                                "perf/tokens_per_s": float(batch.loss_mask.sum()) / step_s,
                                "perf/policy_version": version})

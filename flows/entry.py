@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from rl_core.config import check, load_config
+from rl_core.config import load_checked
 from rl_core.registry import algorithm
 
 # Quiet, local defaults for the embedded Prefect API (a user's own settings win).
@@ -30,6 +30,6 @@ def flow_for(name: str):
 
 
 def run_recipe(recipe: str, overrides: list[str]) -> dict:
-    cfg = load_config(recipe, overrides)  # config and preflight errors surface here, before Prefect starts
-    check(cfg)
+    # config and preflight errors surface here, before Prefect starts; the flow takes this config, not a second load
+    cfg = load_checked(str(recipe), list(overrides), hand_over=True)
     return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from flows.grpo import run_on_policy
 from flows.guard import check_run_parameters
+from flows.on_policy import run_on_policy
 from flows.runner import run_with_restarts
-from rl_core.config import PosttrainConfig, check, load_config
+from rl_core.config import PosttrainConfig, load_checked
 from rl_core.config.loader import ConfigError
 
 
@@ -37,8 +37,7 @@ def opd(recipe: str, overrides: list[str] | None = None) -> dict:
     """Train an OPD recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
     overrides = list(overrides or [])
     check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
-    cfg = load_config(recipe, overrides)
-    check(cfg)  # preflight: before any placement or model construction
+    cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
     require_teacher(cfg)
     return run_with_restarts(cfg, lambda c: run_on_policy(c, recipe, overrides, with_teacher=True),
                              get_run_logger().warning)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -41,6 +43,11 @@ ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
 METRICS_PART = "metrics_jsonl"  # key of the driver part that carries metrics.jsonl up to the checkpoint's step
 
 
+# Six task runs a step each log "Finished in state Completed()": noise that costs ~3 ms per task.
+# Failures, retries and the flow's own lines still show; set POSTTRAIN_TASK_LOG_LEVEL=INFO to see all.
+logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
+
+
 def restore_metrics(metrics_log: MetricsLog, saved_text: str | None) -> list[int]:
     """Fill the metrics log from a checkpoint's copy when the log lacks steps the copy has; the steps restored.
 
@@ -59,11 +66,23 @@ def restore_metrics(metrics_log: MetricsLog, saved_text: str | None) -> list[int
 
 
 class Timer:
+    """Wall time of a step's phases: `with timer.phase("rollout"): ...` records `perf/rollout_s` in `laps`."""
+
     def __init__(self) -> None:
         self.laps: dict[str, float] = {}
+        self.started = time.perf_counter()
 
-    def lap(self, name: str, started: float) -> None:
-        self.laps[f"perf/{name}_s"] = time.perf_counter() - started
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.laps[f"perf/{name}_s"] = time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        """Seconds since the timer was made (the step's wall time so far)."""
+        return time.perf_counter() - self.started
 
 
 def lost_actor(exc: BaseException) -> bool:
@@ -236,9 +255,10 @@ class TrainingRun:
             record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler, version, record,
                                                           evaluation_due=evaluating)
         if evaluating:
-            t = time.perf_counter()
-            record.update(evaluate())
-            record["perf/evaluate_s"] = time.perf_counter() - t
+            timer = Timer()
+            with timer.phase("evaluate"):
+                record.update(evaluate())
+            record.update(timer.laps)
         self.log(record, bar)
 
     def finish_pending_evaluation(self, evaluate: Callable[[], dict], announce: Callable[..., None]) -> None:
@@ -251,9 +271,10 @@ class TrainingRun:
         if not records or records[-1].get("step") != self.start_step or any(k.startswith("val/") for k in records[-1]):
             return
         announce("step %d was checkpointed but its evaluation did not finish; evaluating it now", self.start_step)
-        t = time.perf_counter()
-        records[-1].update(evaluate())
-        records[-1]["perf/evaluate_s"] = time.perf_counter() - t
+        timer = Timer()
+        with timer.phase("evaluate"):
+            records[-1].update(evaluate())
+        records[-1].update(timer.laps)
         self.metrics_log.replace(records)
         self.tracker.log_metrics(records[-1], step=self.start_step)
 

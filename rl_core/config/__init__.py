@@ -9,7 +9,14 @@ from rl_core.config.loader import (
     to_yaml,
     write_resolved,
 )
-from rl_core.config.preflight import PreflightReport, check, num_mini_batches, per_replica_batch, preflight
+from rl_core.config.preflight import (
+    PreflightReport,
+    check,
+    load_checked,
+    num_mini_batches,
+    per_replica_batch,
+    preflight,
+)
 from rl_core.config.schema import (
     ClusterConfig,
     DataConfig,
@@ -26,6 +33,6 @@ from rl_core.config.schema import (
 __all__ = [
     "ClusterConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "PosttrainConfig",
     "PreflightReport", "RLConfig", "RolloutConfig", "TrackingConfig", "ValidationConfig", "check", "config_from_dict",
-    "config_hash", "flatten", "load_config", "num_mini_batches", "per_replica_batch", "preflight", "to_yaml",
+    "config_hash", "flatten", "load_checked", "load_config", "num_mini_batches", "per_replica_batch", "preflight", "to_yaml",
     "write_resolved",
 ]

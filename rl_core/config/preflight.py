@@ -250,3 +250,26 @@ def check(cfg: PosttrainConfig) -> PreflightReport:
         raise ConfigError(report.errors, "preflight")
     emit_warnings(report)
     return report
+
+
+# The configuration checked by the entry (before Prefect starts), handed to the flow it starts, so one run
+# loads and preflights its configuration once: (recipe, overrides) -> config. One slot, taken once.
+_handed_over: dict[tuple[str, tuple[str, ...]], PosttrainConfig] = {}
+
+
+def load_checked(recipe: str, overrides: list[str] | tuple[str, ...] = (), *, hand_over: bool = False) -> PosttrainConfig:
+    """`load_config` + `check` (raising ConfigError), unless the caller before this one in the same process
+    checked the same recipe and overrides with `hand_over=True` (the CLI entry, before it starts the flow):
+    then that config is taken, once. The flows call it plainly; a deployment's flow run always loads afresh."""
+    from rl_core.config.loader import load_config
+
+    key = (str(recipe), tuple(overrides))
+    handed = _handed_over.pop(key, None)
+    if handed is not None:
+        return handed
+    cfg = load_config(recipe, list(overrides))
+    check(cfg)
+    if hand_over:
+        _handed_over.clear()
+        _handed_over[key] = cfg.model_copy(deep=True)
+    return cfg
