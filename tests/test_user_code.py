@@ -75,6 +75,19 @@ def test_the_registry_owns_the_per_algorithm_rules():
         algorithm("nope")
 
 
+def test_surrogates_are_registered_functions_and_the_schema_offers_exactly_those():
+    import typing
+
+    from rl_core.algorithms.surrogates import SURROGATES, surrogate
+    from rl_core.config.schema import RLConfig
+
+    allowed = typing.get_args(RLConfig.model_fields["grpo_surrogate"].annotation)
+    assert set(allowed) == set(SURROGATES)
+    assert surrogate("clipped").reads_old_logp and not surrogate("legacy_pg").reads_old_logp
+    with pytest.raises(ValueError, match="expected one of clipped, legacy_pg"):
+        surrogate("gspo")
+
+
 # ----------------------------------------------------------------------------------------- user code
 
 @pytest.mark.parametrize("override, expected", [

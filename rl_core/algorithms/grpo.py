@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rl_core.algorithms.context import ObjectiveContext
+from rl_core.algorithms.surrogates import surrogate
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
@@ -24,12 +25,7 @@ from rl_core.primitives.objective import (
     Reduction,
     scalar_metrics,
 )
-from rl_core.primitives.policy_gradient import (
-    clipped_policy_gradient_loss,
-    legacy_policy_gradient_loss,
-    reduce_policy_gradient_loss,
-    sampled_batch_diagnostics,
-)
+from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss, sampled_batch_diagnostics
 
 # algorithm-local name -> public suffix (published as train/<suffix>)
 GRPO_METRIC_NAMES: dict[str, str] = {
@@ -87,10 +83,10 @@ class GRPOLoss:
 
     def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         s = self.settings
-        clipped = s.grpo_surrogate == "clipped"
+        chosen = surrogate(s.grpo_surrogate)
         adv = _require(batch.advantages, "advantages",
                        "annotate the batch with group advantages (rl_core.annotators) before training")
-        if clipped and s.importance_sampling_level == "sequence" and adv.dim() != 1:
+        if chosen.reads_old_logp and s.importance_sampling_level == "sequence" and adv.dim() != 1:
             raise ValueError("batch.advantages are per token ([B, T]) but rl.importance_sampling_level=sequence needs one "
                              "advantage per completion ([B]); use rl.importance_sampling_level=token")
         logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
@@ -98,18 +94,13 @@ class GRPOLoss:
         entropy = entropy.detach()
         mask = batch.loss_mask.to(logp.dtype)
 
-        stats: dict[str, torch.Tensor] = {}
-        if clipped:
+        old = None
+        if chosen.reads_old_logp:
             if self.old_logp_cache is None:
-                old = _require(batch.old_logp, "old_logp", "the clipped surrogate needs pi_old log-probs")
+                old = _require(batch.old_logp, "old_logp", f"rl.grpo_surrogate={s.grpo_surrogate} needs pi_old log-probs")
             else:
                 old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
-            per_token, stats = clipped_policy_gradient_loss(
-                logp, old, adv, mask,
-                epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
-                lower_bound_ratio=s.lower_bound_ratio, importance_sampling_level=s.importance_sampling_level)
-        else:
-            per_token = legacy_policy_gradient_loss(logp, adv, mask)
+        per_token, stats = chosen.fn(logp, old, adv, mask, s)
         pg_num, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                      max_response_length=s.max_response_length)
         numerator = pg_num
@@ -157,9 +148,7 @@ def grpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
 
 def build_objective(rl, context: ObjectiveContext) -> Objective:
     """GRPO / Dr-GRPO / GSPO / legacy PG from the `rl` config section (an `RLConfig`) and the context."""
-    clipped = rl.grpo_surrogate == "clipped"
-    if rl.grpo_surrogate not in ("clipped", "legacy_pg"):
-        raise ValueError(f"rl.grpo_surrogate={rl.grpo_surrogate!r}; expected 'clipped' or 'legacy_pg'")
+    clipped = surrogate(rl.grpo_surrogate).reads_old_logp  # raises naming the registered surrogates
     if clipped and rl.importance_sampling_level == "sequence" and rl.lower_bound_ratio != 0:
         raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: no dual clip at "
                          "rl.importance_sampling_level=sequence; set rl.lower_bound_ratio=0")

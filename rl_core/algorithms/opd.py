@@ -58,6 +58,7 @@ import torch
 from pandera.typing import Series
 
 from rl_core.algorithms.context import ObjectiveContext
+from rl_core.algorithms.surrogates import SURROGATES
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
@@ -69,11 +70,7 @@ from rl_core.primitives.objective import (
     frozen_token_logprobs,
     scalar_metrics,
 )
-from rl_core.primitives.policy_gradient import (
-    clipped_policy_gradient_loss,
-    reduce_policy_gradient_loss,
-    sampled_batch_diagnostics,
-)
+from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss, sampled_batch_diagnostics
 
 DISTILLATION_MODES = ("advantage", "direct")
 
@@ -334,9 +331,7 @@ class OPDLoss:
             old = batch.old_logp if batch.old_logp is not None else logp.detach()
         else:
             old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
-        per_token, stats = clipped_policy_gradient_loss(
-            logp, old, adv, mask, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
-            lower_bound_ratio=s.lower_bound_ratio, importance_sampling_level="token")
+        per_token, stats = SURROGATES["clipped"].fn(logp, old, adv, mask, s)  # token level: OPDSettings has no other
         numerator, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                         max_response_length=s.max_response_length)
         w = float(weight)
