@@ -1,7 +1,5 @@
-"""Where a run's numbers go: `runs/<job.name>/metrics.jsonl`, one JSON line per step.
-
-Every key is a stable public name (`train/*`, `rollout/*`, `perf/*`, `val/*`). Later layers (MLflow,
-DVC metrics) read this file rather than keeping numbers of their own.
+"""MLflow tracking of a run. The numbers themselves are in `runs/<job.name>/metrics.jsonl`
+(`infra.metrics_log.MetricsLog`, re-exported here), the curve is drawn by `infra.plots`.
 
 `RunTracker` mirrors a run into MLflow (params, tags, metrics, artifacts, provenance per attempt);
 what it logs is scrubbed by `rl_core.redact`, the one rule for keeping credentials out of output.
@@ -14,7 +12,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -27,76 +24,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from infra.storage import fsync_dir, write_durably
+from infra.metrics_log import MetricsLog, last_values  # noqa: F401 - re-exported
+from infra.plots import CURVE_KEYS, metric_value, plot_curve  # noqa: F401 - re-exported
 from rl_core.redact import redact, redact_override, redact_text
 
 log = logging.getLogger("posttrain.tracking")
-
-
-def _clean(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
-    return value
-
-
-class MetricsLog:
-    """Append-only JSONL metrics file; each line is flushed and fsynced so a crash loses no step."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    @staticmethod
-    def line(record: dict[str, Any]) -> str:
-        """One record as its metrics.jsonl line (no newline)."""
-        return json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False)
-
-    def append(self, record: dict[str, Any]) -> None:
-        line = self.line(record)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def read(self) -> list[dict[str, Any]]:
-        """Every record. A torn LAST line (a write cut by a crash: no newline, not JSON) is skipped, since
-        the step it belonged to is redone on resume; a bad line anywhere else is an error naming it."""
-        if not self.path.exists():
-            return []
-        text = self.path.read_text(encoding="utf-8")
-        lines = text.splitlines()
-        out = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                if i == len(lines) and not text.endswith("\n"):
-                    log.warning("%s: the last line is torn (a write cut by a crash); its step is redone", self.path)
-                    continue
-                raise ValueError(f"{self.path}:{i}: not a JSON record ({exc.msg}); fix or remove that line") from None
-        return out
-
-    def text(self) -> str:
-        return self.path.read_text(encoding="utf-8") if self.path.exists() else ""
-
-    def truncate_after(self, step: int) -> None:
-        """Drop lines past `step` (a resumed run rewrites the steps after its checkpoint)."""
-        self.replace([r for r in self.read() if r.get("step", -1) <= step])
-
-    def replace(self, records: Iterable[dict[str, Any]]) -> None:
-        """Rewrite the file with exactly `records` (atomically: a temporary file, then rename)."""
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
-
-
-def last_values(records: Iterable[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
 
 
 # ============================================================================ MLflow tracking
@@ -116,7 +48,6 @@ MLFLOW_PARAM_MAX_CHARS = 6000
 MLFLOW_TAG_MAX_CHARS = 8000
 MLFLOW_BATCH_MAX = 100  # params/tags per log_batch call
 VERSIONED_PACKAGES = ("torch", "transformers", "vllm", "mlflow")
-CURVE_KEYS = ("rollout/reward_mean", "val/accuracy")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------ redaction
@@ -192,44 +123,6 @@ def _param_value(value: Any) -> str:
 def _tag_value(value: Any) -> str:
     text = str(value)
     return text if len(text) <= MLFLOW_TAG_MAX_CHARS else text[: MLFLOW_TAG_MAX_CHARS - 3] + "..."
-
-
-def _metric_value(value: Any) -> float | None:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def plot_curve(records: Iterable[dict[str, Any]], path_png: str | os.PathLike,
-               keys: Iterable[str] = CURVE_KEYS) -> Path:
-    """Write a PNG of `rollout/reward_mean` and `val/accuracy` against step (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
-
-    records = list(records)
-    fig = Figure(figsize=(7, 4), dpi=100)
-    ax = fig.add_subplot(1, 1, 1)
-    for key in keys:
-        points = [(s, v) for s, v in last_values(records, key) if _metric_value(v) is not None]
-        if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None,
-                    label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("value")
-    ax.grid(True, alpha=0.3)
-    if ax.lines:
-        ax.legend(loc="best")
-    out = Path(path_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    return out
 
 
 class TrackingError(RuntimeError):
@@ -435,7 +328,7 @@ class RunTracker:
         for key, value in record.items():
             if key == "step":
                 continue
-            number = _metric_value(value)
+            number = metric_value(value)
             if number is not None:
                 metrics.append(Metric(key=str(key), value=number, timestamp=now, step=int(step)))
         for i in range(0, len(metrics), 1000):

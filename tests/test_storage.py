@@ -41,7 +41,7 @@ from infra.storage import (
     CheckpointStore,
     CheckpointUnavailable,
     CheckpointUploadError,
-    _S3Failure,
+    S3Failure,
     flatten_state,
     is_transient_s3_error,
     unflatten_state,
@@ -511,6 +511,40 @@ def test_s3_background_upload_failure_is_raised_by_flush_or_the_next_save(s3, tm
     threading.Thread(target=lambda: (pytest.raises(CheckpointUploadError, gated.flush), finished.set()),
                      daemon=True).start()
     assert finished.wait(30), "flush hung after a failed upload with a newer step waiting"
+    # the failure was reported; a second flush (a run's clean-up) tries the step left waiting again, and returns
+    gated._s3 = boto3.client("s3")
+    gated.flush()
+    assert gated.list_remote() == [2]
+
+
+class LosesObjectsOnce:
+    """The real boto3 client; right after its first manifest upload every object of the step vanishes (an endpoint
+    that lost its data while it was down)."""
+
+    def __init__(self, client, bucket):
+        self._client, self.bucket, self.lost = client, bucket, False
+
+    def upload_file(self, filename, bucket, key, **kwargs):
+        out = self._client.upload_file(filename, bucket, key, **kwargs)
+        if key.endswith(MANIFEST) and not self.lost:
+            self.lost = True
+            for obj in self._client.list_objects_v2(Bucket=bucket).get("Contents", []):
+                self._client.delete_object(Bucket=bucket, Key=obj["Key"])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_s3_objects_lost_mid_upload_are_uploaded_again(s3, tmp_path, caplog):
+    client = LosesObjectsOnce(boto3.client("s3"), s3)
+    store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=client)
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"):
+        path = store.save(1, {"s": small_state(1.0)}, {})
+    assert client.lost and "uploading step 1 again" in caplog.text
+    assert remote_keys(s3) == [f"run/step_00000001/{p.name}" for p in sorted(path.iterdir())]
+    restored = CheckpointStore(tmp_path / "b", remote_uri=f"s3://{s3}/run").latest_valid()
+    assert_same(CheckpointStore(tmp_path / "b").load(restored)[0], store.load(path)[0])
 
 
 def test_s3_multipart_upload_of_a_large_file(s3, tmp_path):
@@ -613,7 +647,7 @@ def test_s3_missing_bucket_fails_at_once(s3, tmp_path, caplog):
     caplog.clear()
     local = tmp_path / "step_00000001" / MANIFEST
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(_S3Failure) as info:
+    with caplog.at_level(logging.WARNING, logger="posttrain.storage"), pytest.raises(S3Failure) as info:
         store._retry("upload", lambda: store.s3.upload_file(str(local), missing, "run/x"))
     assert time.monotonic() - start < 10
     assert s3_attempts(caplog) == 1
