@@ -7,9 +7,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.algorithms.opd import opd_annotate, validate_teacher_logp
+from rl_core.algorithms.opd import opd_annotate
 from rl_core.annotate import Annotated
 from rl_core.config import RLConfig
+from rl_core.gate import validate_teacher_logp
 
 
 @task(name="teacher", cache_policy=NO_CACHE)

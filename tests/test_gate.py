@@ -10,8 +10,8 @@ import torch
 
 from rl_core.annotate import annotate
 from rl_core.config import RLConfig
+from rl_core.gate import BatchValidationError, validate_annotations, validate_batch_tensors
 from rl_core.rollout.base import build_completions
-from rl_core.schemas import BatchValidationError, validate_annotations, validate_batch_tensors
 
 EOS, PAD = 2, 0
 

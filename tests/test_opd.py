@@ -21,12 +21,11 @@ from rl_core.algorithms.opd import (
     reverse_kl_coefficients,
     reverse_kl_surrogate,
     teacher_logprobs,
-    validate_teacher_logp,
 )
 from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, preflight
+from rl_core.gate import BatchValidationError, validate_teacher_logp
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
-from rl_core.schemas import BatchValidationError
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
 from tests.test_rl_core_trainer import run_ranks

@@ -47,15 +47,10 @@ in the task reward. Task reward and group advantage are not training signals in 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import pandas as pd
-import pandera.pandas as pa
 import torch
-from pandera.typing import Series
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.surrogates import SURROGATES
@@ -198,52 +193,6 @@ def check_teacher_logp(batch) -> None:
     if bool(bad.any()):
         rows = torch.nonzero(bad.any(-1)).flatten().tolist()
         raise ValueError(f"batch.teacher_logp is not a finite log-prob (<= 0) on the loss tokens of rows {rows[:8]}")
-
-
-class TeacherRows(pa.DataFrameModel):
-    """Per-row summary of `batch.teacher_logp` on the loss tokens, for the pandera gate."""
-
-    row: Series[int]
-    teacher_present: Series[bool] = pa.Field(isin=[True])
-    teacher_logp_finite: Series[bool] = pa.Field(isin=[True])
-    teacher_logp_max: Series[float] = pa.Field(le=1e-6)
-
-
-def validate_teacher_logp(batch) -> None:
-    """The gate's check of the teacher annotation: present, `[B, T]`, finite and ≤ 0 on every loss token.
-
-    Raises `rl_core.schemas.BatchValidationError` (a ValueError) naming the failing checks and rows.
-    Run it with the other gate checks (`validate_batch_tensors`) before dispatch.
-    """
-    from rl_core.schemas import BatchValidationError
-
-    t = getattr(batch, "teacher_logp", None)
-    b = batch.batch_size
-    if t is None or tuple(t.shape) != tuple(batch.loss_mask.shape):
-        got = "missing" if t is None else f"shape {list(t.shape)}"
-        why = (f"{got}; expected {list(batch.loss_mask.shape)} (score the batch with "
-               "rl_core.algorithms.opd.teacher_logprobs)")
-        failures = pd.DataFrame([("present", "teacher_logp", None, why)],
-                                columns=["check", "column", "index", "failure_case"])
-        raise BatchValidationError("teacher log-probs", failures)
-    on = batch.loss_mask > 0
-    logp = t.float()
-    finite = torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(-1)
-    top = torch.where(on & torch.isfinite(logp), logp, torch.full_like(logp, -math.inf)).amax(-1) if t.shape[1] else \
-        torch.full((b,), -math.inf)
-    rows = pd.DataFrame({
-        "row": np.arange(b, dtype=np.int64),
-        "teacher_present": np.ones(b, dtype=bool),
-        "teacher_logp_finite": finite.numpy(),
-        "teacher_logp_max": top.clamp_min(-1e30).double().numpy(),
-    })
-    try:
-        TeacherRows.validate(rows, lazy=True)
-    except pa.errors.SchemaErrors as exc:
-        fc = exc.failure_cases
-        failures = pd.DataFrame({"check": fc["check"].astype(str), "column": fc["column"], "index": fc["index"],
-                                 "failure_case": fc["failure_case"]})
-        raise BatchValidationError("teacher log-probs", failures, rows) from None
 
 
 def opd_annotate(batch, rl) -> tuple[Any, dict[str, float]]:

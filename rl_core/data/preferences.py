@@ -5,7 +5,7 @@ A pair is `{"prompt": str, "chosen": str, "rejected": str}` (optional `"pair_id"
 JSONL file, or a Hugging Face dataset id `org/name[:split]` with the same columns (needs the
 optional `datasets` package).
 
-The gate (`validate_preference_pairs`, schema `PreferencePairs`): non-empty (after stripping)
+The gate (`validate_preference_pairs`, schema `PreferencePairs` in `rl_core.gate`): non-empty (after stripping)
 prompt/chosen/rejected, `chosen != rejected`, unique pair ids, and — with a tokenizer — token
 lengths within the limits given as parameters (`prompt_tokens <= max_prompt_tokens`,
 `chosen_tokens`/`rejected_tokens <= max_response_tokens`, responses counted with their EOS). A
@@ -32,58 +32,14 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pandera.pandas as pa
 import torch
-from pandera.typing import Series
 
 from rl_core.data.jsonl import iter_jsonl
-from rl_core.schemas import BatchValidationError
+from rl_core.gate import PreferencePairsError, validate_pair_table  # noqa: F401 - the pair gate
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 CHOSEN_LABEL = 1.0  # rewards on chosen rows
 REJECTED_LABEL = 0.0  # rewards on rejected rows
-
-
-class PreferencePairsError(BatchValidationError):
-    """Preference pairs refused by the gate; `.failures` lists (check, column, index, failure_case)."""
-
-
-class PreferencePairs(pa.DataFrameModel):
-    """One row per preference pair."""
-
-    pair_id: Series[int] = pa.Field(ge=0, unique=True)
-    prompt: Series[str] = pa.Field()
-    chosen: Series[str] = pa.Field()
-    rejected: Series[str] = pa.Field()
-
-    class Config:
-        strict = False  # extra columns (e.g. "source") are kept
-        coerce = False
-
-    @pa.check("prompt", "chosen", "rejected", name="non_empty")
-    def _non_empty(cls, s: Series[str]) -> Series[bool]:
-        return s.astype(str).str.strip().str.len() > 0
-
-    @pa.dataframe_check(name="chosen!=rejected")
-    def _different(cls, df: pd.DataFrame) -> Series[bool]:
-        return df["chosen"].astype(str).str.strip() != df["rejected"].astype(str).str.strip()
-
-
-def preference_pairs_schema(*, max_prompt_tokens: int | None = None,
-                            max_response_tokens: int | None = None) -> pa.DataFrameSchema:
-    """`PreferencePairs` plus token-length columns bounded by the given limits (None: unbounded)."""
-    schema = PreferencePairs.to_schema()
-    columns = {}
-
-    def at_most(col: str, limit: int, param: str) -> pa.Column:
-        return pa.Column(int, pa.Check(lambda s, n=int(limit): s <= n, name=f"{col}<={param}({limit})"))
-
-    if max_prompt_tokens is not None:
-        columns["prompt_tokens"] = at_most("prompt_tokens", max_prompt_tokens, "max_prompt_tokens")
-    if max_response_tokens is not None:
-        for col in ("chosen_tokens", "rejected_tokens"):
-            columns[col] = at_most(col, max_response_tokens, "max_response_tokens")
-    return schema.add_columns(columns) if columns else schema
 
 
 def _as_frame(pairs: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
@@ -126,14 +82,7 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
         lengths = pair_token_lengths(df, tokenizer, task=task, template=template)
         for col in lengths:
             df[col] = lengths[col]
-    schema = preference_pairs_schema(max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
-    try:
-        return schema.validate(df, lazy=True)
-    except pa.errors.SchemaErrors as exc:
-        fc = exc.failure_cases
-        failures = pd.DataFrame({"check": fc["check"].astype(str), "column": fc["column"], "index": fc["index"],
-                                 "failure_case": fc["failure_case"]})
-        raise PreferencePairsError("preference pairs", failures, df) from None
+    return validate_pair_table(df, max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
 
 
 # ------------------------------------------------------------------------------------------ loading

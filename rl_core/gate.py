@@ -1,9 +1,14 @@
-"""The pandera gate: what a batch must satisfy before it may reach a trainer.
+"""The gate: every pandera schema a batch must satisfy before it may reach a trainer, in one module.
 
-`AnnotationsTable` is one row per completion, built by the annotate phase. `validate_annotations`
-adds the run's bounds (`rollout.max_tokens`, whether advantages are group-relative) and
-`validate_batch_tensors` checks the tensor batch (shapes, dtypes, masks, log-probs) row by row
-against the table. Both raise `BatchValidationError` with the failing checks and a few rows.
+- `AnnotationsTable`, one row per completion built by the annotate phase: `validate_annotations` adds the
+  run's bounds (`rollout.max_tokens`, whether advantages are group-relative); `validate_batch_tensors`
+  checks the tensor batch (shapes, dtypes, masks, log-probs) row by row against the table.
+- `TeacherRows` (OPD): `validate_teacher_logp`, the teacher's scores on the loss tokens.
+- `PreferencePairs` (DPO): `validate_pair_table`, the pairs before they become a batch;
+  `validate_pair_batch`, a pair batch with its cached reference log-probs before dispatch.
+
+Every refusal raises `BatchValidationError` (a ValueError) naming each failing check and a few rows;
+`failures_frame` turns pandera's failure cases into the table it reports.
 """
 
 from __future__ import annotations
@@ -108,7 +113,8 @@ def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float
     return schema
 
 
-def _failures_frame(exc: pa.errors.SchemaErrors) -> pd.DataFrame:
+def failures_frame(exc: pa.errors.SchemaErrors) -> pd.DataFrame:
+    """pandera's failure cases as the (check, column, index, failure_case) table a BatchValidationError reports."""
     fc = exc.failure_cases.copy()
     out = pd.DataFrame({
         "check": fc["check"].astype(str).replace({"not_nullable": "not_nullable (NaN or missing)"}),
@@ -124,7 +130,7 @@ def validate_annotations(table: pd.DataFrame, *, max_tokens: int, group_relative
     try:
         return annotations_schema(max_tokens, group_relative).validate(table, lazy=True)
     except pa.errors.SchemaErrors as exc:
-        raise BatchValidationError("annotations table", _failures_frame(exc), table) from None
+        raise BatchValidationError("annotations table", failures_frame(exc), table) from None
 
 
 class BatchRows(pa.DataFrameModel):
@@ -191,4 +197,122 @@ def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None) -> Non
     try:
         BatchRows.validate(rows, lazy=True)
     except pa.errors.SchemaErrors as exc:
-        raise BatchValidationError("tensor batch", _failures_frame(exc), rows) from None
+        raise BatchValidationError("tensor batch", failures_frame(exc), rows) from None
+
+
+# ---------------------------------------------------------------------------- OPD: the teacher's scores
+
+class TeacherRows(pa.DataFrameModel):
+    """Per-row summary of `batch.teacher_logp` on the loss tokens, for the pandera gate."""
+
+    row: Series[int]
+    teacher_present: Series[bool] = pa.Field(isin=[True])
+    teacher_logp_finite: Series[bool] = pa.Field(isin=[True])
+    teacher_logp_max: Series[float] = pa.Field(le=1e-6)
+
+
+def validate_teacher_logp(batch) -> None:
+    """The gate's check of the teacher annotation: present, `[B, T]`, finite and ≤ 0 on every loss token.
+
+    Raises `BatchValidationError` (a ValueError) naming the failing checks and rows. Run it with the
+    other gate checks (`validate_batch_tensors`) before dispatch (`tasks.teacher`).
+    """
+    t = getattr(batch, "teacher_logp", None)
+    b = batch.batch_size
+    if t is None or tuple(t.shape) != tuple(batch.loss_mask.shape):
+        got = "missing" if t is None else f"shape {list(t.shape)}"
+        why = (f"{got}; expected {list(batch.loss_mask.shape)} (score the batch with "
+               "rl_core.algorithms.opd.teacher_logprobs)")
+        failures = pd.DataFrame([("present", "teacher_logp", None, why)],
+                                columns=["check", "column", "index", "failure_case"])
+        raise BatchValidationError("teacher log-probs", failures)
+    on = batch.loss_mask > 0
+    logp = t.float()
+    finite = torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(-1)
+    top = torch.where(on & torch.isfinite(logp), logp, torch.full_like(logp, -math.inf)).amax(-1) if t.shape[1] else \
+        torch.full((b,), -math.inf)
+    rows = pd.DataFrame({
+        "row": np.arange(b, dtype=np.int64),
+        "teacher_present": np.ones(b, dtype=bool),
+        "teacher_logp_finite": finite.numpy(),
+        "teacher_logp_max": top.clamp_min(-1e30).double().numpy(),
+    })
+    try:
+        TeacherRows.validate(rows, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        raise BatchValidationError("teacher log-probs", failures_frame(exc), rows) from None
+
+
+# ---------------------------------------------------------------------------- DPO: preference pairs
+
+class PreferencePairsError(BatchValidationError):
+    """Preference pairs refused by the gate; `.failures` lists (check, column, index, failure_case)."""
+
+
+class PreferencePairs(pa.DataFrameModel):
+    """One row per preference pair."""
+
+    pair_id: Series[int] = pa.Field(ge=0, unique=True)
+    prompt: Series[str] = pa.Field()
+    chosen: Series[str] = pa.Field()
+    rejected: Series[str] = pa.Field()
+
+    class Config:
+        strict = False  # extra columns (e.g. "source") are kept
+        coerce = False
+
+    @pa.check("prompt", "chosen", "rejected", name="non_empty")
+    def _non_empty(cls, s: Series[str]) -> Series[bool]:
+        return s.astype(str).str.strip().str.len() > 0
+
+    @pa.dataframe_check(name="chosen!=rejected")
+    def _different(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["chosen"].astype(str).str.strip() != df["rejected"].astype(str).str.strip()
+
+
+def preference_pairs_schema(*, max_prompt_tokens: int | None = None,
+                            max_response_tokens: int | None = None) -> pa.DataFrameSchema:
+    """`PreferencePairs` plus token-length columns bounded by the given limits (None: unbounded)."""
+    schema = PreferencePairs.to_schema()
+    columns = {}
+
+    def at_most(col: str, limit: int, param: str) -> pa.Column:
+        return pa.Column(int, pa.Check(lambda s, n=int(limit): s <= n, name=f"{col}<={param}({limit})"))
+
+    if max_prompt_tokens is not None:
+        columns["prompt_tokens"] = at_most("prompt_tokens", max_prompt_tokens, "max_prompt_tokens")
+    if max_response_tokens is not None:
+        for col in ("chosen_tokens", "rejected_tokens"):
+            columns[col] = at_most(col, max_response_tokens, "max_response_tokens")
+    return schema.add_columns(columns) if columns else schema
+
+
+def validate_pair_table(df: pd.DataFrame, *, max_prompt_tokens: int | None = None,
+                        max_response_tokens: int | None = None) -> pd.DataFrame:
+    """`preference_pairs_schema` over a pair frame (with `pair_id` and, for limits, token-length columns);
+    raises PreferencePairsError naming each failing check."""
+    schema = preference_pairs_schema(max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
+    try:
+        return schema.validate(df, lazy=True)
+    except pa.errors.SchemaErrors as exc:
+        raise PreferencePairsError("preference pairs", failures_frame(exc), df) from None
+
+
+def validate_pair_batch(batch: Any, num_workers: int) -> Any:
+    """Refuse a DPO batch that is not whole (chosen, rejected) pairs, lacks finite reference log-probs, or does
+    not split into whole pairs per worker."""
+    from rl_core.data.preferences import check_pair_layout
+
+    check_pair_layout(batch)
+    pairs = batch.batch_size // 2
+    if pairs % num_workers:
+        raise ValueError(f"{pairs} pairs do not split into whole pairs across cluster.num_workers={num_workers}")
+    ref = batch.ref_logp
+    if ref is None:
+        raise ValueError("batch.ref_logp is missing: score the reference once with with_reference_logps")
+    on = batch.loss_mask > 0
+    bad = on & ~(torch.isfinite(ref) & (ref <= 1e-6))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
+        raise ValueError(f"batch refused before dispatch: ref_logp is not a finite log-prob on rows {rows[:8]}")
+    return batch
