@@ -114,9 +114,22 @@ def _reap(pid: int) -> None:
         pass
 
 
+def _start_ticks(pid: int) -> int | None:
+    """The process's start in clock ticks since boot (/proc/<pid>/stat, field 22): unlike a wall-clock start
+    time it does not move when the system clock is stepped. None where /proc has no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def _alive(record: Mapping) -> bool:
     """True while the recorded process is running and is still the one we started (not a reused pid)."""
     _reap(record["pid"])
+    if record.get("start_ticks") is not None and Path("/proc/self/stat").exists():
+        return _start_ticks(record["pid"]) == record["start_ticks"]
     started = _start_time(record["pid"])
     return started is not None and abs(started - record["create_time"]) < 1.0
 
@@ -277,7 +290,8 @@ class Services:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(env), cwd=cwd, start_new_session=True)
         started = _start_time(proc.pid) or time.time()
-        record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "cmd": cmd}
+        record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "start_ticks": _start_ticks(proc.pid),
+                  "cmd": cmd}
         tmp = self.pid_file(name).with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self.pid_file(name))

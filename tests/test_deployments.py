@@ -507,3 +507,21 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert int(float(out.stdout.strip().splitlines()[-1])) == expected
+
+
+def test_a_service_stays_recognised_when_the_system_clock_steps():
+    """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
+    (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""
+    from infra.services import _alive, _start_ticks
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ticks = _start_ticks(proc.pid)
+        assert ticks is not None
+        stepped = {"pid": proc.pid, "create_time": time.time() - 3600, "start_ticks": ticks}  # clock moved an hour
+        assert _alive(stepped)
+        assert not _alive({**stepped, "start_ticks": ticks - 1})  # another process that got the same pid
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _alive(stepped)
