@@ -148,6 +148,7 @@ class TrainingRun:
     tracker: RunTracker | None = None
     run_id: str | None = None
     lock: RunLock | None = None
+    evaluation_pending: bool = False  # the checkpoint's step was due for an evaluation (restore sets it)
 
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
@@ -227,7 +228,7 @@ class TrainingRun:
             cluster.load_trainer_parts(parts)
             sampler.load_state_dict(parts["driver"]["sampler"])
             version = int(parts["driver"]["policy_version"])
-            self._evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
+            self.evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
             self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
         self.record_placement(cluster)
         cluster.sync_weights(version)
@@ -264,9 +265,9 @@ class TrainingRun:
     def finish_pending_evaluation(self, evaluate: Callable[[], dict], announce: Callable[..., None]) -> None:
         """After `restore`: when the checkpoint's step was due for evaluation and its metrics line has none (the
         run stopped during it), evaluate now (the engines hold exactly that step's weights) and complete the line."""
-        if not getattr(self, "_evaluation_pending", False):
+        if not self.evaluation_pending:
             return
-        self._evaluation_pending = False
+        self.evaluation_pending = False
         records = self.metrics_log.read()
         if not records or records[-1].get("step") != self.start_step or any(k.startswith("val/") for k in records[-1]):
             return

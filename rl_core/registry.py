@@ -96,11 +96,6 @@ def names(*, topology: Topology | None = None, group_relative: bool | None = Non
                  and (group_relative is None or s.group_relative == group_relative))
 
 
-def owner_of(knob: str) -> str | None:
-    """The algorithm that owns `rl.<knob>` (the only one that reads it), if any."""
-    return next((n for n, s in ALGORITHMS.items() if knob in s.owns), None)
-
-
 # ----------------------------------------------------------------------------- user code by path
 
 class ImportPathError(ValueError):
