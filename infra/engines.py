@@ -4,7 +4,7 @@
 of the engines' placement group: the HF sampling loop over its own copy of the policy, or vLLM
 (GPU, or vLLM's CPU build). It joins the weight-sync group of trainer rank 0 and receives every
 new policy version there, never through the driver. Colocated engines live inside the trainer
-ranks instead (`infra.cluster.PolicyWorker`); both answer the same `generate` call.
+ranks instead (`infra.policy_worker.PolicyWorker`); both answer the same `generate` call.
 
 `EnginePool` is all the driver holds: actor handles. It shards a step's prompts into contiguous
 slices (one per engine), gathers the completions in prompt order and joins them. Seeds are per

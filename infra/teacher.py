@@ -60,7 +60,8 @@ class TeacherRole(AbstractContextManager):
         self.actor: Any = None
 
     def __enter__(self) -> Self:
-        from infra.cluster import PlacementError, _resources, worker_config
+        from infra.cluster import PlacementError, describe_resources
+        from infra.policy_worker import worker_config
 
         c = self.cfg.cluster
         on_gpu = c.gpus_per_worker > 0
@@ -75,8 +76,8 @@ class TeacherRole(AbstractContextManager):
                 raise PlacementError(
                     f"Ray could not place the OPD teacher ({c.cpus_per_worker if on_gpu else 0:g} CPU, "
                     f"{c.gpus_per_worker if on_gpu else 0:g} GPU) within cluster.placement_timeout_s="
-                    f"{c.placement_timeout_s:g}; available now: {_resources(ray.available_resources())}. The teacher "
-                    "needs GPUs beyond the trainer ranks' and engines'") from None
+                    f"{c.placement_timeout_s:g}; available now: {describe_resources(ray.available_resources())}. "
+                    "The teacher needs GPUs beyond the trainer ranks' and engines'") from None
         except BaseException:
             self.__exit__(None, None, None)
             raise

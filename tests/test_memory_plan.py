@@ -273,7 +273,7 @@ def test_activation_formula_matches_what_the_forward_keeps(arch, compute, checkp
             vocab_size=100, tie_word_embeddings=True, max_position_embeddings=64))
     model.config._attn_implementation = "sdpa"
     model.train()
-    if checkpointing:  # as infra.cluster.build_trainer does
+    if checkpointing:  # as infra.policy_worker.build_trainer does
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shape = shape_from_config(model.config)
     rows, seq, c = 3, 12, 2 if compute == "bfloat16" else 4

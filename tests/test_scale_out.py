@@ -185,14 +185,14 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
     assert "1 trainer rank(s)" in message and "{'CPU': 64.0}" in message
     assert "cluster.placement_timeout_s=2" in message and "available now: CPU=" in message
     # nothing is left behind: the placement group was removed, every CPU is free again
-    from infra.services import _wait
+    from infra.services import wait_until
 
-    assert _wait(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
+    assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
 
 def test_actors_get_the_config_as_data_with_absolute_model_paths(in_workdir, tmp_path):
     """Workers never see the recipe file nor the driver's cwd: their config is plain data with absolute paths."""
-    from infra.cluster import worker_config
+    from infra.policy_worker import worker_config
     from rl_core.config import config_from_dict, load_config
 
     cfg = load_config(recipe("arithmetic"), ["model.name_or_path=artifacts/tiny-model/init", "rl.reference=./ref",

@@ -557,7 +557,7 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
              ref: ModelShape) -> RolePlan:
     cl, algo = cfg.cluster, cfg.job.algorithm
     n = cl.num_workers
-    fsdp = cl.sharding == "fsdp" and n > 1  # one rank: nothing to shard (infra.cluster.build_trainer)
+    fsdp = cl.sharding == "fsdp" and n > 1  # one rank: nothing to shard (infra.policy_worker.build_trainer)
     div = n if fsdp else 1
     c, seq, rows = compute_bytes(cfg), prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
     on_gpu, colocated = cl.gpus_per_worker > 0, cl.placement == "colocated"
