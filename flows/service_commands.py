@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from infra.services import PROJECT_DIR_ENV, Services, ServicesError, _bin, project_dir
+from infra.services import PROJECT_DIR_ENV, Services, ServicesError, project_dir, venv_bin
 
 
 def cmd_services(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def deploy_all(services: Services, *, names: list[str] | None = None) -> subproc
     env = {**os.environ, **variables, PROJECT_DIR_ENV: str(project)}
     env.pop("PREFECT_PROFILE", None)
     env["PREFECT_HOME"] = str(services.prefect_home)
-    cmd = [_bin("prefect"), "--no-prompt", "deploy", "--prefect-file", str(project / "prefect.yaml")]
+    cmd = [venv_bin("prefect"), "--no-prompt", "deploy", "--prefect-file", str(project / "prefect.yaml")]
     cmd += [a for n in names for a in ("--name", n)] if names else ["--all"]
     return subprocess.run(cmd, cwd=project, env=env, text=True, capture_output=True, timeout=600,
                           check=False)

@@ -61,7 +61,7 @@ def project_dir() -> Path:
     return Path(os.environ.get(PROJECT_DIR_ENV) or REPO_ROOT).expanduser().resolve()
 
 
-def _bin(name: str) -> str:
+def venv_bin(name: str) -> str:
     """The console script next to this interpreter (the venv's), else whatever is on PATH."""
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else name
@@ -114,7 +114,7 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _start_ticks(pid: int) -> int | None:
+def process_start_ticks(pid: int) -> int | None:
     """The process's start in clock ticks since boot (/proc/<pid>/stat, field 22): unlike a wall-clock start
     time it does not move when the system clock is stepped. None where /proc has no such process."""
     try:
@@ -125,11 +125,11 @@ def _start_ticks(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def _alive(record: Mapping) -> bool:
+def process_alive(record: Mapping) -> bool:
     """True while the recorded process is running and is still the one we started (not a reused pid)."""
     _reap(record["pid"])
     if record.get("start_ticks") is not None and Path("/proc/self/stat").exists():
-        return _start_ticks(record["pid"]) == record["start_ticks"]
+        return process_start_ticks(record["pid"]) == record["start_ticks"]
     started = _start_time(record["pid"])
     return started is not None and abs(started - record["create_time"]) < 1.0
 
@@ -146,14 +146,14 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -171,7 +171,7 @@ def _auth_header(auth: str | None) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
 
 
-def _http_ok(url: str, auth: str | None = None) -> bool:
+def http_ok(url: str, auth: str | None = None) -> bool:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=_auth_header(auth)), timeout=2) as resp:
             return resp.status == 200
@@ -189,7 +189,7 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _csrf_headers(api: str, auth: str | None) -> dict[str, str]:
+def csrf_headers(api: str, auth: str | None) -> dict[str, str]:
     """A CSRF token for one write, as the Prefect client gets it (`GET /csrf-token?client=...`)."""
     import uuid
 
@@ -272,7 +272,7 @@ class Services:
         return auth
 
     def running(self) -> dict[str, bool]:
-        return {name: (rec := self._record(name)) is not None and _alive(rec) for name in SERVICES}
+        return {name: (rec := self._record(name)) is not None and process_alive(rec) for name in SERVICES}
 
     # ---------------------------------------------------------------- start
 
@@ -290,7 +290,7 @@ class Services:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(env), cwd=cwd, start_new_session=True)
         started = _start_time(proc.pid) or time.time()
-        record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "start_ticks": _start_ticks(proc.pid),
+        record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "start_ticks": process_start_ticks(proc.pid),
                   "cmd": cmd}
         tmp = self.pid_file(name).with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
@@ -301,12 +301,12 @@ class Services:
         record = self._record(name)
 
         def ready() -> bool:
-            if not _alive(record):
+            if not process_alive(record):
                 raise ServicesError(f"{name} exited during start-up; its log {self.log_file(name)} ends with:\n"
                                     f"{self._log_tail(name)}")
-            return _http_ok(url, auth)
+            return http_ok(url, auth)
 
-        if not _wait(ready, timeout, interval=0.5):
+        if not wait_until(ready, timeout, interval=0.5):
             raise ServicesError(f"{name} not healthy at {url} after {timeout:.0f} s; see {self.log_file(name)}:\n"
                                 f"{self._log_tail(name)}")
 
@@ -317,7 +317,7 @@ class Services:
             return "(no log)"
 
     def _create_work_pool(self, env: Mapping[str, str]) -> None:
-        out = subprocess.run([_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
+        out = subprocess.run([venv_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
                              env=dict(env), capture_output=True, text=True, timeout=180, cwd=self.root,
                              check=False)
         text = out.stdout + out.stderr
@@ -354,7 +354,7 @@ class Services:
             mlflow_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
             mlflow_env.pop("MLFLOW_TRACKING_URI", None)
             self._spawn("mlflow", [
-                _bin("mlflow"), "server", "--host", HOST, "--port", str(ports["mlflow"]),
+                venv_bin("mlflow"), "server", "--host", HOST, "--port", str(ports["mlflow"]),
                 "--backend-store-uri", "sqlite:///" + str(self.root / "mlflow.db"),
                 "--artifacts-destination", str(self.root / "mlartifacts"), "--workers", "1",
             ], mlflow_env, self.root)
@@ -364,7 +364,7 @@ class Services:
             server_env = {**base, "PREFECT_SERVER_API_AUTH_STRING": auth,
                           "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
                           "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": urls["PREFECT_UI_URL"]}
-            self._spawn("prefect-server", [_bin("prefect"), "server", "start", "--host", HOST,
+            self._spawn("prefect-server", [venv_bin("prefect"), "server", "start", "--host", HOST,
                                            "--port", str(ports["prefect"])], server_env, self.root)
             announce(f"waiting for the Prefect server on {urls['PREFECT_UI_URL']} ...")
             self._await_health("prefect-server", urls["PREFECT_API_URL"] + "/health", timeout, auth)
@@ -372,12 +372,12 @@ class Services:
             self._create_work_pool(client_env)
             wenv = {**client_env, "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"], PROJECT_DIR_ENV: str(project),
                     **(worker_env or {})}
-            self._spawn("prefect-worker", [_bin("prefect"), "worker", "start", "--pool", WORK_POOL,
+            self._spawn("prefect-worker", [venv_bin("prefect"), "worker", "start", "--pool", WORK_POOL,
                                            "--type", "process", "--name", f"posttrain-{socket.gethostname()}"],
                         wenv, project)
             announce(f"waiting for MLflow on {urls['MLFLOW_TRACKING_URI']} ...")
             self._await_health("mlflow", urls["MLFLOW_TRACKING_URI"] + "/health", timeout)
-            if not _wait(lambda: self._worker_polling(client_env), 60, interval=1.0):
+            if not wait_until(lambda: self._worker_polling(client_env), 60, interval=1.0):
                 raise ServicesError(f"the Prefect worker is not polling {WORK_POOL}; see "
                                     f"{self.log_file('prefect-worker')}:\n{self._log_tail('prefect-worker')}")
         except BaseException:
@@ -394,12 +394,12 @@ class Services:
         return variables
 
     def _worker_polling(self, env: Mapping[str, str]) -> bool:
-        if not _alive(self._record("prefect-worker")):
+        if not process_alive(self._record("prefect-worker")):
             raise ServicesError(f"the Prefect worker exited; see {self.log_file('prefect-worker')}:\n"
                                 f"{self._log_tail('prefect-worker')}")
         api, auth = env["PREFECT_API_URL"], env.get(AUTH_ENV)
         try:
-            headers = {"Content-Type": "application/json", **_auth_header(auth), **_csrf_headers(api, auth)}
+            headers = {"Content-Type": "application/json", **_auth_header(auth), **csrf_headers(api, auth)}
             request = urllib.request.Request(f"{api}/work_pools/{WORK_POOL}/workers/filter", data=b"{}", method="POST",
                                              headers=headers)
             with urllib.request.urlopen(request, timeout=5) as resp:
@@ -414,27 +414,27 @@ class Services:
         if record is None:
             return f"{name}: not started"
         pid, pgid = record["pid"], record["pgid"]
-        if not _alive(record):
+        if not process_alive(record):
             self.pid_file(name).unlink(missing_ok=True)
             if _start_time(pid) is None and _group_alive(pgid):  # the leader is gone: stop what is left
-                _signal_group(pgid, signal.SIGKILL)
+                signal_group(pgid, signal.SIGKILL)
             return f"{name}: was not running (pid {pid}); removed its pid file"
         # The worker takes its first SIGTERM as "finish gracefully" and exits on the second.
         signals = [signal.SIGTERM, signal.SIGTERM] if name == "prefect-worker" else [signal.SIGTERM]
         how = "SIGTERM"
         for i, sig in enumerate(signals):
-            _signal_group(pgid, sig)
+            signal_group(pgid, sig)
             how = "SIGTERM" if i == 0 else f"SIGTERM x{i + 1}"
-            if _wait(lambda: not _alive(record), timeout / (len(signals) + 1) if i < len(signals) - 1 else timeout):
+            if wait_until(lambda: not process_alive(record), timeout / (len(signals) + 1) if i < len(signals) - 1 else timeout):
                 break
         else:
             how = "SIGKILL"
-            _signal_group(pgid, signal.SIGKILL)
-            _wait(lambda: not _alive(record), 10)
+            signal_group(pgid, signal.SIGKILL)
+            wait_until(lambda: not process_alive(record), 10)
         # children of the group that outlived their leader (uvicorn/gunicorn workers, flow-run processes)
-        if _wait(lambda: not _group_alive(pgid), 5) is False:
-            _signal_group(pgid, signal.SIGKILL)
-            _wait(lambda: not _group_alive(pgid), 5)
+        if wait_until(lambda: not _group_alive(pgid), 5) is False:
+            signal_group(pgid, signal.SIGKILL)
+            wait_until(lambda: not _group_alive(pgid), 5)
         self.pid_file(name).unlink(missing_ok=True)
         return f"{name}: stopped (pid {pid}, {how})"
 
@@ -458,7 +458,7 @@ class Services:
             record = self._record(name)
             if record is None:
                 lines.append(f"  {name:15s} not started")
-            elif _alive(record):
+            elif process_alive(record):
                 lines.append(f"  {name:15s} running  pid {record['pid']:<8d} {where[name]}  log {self.log_file(name)}")
             else:
                 lines.append(f"  {name:15s} DEAD     pid {record['pid']:<8d} (stale pid file)  log {self.log_file(name)}")

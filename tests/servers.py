@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from infra.services import _bin, _http_ok, _signal_group, _wait, free_port
+from infra.services import free_port, http_ok, signal_group, venv_bin, wait_until
 
 
 def _accepts(port: int) -> bool:
@@ -28,17 +28,17 @@ def _accepts(port: int) -> bool:
 
 def stop_group(proc: subprocess.Popen, pgid: int) -> None:
     """SIGTERM a server's own process group (its workers included), then SIGKILL what is left."""
-    _signal_group(pgid, signal.SIGTERM)
+    signal_group(pgid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
-    _signal_group(pgid, signal.SIGKILL)  # the leader if it ignored SIGTERM, and workers that outlived it
+    signal_group(pgid, signal.SIGKILL)  # the leader if it ignored SIGTERM, and workers that outlived it
     proc.wait(timeout=30)
 
 
 def _started(proc: subprocess.Popen, ready, timeout: float, what: str, log: Path) -> None:
-    if not _wait(lambda: proc.poll() is not None or ready(), timeout, interval=0.1) or proc.poll() is not None:
+    if not wait_until(lambda: proc.poll() is not None or ready(), timeout, interval=0.1) or proc.poll() is not None:
         raise RuntimeError(f"{what} did not start within {timeout:.0f} s (exit code {proc.poll()}): "
                            f"{log.read_text(errors='replace')[-3000:]}")
 
@@ -60,7 +60,7 @@ main(["-H", "127.0.0.1", "-p", port])
 def start_moto(port: int, log: Path, buckets: tuple[str, ...] = ()) -> subprocess.Popen:
     """moto's S3 server on 127.0.0.1:`port` in a process group of its own (stop it with
     `stop_group(proc, proc.pid)`), holding `buckets` from the start; returns once it accepts connections."""
-    exe = Path(_bin("moto_server"))
+    exe = Path(venv_bin("moto_server"))
     if buckets:
         cmd = [sys.executable, "-c", _MOTO_WITH_BUCKETS, str(port), *buckets]
     else:
@@ -101,12 +101,12 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, Path]]:
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+            [venv_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{(root / 'server.db').resolve()}",
              "--artifacts-destination", str((root / "server-artifacts").resolve())],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=root)
     try:
-        _started(proc, lambda: _http_ok(url + "/health"), 120, "mlflow server", log)
+        _started(proc, lambda: http_ok(url + "/health"), 120, "mlflow server", log)
         yield url, root / "server-artifacts"
     finally:
         stop_group(proc, proc.pid)
@@ -146,7 +146,7 @@ def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None) -> 
     port = free_port()
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "head.log"
-    cmd = [_bin("ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+    cmd = [venv_bin("ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--num-cpus", str(num_cpus), "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
            "--object-store-memory", str(256 * 1024 * 1024), "--temp-dir", str(temp_dir / "ray")]
     with open(log, "wb") as out:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.services import WORK_POOL, Services, _bin, _http_ok
+from infra.services import WORK_POOL, Services, http_ok, venv_bin
 from rl_core.config import ConfigError, check, load_config
 from rl_core.config.environment import environment_problems, visible_gpus
 from tests.conftest import FAST, REPO, recipe
@@ -135,7 +135,7 @@ def test_deploy_without_services_fails_clearly(tmp_path):
 
 
 def prefect(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([_bin("prefect"), "--no-prompt", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([venv_bin("prefect"), "--no-prompt", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, check=False)
 
 
@@ -202,7 +202,7 @@ def test_services_are_up_with_state_files(services, client_env):
     assert all(svc.running().values())
     for name in ("prefect-server", "prefect-worker", "mlflow"):
         assert svc.pid_file(name).is_file() and svc.log_file(name).is_file()
-    assert _http_ok(env["PREFECT_API_URL"] + "/health") and _http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
+    assert http_ok(env["PREFECT_API_URL"] + "/health") and http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
     assert (svc.prefect_home / "prefect.db").is_file()  # the server's own home, not ~/.prefect
     text = svc.env_file.read_text()
     assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
@@ -249,9 +249,9 @@ def test_the_api_wants_its_password_and_csrf_tokens_and_the_secret_files_are_pri
     assert call("/deployments/filter", method="POST") in (401, 403)
     # authenticated, but without the CSRF token the Prefect client fetches first: refused too; with both, served
     assert call("/flow_runs/filter", method="POST", headers=basic) == 403
-    from infra.services import _csrf_headers
+    from infra.services import csrf_headers
 
-    assert call("/flow_runs/filter", method="POST", headers={**basic, **_csrf_headers(api, auth)}) == 200
+    assert call("/flow_runs/filter", method="POST", headers={**basic, **csrf_headers(api, auth)}) == 200
     # a browser on another origin gets no CORS permission
     request = urllib.request.Request(api + "/health", method="OPTIONS", headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
@@ -439,7 +439,7 @@ def test_down_stops_exactly_the_service_processes(services):
         for rec in records.values():
             assert not psutil.pid_exists(rec["pid"]) or psutil.Process(rec["pid"]).status() == psutil.STATUS_ZOMBIE
         assert not any(svc.pid_file(n).exists() for n in records) and not svc.env_file.exists()
-        assert not _http_ok(env["PREFECT_API_URL"] + "/health") and not _http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
+        assert not http_ok(env["PREFECT_API_URL"] + "/health") and not http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
         assert bystander.poll() is None  # an unrelated process is untouched
     finally:
         bystander.kill()
@@ -512,16 +512,16 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
 def test_a_service_stays_recognised_when_the_system_clock_steps():
     """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
     (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""
-    from infra.services import _alive, _start_ticks
+    from infra.services import process_alive, process_start_ticks
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        ticks = _start_ticks(proc.pid)
+        ticks = process_start_ticks(proc.pid)
         assert ticks is not None
         stepped = {"pid": proc.pid, "create_time": time.time() - 3600, "start_ticks": ticks}  # clock moved an hour
-        assert _alive(stepped)
-        assert not _alive({**stepped, "start_ticks": ticks - 1})  # another process that got the same pid
+        assert process_alive(stepped)
+        assert not process_alive({**stepped, "start_ticks": ticks - 1})  # another process that got the same pid
     finally:
         proc.kill()
         proc.wait()
-    assert not _alive(stepped)
+    assert not process_alive(stepped)

@@ -26,7 +26,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from infra.services import _bin, _http_ok, free_port
+from infra.services import free_port, http_ok, venv_bin
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
 from tests.conftest import REPO, recipe
 from tests.servers import _started, start_moto, stop_group
@@ -178,10 +178,10 @@ def start_prefect(port: int, home: Path, log: Path) -> subprocess.Popen:
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_UI_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
     with open(log, "ab") as out:
-        proc = subprocess.Popen([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        proc = subprocess.Popen([venv_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _started(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/api/health"), 240, "prefect server", log)
+        _started(proc, lambda: http_ok(f"http://127.0.0.1:{port}/api/health"), 240, "prefect server", log)
     except BaseException:
         stop_group(proc, proc.pid)
         raise
