@@ -13,39 +13,23 @@ from typing import Any
 import torch
 
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.surrogates import surrogate
+from rl_core.algorithms.surrogates import loss_and_metrics, metric_names, surrogate
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
-    OBJECTIVE_WEIGHT_SUM,
     LogprobScorer,
     MetricAdapter,
     Objective,
     OldLogpCache,
     Reduction,
-    scalar_metrics,
 )
-from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss, sampled_batch_diagnostics
+from rl_core.primitives.policy_gradient import (
+    clip_settings_problem,
+    reduce_policy_gradient_loss,
+)
 
 # algorithm-local name -> public suffix (published as train/<suffix>)
-GRPO_METRIC_NAMES: dict[str, str] = {
-    "grpo_loss": "loss",
-    "grpo_pg_loss": "pg_loss",
-    "grpo_kl": "kl",
-    "grpo_clip_frac": "clip_frac",
-    "grpo_clip_frac_low": "clip_frac_low",
-    "grpo_clip_frac_high": "clip_frac_high",
-    "grpo_dual_clip_frac": "dual_clip_frac",
-    "grpo_ratio_mean": "ratio_mean",
-    "grpo_ratio_min": "ratio_min",
-    "grpo_ratio_max": "ratio_max",
-    "grpo_approx_kl_old": "approx_kl_old",
-    "grpo_entropy": "entropy",
-    "grpo_advantage_mean": "advantage_mean",
-    "grpo_advantage_std": "advantage_std",
-    "grpo_rollout_logp_abs_diff": "rollout_logp_abs_diff",
-    "grpo_rollout_logp_abs_diff_max": "rollout_logp_abs_diff_max",
-}
+GRPO_METRIC_NAMES: dict[str, str] = metric_names("grpo", "kl")
 
 
 @dataclass(frozen=True)
@@ -103,26 +87,16 @@ class GRPOLoss:
         per_token, stats = chosen.fn(logp, old, adv, mask, s)
         pg_num, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                      max_response_length=s.max_response_length)
-        numerator = pg_num
-        kl_num = None
+        numerator, own = pg_num, {}
         if s.kl_beta > 0:
             ref = _require(batch.ref_logp, "ref_logp", "rl.kl_beta > 0 needs reference log-probs; pass the reference "
                            "model to the trainer as auxiliary_models={'reference': model}")
-            kl_num, _ = reduce_policy_gradient_loss(kl_penalty(logp, ref, s.kl_estimator), mask, s.loss_type,
-                                                    max_response_length=s.max_response_length)
-            numerator = pg_num + s.kl_beta * kl_num
-        w = float(weight)
-        loss = numerator / weight if w > 0 else numerator * 0.0
-
-        with torch.no_grad():
-            denom = weight if w > 0 else torch.ones_like(weight)
-            values = {"loss": loss.detach(), "pg_loss": pg_num.detach() / denom,
-                      **sampled_batch_diagnostics(logp, batch.rollout_logp, entropy, adv, mask)}
-            if kl_num is not None:
-                values["kl"] = kl_num.detach() / denom
-            values.update(stats)
-            metrics = scalar_metrics({f"grpo_{k}": v for k, v in values.items()})
-        metrics[OBJECTIVE_WEIGHT_SUM] = w
+            own["kl"], _ = reduce_policy_gradient_loss(kl_penalty(logp, ref, s.kl_estimator), mask, s.loss_type,
+                                                       max_response_length=s.max_response_length)
+            numerator = pg_num + s.kl_beta * own["kl"]
+        loss, metrics = loss_and_metrics("grpo", numerator, weight, pg_numerator=pg_num, stats=stats, logp=logp,
+                                         rollout_logp=batch.rollout_logp, entropy=entropy, advantages=adv, mask=mask,
+                                         own=own)
         return loss, metrics
 
 
@@ -149,11 +123,8 @@ def grpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
 def build_objective(rl, context: ObjectiveContext) -> Objective:
     """GRPO / Dr-GRPO / GSPO / legacy PG from the `rl` config section (an `RLConfig`) and the context."""
     clipped = surrogate(rl.grpo_surrogate).reads_old_logp  # raises naming the registered surrogates
-    if clipped and rl.importance_sampling_level == "sequence" and rl.lower_bound_ratio != 0:
-        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: no dual clip at "
-                         "rl.importance_sampling_level=sequence; set rl.lower_bound_ratio=0")
-    if clipped and 0 < rl.lower_bound_ratio <= 1:
-        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: must be > 1, or 0 to disable the dual clip")
+    if clipped and (problem := clip_settings_problem(rl.lower_bound_ratio, rl.importance_sampling_level, "rl.")):
+        raise ValueError(problem)
     if not clipped and rl.importance_sampling_level != "token":
         raise ValueError("rl.importance_sampling_level=sequence is a knob of rl.grpo_surrogate=clipped; legacy_pg has "
                          "no ratio")

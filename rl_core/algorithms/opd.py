@@ -53,41 +53,25 @@ from typing import Any
 import torch
 
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.surrogates import SURROGATES
+from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
-    OBJECTIVE_WEIGHT_SUM,
     LogprobScorer,
     MetricAdapter,
     Objective,
     OldLogpCache,
     Reduction,
     frozen_token_logprobs,
-    scalar_metrics,
 )
-from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss, sampled_batch_diagnostics
+from rl_core.primitives.policy_gradient import (
+    clip_settings_problem,
+    reduce_policy_gradient_loss,
+)
 
 DISTILLATION_MODES = ("advantage", "direct")
 
 # algorithm-local name -> public suffix (published as train/<suffix>)
-OPD_METRIC_NAMES: dict[str, str] = {
-    "opd_loss": "loss",
-    "opd_pg_loss": "pg_loss",
-    "opd_reverse_kl": "reverse_kl",
-    "opd_clip_frac": "clip_frac",
-    "opd_clip_frac_low": "clip_frac_low",
-    "opd_clip_frac_high": "clip_frac_high",
-    "opd_dual_clip_frac": "dual_clip_frac",
-    "opd_ratio_mean": "ratio_mean",
-    "opd_ratio_min": "ratio_min",
-    "opd_ratio_max": "ratio_max",
-    "opd_approx_kl_old": "approx_kl_old",
-    "opd_entropy": "entropy",
-    "opd_advantage_mean": "advantage_mean",
-    "opd_advantage_std": "advantage_std",
-    "opd_rollout_logp_abs_diff": "rollout_logp_abs_diff",
-    "opd_rollout_logp_abs_diff_max": "rollout_logp_abs_diff_max",
-}
+OPD_METRIC_NAMES: dict[str, str] = metric_names("opd", "reverse_kl")
 
 
 # ---------------------------------------------------------------------------------- pure functions
@@ -283,19 +267,12 @@ class OPDLoss:
         per_token, stats = SURROGATES["clipped"].fn(logp, old, adv, mask, s)  # token level: OPDSettings has no other
         numerator, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                         max_response_length=s.max_response_length)
-        w = float(weight)
-        loss = numerator / weight if w > 0 else numerator * 0.0
-
         with torch.no_grad():
-            denom = weight if w > 0 else torch.ones_like(weight)
             k1 = torch.where(mask > 0, logp.detach() - teacher, torch.zeros_like(logp))
             kl_num, _ = reduce_policy_gradient_loss(k1, mask, s.loss_type, max_response_length=s.max_response_length)
-            values = {"loss": loss.detach(), "pg_loss": numerator.detach() / denom, "reverse_kl": kl_num / denom,
-                      **sampled_batch_diagnostics(logp, batch.rollout_logp, entropy, adv, mask)}
-            values.update(stats)
-            metrics = scalar_metrics({f"opd_{k}": v for k, v in values.items()})
-        metrics[OBJECTIVE_WEIGHT_SUM] = w
-        return loss, metrics
+        return loss_and_metrics("opd", numerator, weight, pg_numerator=numerator, stats=stats, logp=logp,
+                                rollout_logp=batch.rollout_logp, entropy=entropy, advantages=adv, mask=mask,
+                                own={"reverse_kl": kl_num})
 
 
 def opd_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
@@ -342,8 +319,8 @@ def build_objective(rl, context: ObjectiveContext) -> Objective:
         raise ValueError("rl.importance_sampling_level=sequence: OPD's advantages are per token; use token")
     if rl.kl_beta > 0:
         raise ValueError(f"rl.kl_beta={rl.kl_beta}: OPD has no KL anchor to a reference; set rl.kl_beta=0")
-    if 0 < rl.lower_bound_ratio <= 1:
-        raise ValueError(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: must be > 1, or 0 to disable the dual clip")
+    if problem := clip_settings_problem(rl.lower_bound_ratio, prefix="rl."):
+        raise ValueError(problem)
     settings = OPDSettings(
         distillation_mode=rl.distillation_mode,
         discount=rl.opd_discount,

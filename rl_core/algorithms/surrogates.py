@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, legacy_policy_gradient_loss
+from rl_core.primitives.objective import OBJECTIVE_WEIGHT_SUM, scalar_metrics
+from rl_core.primitives.policy_gradient import (
+    clipped_policy_gradient_loss,
+    legacy_policy_gradient_loss,
+    sampled_batch_diagnostics,
+)
 
 SurrogateFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, Any],
                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -52,3 +57,39 @@ def surrogate(name: str) -> Surrogate:
         return SURROGATES[name]
     except KeyError:
         raise ValueError(f"rl.grpo_surrogate={name!r}; expected one of {', '.join(SURROGATES)}") from None
+
+
+# The metrics every surrogate-trained objective (GRPO family, OPD) publishes as train/<name>; each
+# objective adds its own after `pg_loss` (GRPO `kl`, OPD `reverse_kl`). legacy_pg has no ratio, so the
+# ratio/clip statistics are absent from its lines.
+SURROGATE_METRICS = ("loss", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+                     "ratio_mean", "ratio_min", "ratio_max", "approx_kl_old", "entropy", "advantage_mean",
+                     "advantage_std", "rollout_logp_abs_diff", "rollout_logp_abs_diff_max")
+
+
+def metric_names(prefix: str, *own: str) -> dict[str, str]:
+    """An objective's algorithm-local metric name -> public suffix: `{prefix}_{name}` -> `name`."""
+    names = (*SURROGATE_METRICS[:2], *own, *SURROGATE_METRICS[2:])
+    return {f"{prefix}_{n}": n for n in names}
+
+
+def loss_and_metrics(prefix: str, numerator: torch.Tensor, weight: torch.Tensor, *, pg_numerator: torch.Tensor,
+                     stats: dict[str, torch.Tensor], logp: torch.Tensor, rollout_logp: torch.Tensor | None,
+                     entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     own: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """`(numerator / weight, metrics)` of a chunk, with the metrics every surrogate objective logs.
+
+    A chunk without loss tokens (weight 0) gives a zero loss that keeps the graph. Ratios of
+    numerators (`pg_numerator`, each of `own`) are divided by the same weight, so they combine over
+    chunks to the unsplit value; `metrics[OBJECTIVE_WEIGHT_SUM]` = weight.
+    """
+    w = float(weight)
+    loss = numerator / weight if w > 0 else numerator * 0.0
+    with torch.no_grad():
+        denom = weight if w > 0 else torch.ones_like(weight)
+        values = {"loss": loss.detach(), "pg_loss": pg_numerator.detach() / denom,
+                  **{k: v.detach() / denom for k, v in (own or {}).items()},
+                  **sampled_batch_diagnostics(logp, rollout_logp, entropy, advantages, mask), **stats}
+        metrics = scalar_metrics({f"{prefix}_{k}": v for k, v in values.items()})
+    metrics[OBJECTIVE_WEIGHT_SUM] = w
+    return loss, metrics

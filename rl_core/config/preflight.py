@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from rl_core.config.schema import PosttrainConfig, RLConfig
+from rl_core.primitives.policy_gradient import clip_settings_problem
 from rl_core.registry import ALGORITHMS, algorithm, names, user_code_problems
 
 log = logging.getLogger("posttrain.preflight")
@@ -127,11 +128,8 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if n_mini > 1:
             err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
                 "rl.grpo_surrogate=legacy_pg is on-policy only (one update per rollout); remove it or use clipped")
-    if clipped and 0 < rl.lower_bound_ratio <= 1:
-        err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: the dual-clip constant must be > 1, or 0 to disable it")
-    if clipped and sequence and rl.lower_bound_ratio != 0:
-        err(f"rl.lower_bound_ratio={rl.lower_bound_ratio}: dual clip is not applied at "
-            "rl.importance_sampling_level=sequence (GSPO, docs/objectives.md); set rl.lower_bound_ratio=0")
+    if clipped and (problem := clip_settings_problem(rl.lower_bound_ratio, rl.importance_sampling_level, "rl.")):
+        err(problem)
     if sequence and opd_advantage:
         err("rl.importance_sampling_level=sequence: OPD's advantage mode gives per-token advantages, which a sequence "
             "ratio cannot take; use rl.importance_sampling_level=token")

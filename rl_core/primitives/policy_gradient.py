@@ -97,6 +97,22 @@ def _clipped_surrogate_autograd(logp, old_logp, adv, m, *, epsilon_low, epsilon_
     return loss
 
 
+def clip_settings_problem(lower_bound_ratio: float, importance_sampling_level: str = "token",
+                          prefix: str = "") -> str | None:
+    """The dual-clip rule, written once: a message naming `lower_bound_ratio`, or None when it holds.
+
+    The dual-clip constant c is > 1 (a bound −cA below −A), or 0 to disable it; and there is no dual
+    clip at `importance_sampling_level="sequence"` (GSPO). The primitive, the objective builders and
+    preflight all ask this function; `prefix` ("rl.") names the keys as the config spells them.
+    """
+    c, level = f"{prefix}lower_bound_ratio", f"{prefix}importance_sampling_level"
+    if lower_bound_ratio != 0 and lower_bound_ratio <= 1:
+        return f"{c}={lower_bound_ratio}: the dual-clip constant must be > 1, or 0 to disable it"
+    if importance_sampling_level == "sequence" and lower_bound_ratio != 0:
+        return f"{c}={lower_bound_ratio}: no dual clip at {level}=sequence (GSPO, docs/objectives.md); set {c}=0"
+    return None
+
+
 def clipped_policy_gradient_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -133,8 +149,8 @@ def clipped_policy_gradient_loss(
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}; expected one of "
                          f"{IMPORTANCE_SAMPLING_LEVELS}")
-    if lower_bound_ratio != 0 and lower_bound_ratio <= 1:
-        raise ValueError(f"lower_bound_ratio={lower_bound_ratio}: the dual-clip constant must be > 1, or 0 to disable")
+    if problem := clip_settings_problem(lower_bound_ratio, importance_sampling_level):
+        raise ValueError(problem)
     if old_logp.shape != logp.shape:
         raise ValueError(f"old_logp has shape {tuple(old_logp.shape)}; expected {tuple(logp.shape)} to match logp")
     if mask.shape != logp.shape:
@@ -143,9 +159,6 @@ def clipped_policy_gradient_loss(
     if sequence and advantages.dim() != 1:
         raise ValueError("advantages are per token (shape [B, T]) but importance_sampling_level='sequence' needs one "
                          "scalar advantage per completion ([B]); use importance_sampling_level='token'")
-    if sequence and lower_bound_ratio != 0:
-        raise ValueError(f"lower_bound_ratio={lower_bound_ratio}: no dual clip at importance_sampling_level='sequence' "
-                         "(GSPO); pass 0")
     adv = _broadcast_advantages(advantages, logp)
     m = _float_mask(mask, logp)
     on = _loss_tokens(mask, m)
