@@ -23,6 +23,8 @@ demo: venv
 	@for r in $(RECIPES); do $(VENV)/bin/posttrain validate $$r > /dev/null || exit 1; done
 	@echo "every recipe validates; running the arithmetic quickstart (builds the tiny model and data first)"
 	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true
+	@# the warm start's accuracy tells which CPU build this machine made (README: "The quickstart, measured")
+	@$(VENV)/bin/posttrain summarize runs/arithmetic
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 # Two test processes (one module each at a time): most end-to-end tests wait on Prefect and Ray start-up.

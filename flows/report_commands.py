@@ -126,9 +126,12 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     curve_path = Path(args.out_curve or run_dir / "curve.json")
     _write_json(summary_path, summary)
     _write_json(curve_path, curve_points(records))
-    acc = summary["final_val_accuracy"]
-    print(f"summarize: {summary['steps']} steps, final val/accuracy "
-          f"{'n/a' if acc is None else f'{acc:.3f}'} -> {summary_path}, curve -> {curve_path}")
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    print(f"summarize: {summary['steps']} steps, held-out val/accuracy {fmt(summary['initial_val_accuracy'])} before "
+          f"training (the warm start, as built on this machine) -> {fmt(summary['final_val_accuracy'])} at step "
+          f"{summary['final_val_step']}; summary -> {summary_path}, curve -> {curve_path}")
     return 0
 
 
