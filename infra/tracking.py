@@ -70,7 +70,7 @@ def resolve_tracking_uri(cfg: Any) -> str:
     return "sqlite:///" + str(Path.cwd().resolve() / "mlflow.db")  # absolute path: four slashes
 
 
-def _sqlite_artifact_location(tracking_uri: str) -> str | None:
+def sqlite_artifact_location(tracking_uri: str) -> str | None:
     """Artifacts of a SQLite store live next to the database, in `mlartifacts/` (absolute)."""
     if not tracking_uri.startswith("sqlite:///"):
         return None
@@ -190,7 +190,7 @@ class RunTracker:
         exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
         if exp is not None:
             return exp.experiment_id
-        location = _sqlite_artifact_location(self.tracking_uri)
+        location = sqlite_artifact_location(self.tracking_uri)
         try:
             return self.client.create_experiment(name, artifact_location=location)
         except Exception:  # noqa: BLE001 - e.g. created concurrently by another process: read it back

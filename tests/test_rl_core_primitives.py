@@ -1,4 +1,5 @@
-"""The loss formulas (docs/objectives.md) against closed forms computed here, scalar by scalar, in float64."""
+"""The loss formulas (docs/objectives.md) against the plain-Python closed forms of `rl_core.closed_forms`
+(scalar by scalar, in float64); gradient closed forms specific to a test are written in the test."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rl_core import closed_forms
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.policy_gradient import (
     clipped_policy_gradient_loss,
@@ -34,29 +36,9 @@ def ragged(lengths=LENGTHS, prompt=2, seed=0, spread=0.3):
     return logp, old, adv, mask
 
 
-def scalar_clipped(l, lo, a, el, eh, c):
-    rho = math.exp(max(-20.0, min(20.0, l - lo)))
-    loss = max(-a * rho, -a * min(max(rho, 1 - el), 1 + eh))
-    if c > 0 and a < 0:
-        loss = min(loss, -c * a)
-    return loss
-
-
-def scalar_reduce(per_token, mask, loss_type, max_len=MAX_LEN):
-    """Σ_i S_i / Σ_i L_i etc., by plain Python loops."""
-    rows = []
-    for i in range(len(per_token)):
-        s = sum(per_token[i][t] for t in range(len(per_token[i])) if mask[i][t] > 0)
-        n = sum(1 for t in range(len(per_token[i])) if mask[i][t] > 0)
-        rows.append((s, n))
-    b = sum(1 for _, n in rows if n > 0)
-    if loss_type == "token-mean":
-        return sum(s for s, _ in rows) / sum(n for _, n in rows)
-    if loss_type == "seq-mean-token-mean":
-        return sum(s / n for s, n in rows if n > 0) / b
-    if loss_type == "seq-mean-token-sum":
-        return sum(s for s, _ in rows) / b
-    return sum(s / max_len for s, _ in rows) / b
+def scalar_reduce(per_token, mask, loss_type):
+    """The closed-form step loss (`rl_core.closed_forms.reduce_loss`) at this file's MAX_LEN."""
+    return closed_forms.reduce_loss(per_token, mask, loss_type, max_response_length=MAX_LEN)
 
 
 def step_value(per_token, mask, loss_type):
@@ -75,8 +57,8 @@ def test_clipped_token_matches_closed_form(loss_type, c):
     old[1, 2:5] = logp[1, 2:5] - torch.tensor([-2.0, 0.5, 1.5], dtype=DT)  # ρ = e^2 > c: dual clip binds
     per_token, stats = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
                                                     lower_bound_ratio=c)
-    expected = [[scalar_clipped(logp[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.28, c)
-                 for t in range(logp.shape[1])] for i in range(logp.shape[0])]
+    expected = closed_forms.clipped_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), epsilon_low=0.2,
+                                         epsilon_high=0.28, lower_bound_ratio=c)
     assert torch.allclose(per_token, torch.tensor(expected, dtype=DT), atol=1e-12)
     got = step_value(per_token, mask, loss_type)
     assert got.item() == pytest.approx(scalar_reduce(expected, mask.tolist(), loss_type), abs=1e-12)
@@ -156,8 +138,8 @@ def test_per_token_advantages_at_token_level():
     logp, old, _, mask = ragged()
     adv = torch.randn(logp.shape, dtype=DT)
     per_token, _ = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.2)
-    expected = [[scalar_clipped(logp[i, t].item(), old[i, t].item(), adv[i, t].item(), 0.2, 0.2, 0.0)
-                 for t in range(logp.shape[1])] for i in range(logp.shape[0])]
+    expected = closed_forms.clipped_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), epsilon_low=0.2,
+                                         epsilon_high=0.2)
     assert torch.allclose(per_token, torch.tensor(expected, dtype=DT), atol=1e-12)
 
 
@@ -174,8 +156,8 @@ def test_sequence_log_ratio_value_and_per_token_gradient():
     logp, old, _adv, mask = ragged()
     logp = logp.clone().requires_grad_(True)
     lam = sequence_log_ratio(logp, old, mask)
-    for i, n in enumerate(LENGTHS):
-        z = sum((logp[i, t] - old[i, t]).item() for t in range(logp.shape[1]) if mask[i, t] > 0) / n
+    for i in range(len(LENGTHS)):
+        z = closed_forms.sequence_log_ratio(logp[i].tolist(), old[i].tolist(), mask[i].tolist())
         assert torch.allclose(lam[i], torch.full_like(lam[i], z), rtol=0, atol=1e-14)
     # d/dℓ_{j,u} of Σ_{i,t} w_{i,t} λ_{i,t} = w_{j,u}: each position's gradient reaches only its own ℓ
     w = torch.randn(logp.shape, dtype=DT)
@@ -213,7 +195,7 @@ def test_gspo_loss_value_and_gradient_against_formula(loss_type):
     for i, n in enumerate(LENGTHS):
         s = math.exp(zs[i])
         a = adv[i].item()
-        tok = max(-a * s, -a * min(max(s, 1 - el), 1 + eh))
+        tok = closed_forms.clipped_surrogate(s, a, el, eh)
         expected_tok.append([tok if mask[i, t] else 0.0 for t in range(logp.shape[1])])
         clipped = (a > 0 and s > 1 + eh) or (a < 0 and s < 1 - el)
         coeff = {"token-mean": 1.0, "seq-mean-token-mean": 1.0 / n, "seq-mean-token-sum": 1.0,
@@ -413,7 +395,7 @@ def test_legacy_pg_value_and_gradient(loss_type):
     logp = base.clone().requires_grad_(True)
     loss = step_value(legacy_policy_gradient_loss(logp, adv, mask), mask, loss_type)
     loss.backward()
-    expected = [[-adv[i].item() * base[i, t].item() for t in range(base.shape[1])] for i in range(base.shape[0])]
+    expected = closed_forms.legacy_pg_loss(base.tolist(), adv.tolist())
     assert loss.item() == pytest.approx(scalar_reduce(expected, mask.tolist(), loss_type), rel=1e-12)
     b, total = len(LENGTHS), sum(LENGTHS)
     for i, n in enumerate(LENGTHS):
@@ -453,17 +435,16 @@ def test_kl_estimators_against_closed_form():
     ref = torch.tensor([[-1.5, -1.0, -0.1, -0.5, -25.0]], dtype=DT)  # includes |Δ| > 20 and k3 > 10
     for est in ("k1", "k2", "k3"):
         kl = kl_penalty(logp, ref, est)
-        expected, grads = [], []
+        expected = closed_forms.kl_penalty(logp.tolist(), ref.tolist(), est)[0]
+        grads = []  # the gradient's closed form: d/dℓ of each estimator, 0 where a clamp binds
         for l, r in zip(logp[0].tolist(), ref[0].tolist()):
             if est == "k1":
-                expected.append(l - r), grads.append(1.0)
+                grads.append(1.0)
             elif est == "k2":
-                expected.append(0.5 * (l - r) ** 2), grads.append(l - r)
+                grads.append(l - r)
             else:
                 d = max(-20.0, min(20.0, r - l))
-                v = math.exp(d) - d - 1
-                clamped = v > 10 or abs(r - l) > 20
-                expected.append(min(10.0, max(-10.0, v)))
+                clamped = math.exp(d) - d - 1 > 10 or abs(r - l) > 20
                 grads.append(0.0 if clamped else 1.0 - math.exp(d))  # d/dℓ (e^Δ − Δ − 1), Δ = ℓ_ref − ℓ
         assert kl[0].tolist() == pytest.approx(expected, rel=1e-12)
         (g,) = torch.autograd.grad(kl.sum(), logp)
