@@ -1,4 +1,4 @@
-"""Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/test_fsdp.py.
+"""Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/infra/test_fsdp.py.
 
     python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16]
 

@@ -29,7 +29,7 @@ from rl_core.config.memory import (
     shape_from_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRPO = ROOT / "recipes" / "grpo_gsm8k.py"
 ARITH = ROOT / "recipes" / "arithmetic.py"
 OPD = ROOT / "recipes" / "opd_gsm8k.py"

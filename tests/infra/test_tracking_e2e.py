@@ -21,7 +21,7 @@ import yaml
 
 from tests.conftest import FAST, recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {
     "HF_TOKEN": "hf_supersecret-xyz-5d1c9a",
     "AWS_SECRET_ACCESS_KEY": "aws-secret-0b7e4f2a9c-do-not-log",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import recipe
-from tests.test_flow import read_metrics, task_runs
+from tests.run_helpers import read_metrics, task_runs
 
 DPO_FAST = [
     "model.name_or_path=artifacts/tiny-model/init",
@@ -88,7 +88,7 @@ def test_metrics_keys_and_reference_identity(dpo_run):
 def test_checkpoints_and_mlflow_run(dpo_run):
     from mlflow import MlflowClient
 
-    from tests.test_resume import checkpoint_steps
+    from tests.run_helpers import checkpoint_steps
 
     _, run_dir = dpo_run
     assert checkpoint_steps(run_dir) == [2, 3]
@@ -102,7 +102,7 @@ def test_checkpoints_and_mlflow_run(dpo_run):
 
 def test_exact_resume_with_two_workers(dpo_dir, monkeypatch):
     from flows.dpo import dpo
-    from tests.test_resume import assert_same_math
+    from tests.run_helpers import assert_same_math
 
     monkeypatch.chdir(dpo_dir)
     common = [*DPO_FAST, "rl.save_every=2", "rl.validation.before_training=false", "cluster.num_workers=2"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import recipe
-from tests.test_flow import read_metrics, task_runs
+from tests.run_helpers import read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "teacher", "distill", "validate", "train", "sync")
 # the random-init student, a briefly warm-started teacher (different weights: a non-zero signal)
@@ -85,7 +85,7 @@ def test_checkpoints_and_mlflow_run(opd_run):
     from mlflow import MlflowClient
 
     _, run_dir = opd_run
-    from tests.test_resume import checkpoint_steps
+    from tests.run_helpers import checkpoint_steps
 
     assert checkpoint_steps(run_dir) == [2, 3]
     assert (run_dir / "final_model" / "config.json").is_file()
@@ -99,7 +99,7 @@ def test_checkpoints_and_mlflow_run(opd_run):
 
 def test_exact_resume(opd_dir, monkeypatch):
     from flows.opd import opd
-    from tests.test_resume import assert_same_math
+    from tests.run_helpers import assert_same_math
 
     monkeypatch.chdir(opd_dir)
     common = [*OPD_FAST, "rl.save_every=2", "rl.validation.before_training=false"]

@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import FAST, recipe
+from tests.run_helpers import read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def task_runs(flow_run_id) -> list:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async def fetch():
-        async with get_client() as client:
-            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-
-    return asyncio.run(fetch())
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import yaml
 from flows.regression import EXPERIMENT, KIND_TAG, RUN_OVERRIDES, load_thresholds, regression
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

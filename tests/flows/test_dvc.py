@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start", "teacher_warm_start", "train",
               "evaluate")

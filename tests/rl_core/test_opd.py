@@ -28,7 +28,7 @@ from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
-from tests.test_rl_core_trainer import run_ranks
+from tests.ranks import run_ranks
 
 MAX_LEN = 24
 RESP = [1, 3, 7, 6, 5, 2, 8, 4]

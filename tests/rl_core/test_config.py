@@ -14,7 +14,7 @@ from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_confi
 from rl_core.config.loader import all_keys, config_from_dict
 from rl_core.config.preflight import PreflightWarning, check, emit_warnings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
 GSPO = ROOT / "recipes" / "gspo_gsm8k.py"
 ARITH = ROOT / "recipes" / "arithmetic.py"

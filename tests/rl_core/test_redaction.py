@@ -22,7 +22,7 @@ from rl_core.config import ConfigError, load_config
 from rl_core.config.loader import config_from_dict
 from rl_core.redact import has_userinfo, redact, redact_environment_values, redact_message, redact_uri
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "recipes" / "arithmetic.py"
 SECRET = "se/cr#et?x"  # "/", "#", "?": each broke one of the two redactors this module replaced
 
@@ -153,7 +153,7 @@ def test_storage_error_with_a_credentialed_endpoint_hides_the_secret(no_aws, tmp
         port = s.getsockname()[1]
     userinfo = f"user:{endpoint_secret}" if endpoint_secret.startswith("pa") else endpoint_secret
     store = CheckpointStore(tmp_path / "ckpt", remote_uri="s3://bucket/run",
-                            endpoint_url=f"http://{userinfo}@127.0.0.1:{port}", retry_budget_s=0.5,
+                            endpoint_url=f"http://{userinfo}@127.0.0.1:{port}", retry_budget_s=3.0,
                             retry_base_delay_s=0.05, retry_max_delay_s=0.1)
     with caplog.at_level(logging.DEBUG, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
         store.save(1, {"s": {"w": torch.zeros(2)}}, {})

@@ -23,7 +23,7 @@ from infra.tracking import RunTracker, TrackingError, redact, redact_text, resol
 from rl_core.config import config_hash, load_config
 from rl_core.config.loader import config_dict, flatten
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "recipes" / "arithmetic.py"
 OVERRIDES = ["job.name=track-test", "rl.max_steps=5", "tracking.experiment=posttrain-test"]
 IDENTITY = {

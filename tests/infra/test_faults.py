@@ -29,8 +29,8 @@ import pytest
 from infra.services import free_port, http_ok, venv_bin
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
 from tests.conftest import REPO, recipe
+from tests.run_helpers import MATH, STARTUP_TIMEOUT_S, read_metrics, run_flow
 from tests.servers import _started, start_moto, stop_group
-from tests.test_resume import MATH, STARTUP_TIMEOUT_S, read_metrics, run_flow
 
 pytestmark = pytest.mark.slow
 OUTAGE_S = 30.0

@@ -38,9 +38,9 @@ from rl_core.models import build_tiny_tokenizer
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
 from rl_core.trainer import LLMTrainer
-from tests.test_rl_core_trainer import run_ranks
+from tests.ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_CLIP = OptimizerConfig(lr=1e-3, max_grad_norm=1e9)
 TOL = 1e-6
 TOKENIZER = build_tiny_tokenizer()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import io
 import random
-import threading
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import MetricAdapter, Objective, Reduction
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
+from tests.ranks import RankReducer, run_ranks
 
 LOSS_TYPES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
 MAX_LEN = 24
@@ -63,69 +63,6 @@ def grads_of(model):
 
 def max_diff(a, b):
     return max(float((x - y).detach().abs().max()) for x, y in zip(a, b))
-
-
-class ThreadGroup:
-    """An in-process process group for simulated ranks: each rank runs in its own thread."""
-
-    def __init__(self, world_size):
-        self.barrier = threading.Barrier(world_size, timeout=60)
-        self.slots = [None] * world_size
-        self.calls = [0] * world_size
-
-    def collective(self, rank, tensor, op):
-        self.slots[rank] = tensor.detach().clone()
-        self.barrier.wait()
-        parts = list(self.slots)
-        assert all(p.shape == tensor.shape and p.dtype == tensor.dtype for p in parts), "ranks disagree on shape"
-        out = parts[0].clone()
-        for part in parts[1:]:
-            out = out + part if op == "sum" else torch.maximum(out, part)
-        self.barrier.wait()
-        tensor.copy_(out)
-        self.calls[rank] += 1
-
-    def hook(self, rank):
-        return RankReducer(self, rank)
-
-
-class RankReducer:
-    """The trainer's `dp_reducer` protocol for one simulated rank."""
-
-    def __init__(self, group, rank):
-        self.group, self.rank = group, rank
-
-    def all_reduce_(self, tensors):
-        for t in tensors:
-            self.group.collective(self.rank, t, "sum")
-
-    def all_reduce_max_(self, tensors):
-        for t in tensors:
-            self.group.collective(self.rank, t, "max")
-
-
-def run_ranks(make_trainer, shares, micro, mini=None):
-    """Train one step on `len(shares)` simulated ranks (threads); returns [(metrics, trainer)] per rank."""
-    group = ThreadGroup(len(shares))
-    trainers = [make_trainer(group.hook(r)) for r in range(len(shares))]
-    out, errors = [None] * len(shares), []
-
-    def work(r):
-        try:
-            out[r] = trainers[r].train_step(shares[r], micro, mini)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(shares))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    assert len(set(group.calls)) == 1 and group.calls[0] >= 2
-    return list(zip(out, trainers))
 
 
 def closed_form_grpo(model, batch, loss_type, kl_beta=0.0, ref_model=None, temperature=1.0):
