@@ -1,7 +1,7 @@
 """The loss formulas of docs/objectives.md as plain Python (the `math` module only, no torch), written once.
 
-These are the independent, loop-by-loop references the test suite (tests/test_rl_core_primitives.py,
-tests/test_rl_core_advantage.py) and the nightly regression (rl_core/regression_checks.py) check the
+These are the independent, loop-by-loop references the test suite (tests/rl_core/test_primitives.py,
+tests/rl_core/test_advantage.py) and the nightly regression (rl_core/regression_checks.py) check the
 tensor primitives of `rl_core.primitives` and `rl_core.annotators` against. They share no code with
 those primitives, not even the clamp constants: a change to a primitive's contract has to be made
 here as well, on purpose.

@@ -39,7 +39,7 @@ MIB = 1024**2
 ASSUMED_PROMPT_TOKENS = 512
 # Per GPU process, outside the items: the CUDA context and kernels, cuBLAS/NCCL workspaces.
 RUNTIME_BYTES = 1 * GIB
-# The same constants as the code they model (tests/test_memory_plan.py checks that they agree):
+# The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
 GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
 WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES: one weight broadcast to separate engines
 EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.evaluate_accuracy(batch_size=128): greedy held-out prompts
@@ -202,7 +202,7 @@ def micro_batch_rows(cfg: PosttrainConfig) -> int:
 def layer_activation_bytes(shape: ModelShape, c: int) -> int:
     """Bytes one decoder layer keeps for backward, per token (HF Llama/Qwen2 layer, SDPA attention).
 
-    Measured on CPU with `saved_tensors_hooks` (tests/test_memory_plan.py). The residual stream is
+    Measured on CPU with `saved_tensors_hooks` (tests/rl_core/test_memory_plan.py). The residual stream is
     float32 in both modes (float32 master weights; autocast leaves adds and RMSNorm in float32).
     Under FSDP with bf16 compute the gathered weights are bf16 and so is the residual stream: the
     estimate is then an upper bound.
