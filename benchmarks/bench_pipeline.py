@@ -33,6 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
+# a `posttrain run` subprocess without Prefect/Ray chatter or telemetry (bench_vs_trl uses it too)
+QUIET_ENV = {"PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "RAY_USAGE_STATS_ENABLED": "0"}
 COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
 
 CONFIGS = {  # name -> overrides
@@ -46,8 +49,7 @@ CONFIGS = {  # name -> overrides
 
 
 def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float]:
-    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **QUIET_ENV}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",

@@ -66,11 +66,6 @@ def version(dist: str) -> str:
         return "absent"
 
 
-def due(step: int, every: int, last: int) -> bool:
-    """posttrain's evaluation cadence (flows.runner.TrainingRun.due): every `every` steps and at the last."""
-    return bool(every and step % every == 0) or step == last
-
-
 # ------------------------------------------------------------------------------------------ shared setup
 
 
@@ -162,6 +157,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from flows.runner import due  # posttrain's evaluation cadence, applied to TRL's steps
     from rl_core.rewards import configured_reward
 
     if threads:
@@ -202,7 +198,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step_s.append(time.perf_counter() - self.mark)
-            if due(state.global_step, cfg.rl.validation.every_steps, steps):
+            if due(cfg.rl.validation.every_steps, state.global_step, steps):
                 t = time.perf_counter()
                 evals[state.global_step] = score(model)
                 eval_s.append(time.perf_counter() - t)
@@ -225,8 +221,9 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
 
 
 def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> dict:
-    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+    from bench_pipeline import QUIET_ENV  # benchmarks/ is this script's sys.path[0]
+
+    env = {**os.environ, **QUIET_ENV}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(RECIPE), "--", *run_overrides]
     log = workdir / "posttrain.log"
     started = time.perf_counter()

@@ -133,6 +133,11 @@ def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {ROLLOUT_KEYS.get(k, k): v for k, v in merged.items() if k.startswith(PUBLIC_PREFIXES)}
 
 
+def due(every: int, step: int, last: int) -> bool:
+    """The evaluation and checkpoint cadence: every `every` steps (0: never) and always at step `last`."""
+    return bool(every and step % every == 0) or step == last
+
+
 @dataclass
 class TrainingRun:
     cfg: PosttrainConfig
@@ -241,7 +246,7 @@ class TrainingRun:
 
     def due(self, every: int, step: int) -> bool:
         """Cadence: every `every` steps (0: never) and always at the last step."""
-        return bool(every and step % every == 0) or step == self.cfg.rl.max_steps
+        return due(every, step, self.cfg.rl.max_steps)
 
     def end_step(self, cluster: Any, step: int, sampler: Any, version: int, record: dict,
                  evaluate: Callable[[], dict], bar: Any) -> None:
