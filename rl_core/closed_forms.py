@@ -49,12 +49,6 @@ def clipped_surrogate(ratio: float, advantage: float, epsilon_low: float, epsilo
     return loss
 
 
-def clipped_token_loss(logp: float, old_logp: float, advantage: float, epsilon_low: float, epsilon_high: float,
-                       lower_bound_ratio: float = 0.0) -> float:
-    """The clipped surrogate of one token at token level: `clipped_surrogate(token_ratio(ℓ, ℓ_old), ...)`."""
-    return clipped_surrogate(token_ratio(logp, old_logp), advantage, epsilon_low, epsilon_high, lower_bound_ratio)
-
-
 def clipped_loss(logp: Rows, old_logp: Rows, advantages: Sequence[float] | Rows, mask: Rows, *, epsilon_low: float,
                  epsilon_high: float, lower_bound_ratio: float = 0.0,
                  importance_sampling_level: str = "token") -> list[list[float]]:

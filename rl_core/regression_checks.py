@@ -171,7 +171,6 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-
 def objective_checks(limits: dict) -> list[Check]:
     """The primitives on fixed float64 tensors against the closed forms of `rl_core.closed_forms`."""
     import torch
@@ -205,13 +204,13 @@ def objective_checks(limits: dict) -> list[Check]:
     results.append(("clipped_token", masked_diff(token, closed_clipped("token", 0.0))))
     dual, _ = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
                                            lower_bound_ratio=DUAL_C)
-    results.append(("clipped_token_dual_clip", masked_diff(dual, closed_clipped("token", DUAL_C))))
+    closed_dual = closed_clipped("token", DUAL_C)
+    results.append(("clipped_token_dual_clip", masked_diff(dual, closed_dual)))
     seq, _ = clipped_policy_gradient_loss(logp, old, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
                                           importance_sampling_level="sequence")
     results.append(("gspo_sequence", masked_diff(seq, closed_clipped("sequence", 0.0))))
     legacy = legacy_policy_gradient_loss(logp, adv, mask)
     results.append(("legacy_pg", masked_diff(legacy, closed_forms.legacy_pg_loss(LOGP, ADV))))
-    closed_dual = closed_clipped("token", DUAL_C)
     for loss_type in LOSS_TYPES:
         num, weight = reduce_policy_gradient_loss(dual, mask, loss_type, max_response_length=MAX_LEN)
         want = closed_forms.reduce_loss(closed_dual, MASK, loss_type, max_response_length=MAX_LEN)

@@ -17,7 +17,7 @@ from rl_core.primitives.policy_gradient import (
     sequence_log_ratio,
 )
 
-LOSS_TYPES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
+LOSS_TYPES = closed_forms.LOSS_TYPES
 LENGTHS = [1, 3, 7, 16]
 MAX_LEN = 20
 DT = torch.float64
