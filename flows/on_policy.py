@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from prefect import get_run_logger
+from prefect.utilities.annotations import quote
 
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
@@ -59,8 +60,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             run.log(record, bar)
 
         def evaluate() -> dict:
-            return evaluate_task.with_options(**retry)(engines, role.tokenizer, role.val, cfg.data,
-                                                       cfg.rollout.max_tokens)
+            return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
+                                                       quote(cfg.data), cfg.rollout.max_tokens)
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
@@ -72,26 +73,29 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 rows = role.sampler.next_batch()
                 engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
                 with timer.phase("rollout"):
-                    completions = rollout(engines, role.prompts(rows), cfg.rollout.n, role.sampling(step),
-                                          {"config": run.cfg_hash, "step": step, "version": version, "rows": rows},
+                    completions = rollout(quote(engines), quote(role.prompts(rows)), cfg.rollout.n,
+                                          quote(role.sampling(step)),
+                                          quote({"config": run.cfg_hash, "step": step, "version": version, "rows": rows}),
                                           cache_dir=str((run.run_dir / "cache").resolve()))
                 with timer.phase("reward"):
                     answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
-                    rewards = reward(role.reward_fn, completions.decode_responses(role.tokenizer), answers)
+                    rewards = reward(quote(role.reward_fn), quote(completions.decode_responses(role.tokenizer)),
+                                     quote(answers))
                 with timer.phase("annotate"):
-                    annotated = annotate_task(completions, rewards, rows, cfg.rl, (step - 1) * len(rewards))
+                    annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
+                                              (step - 1) * len(rewards))
                 if teacher is not None:
                     with timer.phase("teacher"):
-                        scored = teacher_task(teacher, annotated.batch)
+                        scored = teacher_task(quote(teacher), quote(annotated.batch))
                     with timer.phase("distill"):
-                        annotated = distill_task(annotated, scored, cfg.rl)
+                        annotated = distill_task(quote(annotated), quote(scored), quote(cfg.rl))
                 with timer.phase("validate"):
-                    validate_task(annotated, cfg.rollout.max_tokens, group_relative)
+                    validate_task(quote(annotated), cfg.rollout.max_tokens, group_relative)
                 with timer.phase("train"):
-                    per_rank = train_task(cluster, annotated.batch)
+                    per_rank = train_task(quote(cluster), quote(annotated.batch))
                 with timer.phase("sync"):
                     version += 1
-                    synced = sync_task(cluster, version)
+                    synced = sync_task(quote(cluster), version)
                 step_s = timer.elapsed()
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": engines.last_generate_s,
