@@ -149,5 +149,5 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
                 record.update({"perf/step_s": step_s,
                                "perf/tokens_per_s": float(batch.loss_mask.sum()) / step_s,
                                "perf/policy_version": version})
-                run.end_step(cluster, step, sampler, version, record, evaluate, bar)
+                run.end_step(cluster, step, sampler.state_dict(), version, record, evaluate, bar)
         return run.finish(cluster, step, logger.info)

@@ -4,11 +4,19 @@ topologies of rl_core.registry).
 Each step runs `rollout -> reward -> annotate [-> teacher -> distill] -> validate -> train -> sync`, then the
 checkpoint and the evaluation on cadence (`TrainingRun.end_step`). It only orders phases; the work is in
 tasks, rl_core and infra.
+
+With `rl.async_steps=1` the rollout of step k+1 is submitted (a Prefect task future, in a thread) as soon
+as step k's batch is in, with the engines still on policy version k-1, and runs while step k trains. The
+sync of version k then waits for the engines to finish it. The gate bounds the batch's version to
+[trainer version - rl.async_steps, trainer version], and the trainer takes π_old of a stale batch from
+its rollout log-probs. A checkpoint holds the sampler as it was after its own step's draw, so a resume
+draws the in-flight step's prompts again.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 from prefect import get_run_logger
 from prefect.utilities.annotations import quote
@@ -49,6 +57,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     reward = reward_task.with_options(**retry)
 
     group_relative = algorithm(cfg.job.algorithm).group_relative  # the gate checks groups (rl_core.registry)
+    overlap = cfg.rl.async_steps > 0  # rollout of step k+1 in flight while step k trains (preflight: separate engines)
     step = run.start_step
     with run, RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
             (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:
@@ -63,20 +72,37 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
                                                        quote(cfg.data), cfg.rollout.max_tokens)
 
+        def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
+            """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
+            a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it."""
+            rows = role.sampler.next_batch()
+            engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
+            args = (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, quote(role.sampling(at_step)),
+                    quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}))
+            cache_dir = str((run.run_dir / "cache").resolve())
+            if overlap:
+                return rows, rollout.submit(*args, cache_dir=cache_dir)
+            return rows, lambda: rollout(*args, cache_dir=cache_dir)
+
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate()})
+            ahead = None  # rl.async_steps: (rows, future) of the next step's rollout, in flight
             while step < cfg.rl.max_steps:
                 step += 1
                 timer = Timer()
-                rows = role.sampler.next_batch()
-                engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
+                if ahead is None:
+                    rows, pending = draw(step, version)
+                else:
+                    (rows, pending), ahead = ahead, None
+                sampler_state = role.sampler.state_dict()  # what this step's checkpoint resumes from: its rows drawn
                 with timer.phase("rollout"):
-                    completions = rollout(quote(engines), quote(role.prompts(rows)), cfg.rollout.n,
-                                          quote(role.sampling(step)),
-                                          quote({"config": run.cfg_hash, "step": step, "version": version, "rows": rows}),
-                                          cache_dir=str((run.run_dir / "cache").resolve()))
+                    completions = pending.result() if overlap else pending()
+                generate_s = engines.last_generate_s
+                if overlap and step < cfg.rl.max_steps:
+                    # step+1's rollout samples with this version while this step trains (the gate bounds the lag)
+                    ahead = draw(step + 1, version)
                 with timer.phase("reward"):
                     answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
                     rewards = reward(quote(role.reward_fn), quote(completions.decode_responses(role.tokenizer)),
@@ -90,19 +116,22 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     with timer.phase("distill"):
                         annotated = distill_task(quote(annotated), quote(scored), quote(cfg.rl))
                 with timer.phase("validate"):
-                    validate_task(quote(annotated), cfg.rollout.max_tokens, group_relative)
+                    validate_task(quote(annotated), cfg.rollout.max_tokens, group_relative,
+                                  (version - cfg.rl.async_steps, version))
+                staleness = version - completions.policy_version
                 with timer.phase("train"):
                     per_rank = train_task(quote(cluster), quote(annotated.batch))
                 with timer.phase("sync"):
                     version += 1
                     synced = sync_task(quote(cluster), version)
                 step_s = timer.elapsed()
+                train_s = max(m["perf/train_compute_s"] for m in per_rank)
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
-                          **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": engines.last_generate_s,
+                          **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
-                          "perf/policy_version": version}
-                # orchestration overhead: step wall time not spent sampling or in forward/backward
-                record["perf/overhead_s"] = step_s - record["perf/generate_s"] - max(
-                    m["perf/train_compute_s"] for m in per_rank)
-                run.end_step(cluster, step, role.sampler, version, record, evaluate, bar)
+                          "perf/policy_version": version, "rollout/policy_staleness": float(staleness)}
+                # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
+                # spent in the longer of the two)
+                record["perf/overhead_s"] = step_s - (max(generate_s, train_s) if overlap else generate_s + train_s)
+                run.end_step(cluster, step, sampler_state, version, record, evaluate, bar)
         return run.finish(cluster, step, logger.info)

@@ -248,7 +248,7 @@ class TrainingRun:
         """Cadence: every `every` steps (0: never) and always at the last step."""
         return due(every, step, self.cfg.rl.max_steps)
 
-    def end_step(self, cluster: Any, step: int, sampler: Any, version: int, record: dict,
+    def end_step(self, cluster: Any, step: int, sampler_state: dict, version: int, record: dict,
                  evaluate: Callable[[], dict], bar: Any) -> None:
         """The end of a step, in this order: the checkpoint (when due), the evaluation (when due), the metrics line.
 
@@ -258,7 +258,7 @@ class TrainingRun:
         """
         evaluating = self.due(self.cfg.rl.validation.every_steps, step)
         if self.due(self.cfg.rl.save_every, step):
-            record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler, version, record,
+            record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler_state, version, record,
                                                           evaluation_due=evaluating)
         if evaluating:
             timer = Timer()
@@ -284,13 +284,14 @@ class TrainingRun:
         self.metrics_log.replace(records)
         self.tracker.log_metrics(records[-1], step=self.start_step)
 
-    def checkpoint(self, cluster: Any, step: int, sampler: Any, version: int, record: dict, *,
+    def checkpoint(self, cluster: Any, step: int, sampler_state: dict, version: int, record: dict, *,
                    evaluation_due: bool = False) -> float:
-        """Save the trainer parts and the driver's state (sampler cursor, policy version, the metrics.jsonl
-        lines up to this step: those logged and `record`, this step's, still to be logged; whether the step's
-        evaluation is still to run); returns seconds."""
+        """Save the trainer parts and the driver's state (`sampler_state`: the sampler after this step's draw, also when
+        the next step's rollout is already in flight; the policy version; the metrics.jsonl lines up to this step:
+        those logged and `record`, this step's, still to be logged; whether the step's evaluation is still to run);
+        returns seconds."""
         t = time.perf_counter()
-        driver = {"sampler": sampler.state_dict(), "policy_version": version, "step": step,
+        driver = {"sampler": sampler_state, "policy_version": version, "step": step,
                   "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))

@@ -96,13 +96,21 @@ class AnnotationsTable(pa.DataFrameModel):
         return df["policy_version"] == (mode.iloc[0] if len(mode) else -1)
 
 
-def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float = 1e-4) -> pa.DataFrameSchema:
-    """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0."""
+def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float = 1e-4,
+                       versions: tuple[int, int] | None = None) -> pa.DataFrameSchema:
+    """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0; with
+    `versions=(oldest, newest)`, the policy version that sampled the batch within them (the staleness bound)."""
     schema = AnnotationsTable.to_schema()
     length = schema.columns["response_len"]
     schema = schema.update_column(
         "response_len", checks=[*length.checks, pa.Check.le(max_tokens, name=f"response_len<=rollout.max_tokens({max_tokens})")]
     )
+    if versions is not None:
+        oldest, newest = versions
+        version = schema.columns["policy_version"]
+        schema = schema.update_column("policy_version", checks=[*version.checks, pa.Check(
+            lambda s: s.between(oldest, newest), element_wise=False,
+            name=f"policy_version in [{oldest}, {newest}] (trainer at {newest}, rl.async_steps={newest - oldest})")])
     if group_relative:
         def zero_sum(df: pd.DataFrame) -> pd.Series:
             sums = df.groupby("group_id")["advantage"].transform("sum")
@@ -125,10 +133,12 @@ def failures_frame(exc: pa.errors.SchemaErrors) -> pd.DataFrame:
     return out
 
 
-def validate_annotations(table: pd.DataFrame, *, max_tokens: int, group_relative: bool = True) -> pd.DataFrame:
-    """Validate the annotations table (all checks, lazily); raise BatchValidationError naming each failure."""
+def validate_annotations(table: pd.DataFrame, *, max_tokens: int, group_relative: bool = True,
+                         versions: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Validate the annotations table (all checks, lazily); raise BatchValidationError naming each failure.
+    `versions`: the policy versions a batch may come from (`annotations_schema`)."""
     try:
-        return annotations_schema(max_tokens, group_relative).validate(table, lazy=True)
+        return annotations_schema(max_tokens, group_relative, versions=versions).validate(table, lazy=True)
     except pa.errors.SchemaErrors as exc:
         raise BatchValidationError("annotations table", failures_frame(exc), table) from None
 

@@ -149,6 +149,9 @@ class LLMTrainer:
       metric_split: prefix of the published metric names ("train").
       compute_dtype: torch.float32, or torch.bfloat16 for forward/backward under autocast (the
         parameters and optimizer state keep their own dtype).
+      max_staleness: `rl.async_steps`. 0 (on-policy): every batch is taken as sampled by the current
+        policy. k > 0: a batch may come from up to k policy versions back; π_old of a stale batch is
+        its rollout log-probs (the behaviour policy), so the ratio corrects for the lag.
     """
 
     REFERENCE = "reference"
@@ -164,6 +167,7 @@ class LLMTrainer:
         dp_reducer: DataParallelReducer | None = None,
         metric_split: str = "train",
         compute_dtype: torch.dtype = torch.float32,
+        max_staleness: int = 0,
     ):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -178,6 +182,10 @@ class LLMTrainer:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
         self.compute_dtype = compute_dtype
+        if max_staleness and objective.old_logp_cache is None:
+            raise ValueError(f"max_staleness={max_staleness}: this objective has no pi_old (on-policy only), so a "
+                             "stale batch cannot be corrected; use max_staleness=0")
+        self.max_staleness = int(max_staleness)
         self.sharded = is_sharded(model)
         if self.sharded:
             if dp_reducer is None:
@@ -250,8 +258,11 @@ class LLMTrainer:
             raise ValueError(f"mini_batch_size={mini_batch_size} gives {len(minis)} updates per batch, but the objective "
                              "has no pi_old (on-policy only, e.g. rl.grpo_surrogate=legacy_pg); use one update per batch")
         self.model.train()
+        behaviour = self._stale(batch)
         if cache is not None:
-            if len(minis) > 1 or cache.certified_deterministic_forward:
+            if behaviour:  # sampled by an older policy: the ratio is taken against what sampled it
+                cache.fill(batch.sample_ids, batch.rollout_logp, batch.policy_version)
+            elif len(minis) > 1 or cache.certified_deterministic_forward:
                 cache.fill(batch.sample_ids, self._ahead_pass(cache, minis, micro_batch_size), batch.policy_version)
             else:
                 cache.fill_on_policy(batch.sample_ids, batch.policy_version)
@@ -259,7 +270,7 @@ class LLMTrainer:
         try:
             for k, mini in enumerate(minis):
                 if cache is not None:
-                    cache.certify = cache.certified_deterministic_forward and k == 0
+                    cache.certify = cache.certified_deterministic_forward and k == 0 and not behaviour
                 results.append(self._optimizer_step(mini, micro_batch_size))
                 if cache is not None:
                     cache.certify = False
@@ -268,6 +279,18 @@ class LLMTrainer:
                 cache.invalidate()
         self.policy_version += 1
         return _combine_steps(results)
+
+    def _stale(self, batch: Trajectory) -> bool:
+        """Whether `batch` was sampled by an older policy (only with `max_staleness` > 0); refuses one older than
+        `max_staleness` versions or newer than the trainer."""
+        if not self.max_staleness:
+            return False
+        lag = self.policy_version - int(batch.policy_version)
+        if not 0 <= lag <= self.max_staleness:
+            raise ValueError(f"batch of policy_version={batch.policy_version} for a trainer at policy_version="
+                             f"{self.policy_version}: {lag} version(s) behind, outside 0..{self.max_staleness} "
+                             "(rl.async_steps)")
+        return lag > 0
 
     def state_dict(self) -> dict:
         """Everything an exact resume needs: model, optimizer, scheduler, RNG states, counters.

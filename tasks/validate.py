@@ -10,7 +10,10 @@ from rl_core.gate import validate_annotations, validate_batch_tensors
 
 
 @task(name="validate", cache_policy=NO_CACHE)
-def validate_task(annotated: Annotated, max_tokens: int, group_relative: bool = True) -> Annotated:
-    validate_annotations(annotated.table, max_tokens=max_tokens, group_relative=group_relative)
+def validate_task(annotated: Annotated, max_tokens: int, group_relative: bool = True,
+                  versions: tuple[int, int] | None = None) -> Annotated:
+    """`versions`: (oldest, newest) policy version the batch may come from: the trainer's version and
+    `rl.async_steps` before it."""
+    validate_annotations(annotated.table, max_tokens=max_tokens, group_relative=group_relative, versions=versions)
     validate_batch_tensors(annotated.batch, annotated.table)
     return annotated

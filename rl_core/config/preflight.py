@@ -128,6 +128,21 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if n_mini > 1:
             err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
                 "rl.grpo_surrogate=legacy_pg is on-policy only (one update per rollout); remove it or use clipped")
+    if rl.async_steps:
+        if spec.topology != "on_policy":
+            err(f"rl.async_steps={rl.async_steps}: only the GRPO family's step loop overlaps rollout and training, not "
+                f"job.algorithm={algo}; set rl.async_steps=0")
+        elif not clipped:
+            err(f"rl.async_steps={rl.async_steps}: a stale batch needs the importance ratio against the rollout's "
+                "log-probs, which rl.grpo_surrogate=legacy_pg does not have; use rl.grpo_surrogate=clipped "
+                "(job.algorithm=grpo) or rl.async_steps=0")
+        if cfg.cluster.placement != "separate":
+            err(f"rl.async_steps={rl.async_steps} with cluster.placement={cfg.cluster.placement}: colocated engines run "
+                "inside the trainer actors, which serve one call at a time, so nothing would overlap; set "
+                "cluster.placement=separate")
+        if rl.certified_deterministic_forward:
+            err("rl.certified_deterministic_forward=true with rl.async_steps: pi_old of a stale batch is the rollout's "
+                "log-probs, not a trainer forward that could be certified; turn one of them off")
     if clipped and (problem := clip_settings_problem(rl.lower_bound_ratio, rl.importance_sampling_level, "rl.")):
         err(problem)
     if sequence and opd_advantage:

@@ -95,6 +95,7 @@ class RLConfig(_Section):
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
     micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch.")
     certified_deterministic_forward: bool = Field(False, description="Check that the pi_old pass and the first training forward agree exactly.")
+    async_steps: int = Field(0, ge=0, le=1, description="1 overlaps rollout with training: step k+1's batch is sampled with policy version k-1 while step k trains, so each batch after the first is one version stale and pi_old is the rollout's log-probs (behaviour policy); 0 is on-policy. Needs cluster.placement=separate and the clipped surrogate.")
     max_steps: int = Field(100, gt=0, description="Training steps (one rollout batch each).")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     resume: Literal["off", "auto", "must"] = Field("auto", description="auto: continue from the newest valid checkpoint; must: fail without one; off: start fresh.")

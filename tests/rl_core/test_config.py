@@ -370,3 +370,20 @@ def test_cli_validate_reports_config_errors():
 def test_cli_validate_missing_recipe():
     out = run_cli("validate", "recipes/nope.py")
     assert out.returncode == 1 and "recipes/nope.py" in out.stderr
+
+
+ASYNC_BASE = ("job.algorithm=grpo", "rl.grpo_surrogate=clipped", "cluster.placement=separate", "rl.async_steps=1")
+
+
+def test_async_steps_needs_separate_engines_the_clipped_surrogate_and_the_grpo_loop():
+    assert preflight_of(ARITH, *ASYNC_BASE).ok, preflight_of(ARITH, *ASYNC_BASE).render()
+    colocated = preflight_of(ARITH, *ASYNC_BASE, "cluster.placement=colocated").errors
+    assert len(colocated) == 1 and "cluster.placement=separate" in colocated[0]
+    legacy = preflight_of(ARITH, "cluster.placement=separate", "rl.async_steps=1").errors  # the quickstart: legacy PG
+    assert len(legacy) == 1 and "rl.grpo_surrogate=clipped" in legacy[0]
+    certified = preflight_of(ARITH, *ASYNC_BASE, "rl.certified_deterministic_forward=true").errors
+    assert len(certified) == 1 and certified[0].startswith("rl.certified_deterministic_forward")
+    for other in ("opd_arithmetic.py", "dpo_arithmetic.py"):
+        errors = preflight_of(ROOT / "recipes" / other, "cluster.placement=separate", "rl.async_steps=1").errors
+        assert any(e.startswith("rl.async_steps=1: only the GRPO family") for e in errors), (other, errors)
+    assert errors_of(ARITH, "rl.async_steps=2")  # one step of overlap is what the loop implements

@@ -142,3 +142,14 @@ def test_annotate_passes_a_nan_reward_to_the_gate():
     assert a.table["advantage"][:4].isna().all() and a.table["advantage"][4:].notna().all()
     msg = refused(validate_annotations, a.table, max_tokens=4)
     assert "finite_reward" in msg or "reward" in msg
+
+
+def test_the_policy_version_window_bounds_the_staleness_naming_the_bound():
+    """rl.async_steps: a batch may come from the trainer's version or up to async_steps before it, no other."""
+    table = make_step(version=3).table
+    validate_annotations(table, max_tokens=4, versions=(3, 3))  # on-policy
+    validate_annotations(table, max_tokens=4, versions=(3, 4))  # one version stale, async_steps=1
+    for window in ((4, 4), (4, 5), (1, 2)):
+        with pytest.raises(BatchValidationError, match=rf"policy_version in \[{window[0]}, {window[1]}\]") as err:
+            validate_annotations(table, max_tokens=4, versions=window)
+        assert "8 failing" in str(err.value)  # every row, named

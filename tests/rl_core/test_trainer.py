@@ -421,3 +421,47 @@ def test_gradients_are_reduced_in_float32_buckets(monkeypatch):
     assert {dt for _, dt, _ in seen} == {torch.float32, torch.float64}  # gradients fp32, weight/metric sums fp64
     for (_, t_whole), (_, t_bucket) in zip(whole, bucketed):
         assert max_diff(list(t_whole.model.parameters()), list(t_bucket.model.parameters())) == 0.0
+
+
+# ------------------------------------------------------------------------------ stale batches (rl.async_steps)
+
+
+def test_a_stale_batch_is_corrected_against_its_rollout_logprobs():
+    """max_staleness=1: a batch one version behind takes π_old from its rollout log-probs (ρ = π_θ / π_behaviour);
+    one further behind, or from a newer policy, is refused. max_staleness=0 (the default) trains the same batch
+    as before the option existed: on-policy, ρ = 1 exactly."""
+    import dataclasses
+
+    def trainer(staleness):
+        t = LLMTrainer(copy.deepcopy(tiny_model(0)), build_objective(RLConfig(), ObjectiveContext(MAX_LEN)), NO_CLIP,
+                       max_staleness=staleness)
+        t.train_step(make_batch(seed=1, policy_version=0), 4)  # now at policy version 1
+        return t
+
+    batch = make_batch(seed=2, policy_version=0)  # sampled by version 0
+    stale = trainer(1)
+    with torch.no_grad():
+        current = sequence_token_logprobs(stale.model, batch.input_ids, batch.attention_mask, temperature=1.0)
+    shift = torch.tensor([-0.1, 0.0, 0.05]).repeat(batch.input_ids.shape[1])[: batch.input_ids.shape[1]]
+    behaviour = dataclasses.replace(batch, rollout_logp=(current + shift) * batch.loss_mask)
+    metrics = stale.train_step(behaviour, 4)
+    on = batch.loss_mask > 0
+    ratio = torch.exp(-shift).expand_as(current)[on]  # exp(ℓ_θ − ℓ_behaviour) on the loss tokens
+    assert metrics["train/ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-5)
+    assert metrics["train/ratio_min"] == pytest.approx(float(ratio.min()), rel=1e-5)
+    assert metrics["train/ratio_mean"] == pytest.approx(float(ratio.mean()), rel=1e-5)
+    assert stale.policy_version == 2
+
+    with pytest.raises(ValueError, match=r"2 version\(s\) behind, outside 0\.\.1"):
+        stale.train_step(behaviour, 4)  # version 0 at a trainer of version 2
+    with pytest.raises(ValueError, match=r"-1 version\(s\) behind"):
+        stale.train_step(make_batch(seed=3, policy_version=3), 4)
+
+    unchanged = trainer(0).train_step(behaviour, 4)  # the option off: no version is compared, π_old = sg(π_θ)
+    assert unchanged["train/ratio_min"] == unchanged["train/ratio_max"] == 1.0
+
+
+def test_max_staleness_needs_an_objective_with_pi_old():
+    legacy = build_objective(RLConfig(grpo_surrogate="legacy_pg"), ObjectiveContext(MAX_LEN))
+    with pytest.raises(ValueError, match="no pi_old"):
+        LLMTrainer(tiny_model(0), legacy, NO_CLIP, max_staleness=1)
