@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import threading
 
+from flows import startup
 from rl_core.config import load_checked
 from rl_core.registry import algorithm
 
@@ -30,6 +33,46 @@ def flow_for(name: str):
 
 
 def run_recipe(recipe: str, overrides: list[str]) -> dict:
+    startup.mark("imports")
     # config and preflight errors surface here, before Prefect starts; the flow takes this config, not a second load
     cfg = load_checked(str(recipe), list(overrides), hand_over=True)
-    return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))
+    # Start-up in parallel: Prefect's temporary API server (a subprocess) starts in a thread, the driver's heavy
+    # imports in another, while this thread starts the local Ray, which the flow's Cluster then takes over (and
+    # stops) as if it had started it. A user's PREFECT_API_URL or Ray address is used as before.
+    from infra.ray_connect import discard_early_ray, start_local_ray_early
+
+    api = _start_temporary_api()
+    threading.Thread(target=_import_ahead, name="posttrain-imports", daemon=True).start()
+    try:
+        start_local_ray_early(cfg)
+        if api is not None:
+            api.join()  # a failed start is retried, and reported, by the flow's own client
+        return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))
+    finally:
+        discard_early_ray()
+
+
+def _start_temporary_api() -> threading.Thread | None:
+    """Start the temporary Prefect API server the flow would start (no PREFECT_API_URL set), in a thread; the
+    flow's client finds it running (Prefect keeps one such server per process)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            SubprocessASGIServer().start()
+
+    thread = threading.Thread(target=start, name="posttrain-prefect-api", daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_ahead() -> None:
+    """What the flow imports first (tokenizers, models, MLflow): loaded while the API server starts."""
+    with contextlib.suppress(Exception):
+        import mlflow  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401

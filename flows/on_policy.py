@@ -21,6 +21,7 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
+from flows import startup
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
@@ -46,12 +47,14 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     `with_teacher` (OPD) adds a frozen teacher role and, after `annotate`, the `teacher` and
     `distill` phases; everything else — resume, tracking, cadence, checkpoints — is the same.
     """
+    startup.mark("flow")  # the Prefect API is up and the flow run created
     logger = get_run_logger()
     # inputs first: bad data or a plan that does not fit fails before the run directory is touched
     ensure_quickstart_artifacts(cfg, announce=logger.info)
     role = RolloutRole.build(cfg)
     check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
+    startup.mark("inputs")  # data, tokenizer, resume plan
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
     rollout = rollout_task.with_options(**retry)
     reward = reward_task.with_options(**retry)
@@ -61,9 +64,11 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     step = run.start_step
     with run, RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
             (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:
+        startup.mark("cluster")  # Ray, the actors, their models
         run.start(tracker)
         engines = cluster.engines
         version = run.restore(cluster, role.sampler, logger.info)
+        startup.mark("tracking_and_sync")  # the MLflow run, a resume's restore, the first weight sync
 
         def log(record: dict) -> None:
             run.log(record, bar)
@@ -75,6 +80,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
             a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it."""
+            startup.mark("first_rollout")
             rows = role.sampler.next_batch()
             engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
             args = (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, quote(role.sampling(at_step)),
@@ -129,7 +135,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
-                          "perf/policy_version": version, "rollout/policy_staleness": float(staleness)}
+                          "perf/policy_version": version, "rollout/policy_staleness": float(staleness),
+                          **startup.take()}
                 # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
                 # spent in the longer of the two)
                 record["perf/overhead_s"] = step_s - (max(generate_s, train_s) if overlap else generate_s + train_s)

@@ -53,6 +53,30 @@ def auth_token_source() -> str | None:
     return str(default) if token_mode and default.is_file() else None
 
 
+_early: dict[str, bool] = {}  # {"started": True} while a local Ray started ahead of the flow waits for its Cluster
+
+
+def start_local_ray_early(cfg: PosttrainConfig) -> bool:
+    """Start now the local Ray that `connect_ray(cfg)` would start later (call it from the main thread: Ray's
+    processes die with the thread that started them); False when `connect_ray` would join a cluster or use a
+    Ray already up.
+
+    The next `connect_ray` takes it over as started by itself, so it is stopped as before;
+    `discard_early_ray()` stops one that no `connect_ray` took (the flow failed before placing anything).
+    """
+    if ray.is_initialized() or cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return False
+    _start_local(cfg)
+    _early["started"] = True
+    return True
+
+
+def discard_early_ray() -> None:
+    """Stop an early local Ray that no `connect_ray` took."""
+    if _early.pop("started", False) and ray.is_initialized():
+        ray.shutdown()
+
+
 def connect_ray(cfg: PosttrainConfig) -> bool:
     """Join `cluster.address` / `RAY_ADDRESS`, or start a local Ray of our own; True when we started it.
 
@@ -64,6 +88,8 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
     ~/.ray/auth_token with RAY_AUTH_MODE=token.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if _early.pop("started", False) and ray.is_initialized():
+        return True  # started ahead of the flow for this run: ours to stop
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
@@ -83,6 +109,13 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
             raise ConnectionError(_join_failure(address, exc)) from exc
         log.info("joined Ray cluster at %s", address)
         return False
+    _start_local(cfg)
+    return True
+
+
+def _start_local(cfg: PosttrainConfig) -> None:
+    """A local Ray of our own on 127.0.0.1, with at least the CPUs the run's roles reserve."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     keep_ray_on_loopback()
     c = cfg.cluster
     need = c.num_workers * c.cpus_per_worker + (
@@ -91,7 +124,6 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
              num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
              log_to_driver=True, configure_logging=False)
     log.info("started a local Ray on 127.0.0.1")
-    return True
 
 
 def _join_failure(address: str, exc: BaseException) -> str:
