@@ -7,12 +7,19 @@ medians over the steps after warm-up:
 - trainer ranks 1 and 2, engines colocated (the default): the HF engine samples from the trainer's
   own weights, so a sync moves no bytes;
 - separate HF engines, 1 and 2: rank 0 broadcasts every policy version to them over gloo;
+- one separate HF engine with clipped GRPO, on-policy and with `rl.async_steps=1` (step k+1's rollout
+  overlapped with step k's training);
 - separate vLLM engines (vLLM's CPU build), 1 and 2, when vLLM is installed.
 
 Columns: `generate` is the time inside the engines (the slowest one; they run in parallel);
 `rollout tok/s` = response tokens sampled / generate time; `sync` and `sync MB` the weight sync of
 one step and the bytes each engine received; `overhead` = step wall time - generate time - the
-trainer's forward/backward/optimizer time.
+trainer's forward/backward/optimizer time (overlapped, `rl.async_steps=1`: the longer of the two).
+
+A second table is the start-up of each run: the seconds from the start of the `posttrain run` process to
+each mark (`perf/startup/*` of step 1; flows/startup.py): `imports`, `flow` (the Prefect API up, the flow
+run created, the local Ray started beside it), `inputs` (data, tokenizer, resume plan), `cluster` (the
+actors and their models), `tracking_and_sync` (the MLflow run, the first weight sync) = the first rollout.
 
     python benchmarks/bench_pipeline.py [--steps 30] [--only colocated-w1 separate-hf-e2 ...]
 """
@@ -29,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,29 +44,35 @@ PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
 # a `posttrain run` subprocess without Prefect/Ray chatter or telemetry (bench_vs_trl uses it too)
 QUIET_ENV = {"PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "RAY_USAGE_STATS_ENABLED": "0"}
+STARTUP = ("imports", "flow", "inputs", "cluster", "tracking_and_sync")  # flows/startup.py, in order
 COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
 
+CLIPPED = ["job.algorithm=grpo", "rl.grpo_surrogate=clipped"]  # rl.async_steps needs pi_old: clipped GRPO
 CONFIGS = {  # name -> overrides
     "colocated-w1": ["cluster.num_workers=1"],
     "colocated-w2": ["cluster.num_workers=2"],
     "separate-hf-e1": ["cluster.placement=separate", "rollout.num_engines=1"],
     "separate-hf-e2": ["cluster.placement=separate", "rollout.num_engines=2"],
+    "separate-hf-e1-clipped": ["cluster.placement=separate", "rollout.num_engines=1", *CLIPPED],
+    "separate-hf-e1-async": ["cluster.placement=separate", "rollout.num_engines=1", *CLIPPED, "rl.async_steps=1"],
     "separate-vllm-e1": ["cluster.placement=separate", "rollout.num_engines=1", "rollout.backend=vllm"],
     "separate-vllm-e2": ["cluster.placement=separate", "rollout.num_engines=2", "rollout.backend=vllm"],
 }
 
 
-def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float]:
+def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float, float]:
     env = {**os.environ, **QUIET_ENV}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
            "rl.resume=off", "job.overwrite=true"]
+    started = time.perf_counter()
     subprocess.run(cmd, cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
     records = [json.loads(line) for line in (workdir / "runs" / f"bench-{name}" / "metrics.jsonl").read_text()
                .splitlines()]
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return records, peak_mb
+    return records, peak_mb, wall
 
 
 def median(records: list[dict], key: str) -> float:
@@ -91,14 +105,14 @@ def main() -> int:
     try:
         rows = []
         for name in names:
-            records, peak_mb = run(workdir, name, CONFIGS[name], args.steps)
+            records, peak_mb, wall = run(workdir, name, CONFIGS[name], args.steps)
             steady = [r for r in records if r.get("step", 0) > 3 and "val/accuracy" not in r]
-            rows.append((name, steady, peak_mb))
+            rows.append((name, steady, peak_mb, records[0], wall))
         header = ["placement", "step ms", *[f"{p} ms" for p in PHASES], "generate ms", "rollout tok/s",
                   "fwd/bwd ms", "weight sync ms", "sync MB", "overhead ms", "train tok/s", "peak RSS MB"]
         print(" | ".join(header))
         print(" | ".join("---" for _ in header))
-        for name, steady, peak_mb in rows:
+        for name, steady, peak_mb, _, _ in rows:
             cells = [name, f"{1e3 * median(steady, 'perf/step_s'):.1f}"]
             cells += [f"{1e3 * median(steady, f'perf/{p}_s'):.1f}" for p in PHASES]
             cells += [f"{1e3 * median(steady, 'perf/generate_s'):.1f}", f"{rollout_tokens_per_s(steady):,.0f}",
@@ -109,6 +123,14 @@ def main() -> int:
                       f"{peak_mb:,.0f}"]
             print(" | ".join(cells))
         print(f"(medians over steps 4..{args.steps - 1}; peak RSS is the largest child process so far)")
+        print()
+        header = ["placement", *[f"{m} s" for m in STARTUP], "process wall s"]
+        print(" | ".join(header))
+        print(" | ".join("---" for _ in header))
+        for name, _, _, first, wall in rows:
+            print(" | ".join([name, *[f"{first.get(f'perf/startup/{m}_s', float('nan')):.2f}" for m in STARTUP],
+                              f"{wall:.1f}"]))
+        print(f"(seconds since the posttrain process started; the run is {args.steps} steps, with one evaluation)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
