@@ -44,9 +44,11 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     api = _start_temporary_api()
     threading.Thread(target=_import_ahead, name="posttrain-imports", daemon=True).start()
     try:
-        start_local_ray_early(cfg)
+        if start_local_ray_early(cfg):
+            startup.mark("local_ray")
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
+            startup.mark("prefect_api")
         return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))
     finally:
         discard_early_ray()
@@ -63,7 +65,10 @@ def _start_temporary_api() -> threading.Thread | None:
 
     def start() -> None:
         with contextlib.suppress(Exception):
-            SubprocessASGIServer().start()
+            server = SubprocessASGIServer()
+            server.start()
+            # its bookkeeping (every task run's events) yields the CPU to the trainer and engine actors
+            os.setpriority(os.PRIO_PROCESS, server.server_process.pid, min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19))
 
     thread = threading.Thread(target=start, name="posttrain-prefect-api", daemon=True)
     thread.start()

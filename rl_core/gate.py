@@ -14,6 +14,7 @@ Every refusal raises `BatchValidationError` (a ValueError) naming each failing c
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any
 
@@ -100,17 +101,23 @@ def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float
                        versions: tuple[int, int] | None = None) -> pa.DataFrameSchema:
     """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0; with
     `versions=(oldest, newest)`, the policy version that sampled the batch within them (the staleness bound)."""
+    schema = _bounded_schema(max_tokens, group_relative, atol)
+    if versions is None:
+        return schema
+    oldest, newest = versions
+    version = schema.columns["policy_version"]
+    return schema.update_column("policy_version", checks=[*version.checks, pa.Check(
+        lambda s: s.between(oldest, newest), element_wise=False,
+        name=f"policy_version in [{oldest}, {newest}] (trainer at {newest}, rl.async_steps={newest - oldest})")])
+
+
+@functools.lru_cache(maxsize=16)  # built once per run's bounds, not every step (update_column copies)
+def _bounded_schema(max_tokens: int, group_relative: bool, atol: float) -> pa.DataFrameSchema:
     schema = AnnotationsTable.to_schema()
     length = schema.columns["response_len"]
     schema = schema.update_column(
         "response_len", checks=[*length.checks, pa.Check.le(max_tokens, name=f"response_len<=rollout.max_tokens({max_tokens})")]
     )
-    if versions is not None:
-        oldest, newest = versions
-        version = schema.columns["policy_version"]
-        schema = schema.update_column("policy_version", checks=[*version.checks, pa.Check(
-            lambda s: s.between(oldest, newest), element_wise=False,
-            name=f"policy_version in [{oldest}, {newest}] (trainer at {newest}, rl.async_steps={newest - oldest})")])
     if group_relative:
         def zero_sum(df: pd.DataFrame) -> pd.Series:
             sums = df.groupby("group_id")["advantage"].transform("sum")
