@@ -1,0 +1,76 @@
+"""What one Prefect task run costs, whatever the task does: the floor under the pipeline's overhead.
+
+Runs a flow against Prefect's temporary API server (as `posttrain run` does) that calls a no-op task
+(`cache_policy=NO_CACHE`, retries set, as the pipeline's phases are) many times, and prints:
+
+- driver ms / task: wall time of one call in the flow's process (task run created, states set, the
+  events queued);
+- API server CPU ms / task: CPU time the temporary server spends per task run (it receives each
+  run's state events and records them, which is what the UI shows), read from /proc for its pid.
+
+The pipeline runs six such tasks a step (rollout, reward, annotate, validate, train, sync).
+
+    python benchmarks/bench_prefect_task.py [--calls 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=600)
+    args = parser.parse_args()
+    if not os.path.exists("/proc/self/stat"):
+        print("(needs /proc to read the server's CPU time: not run)")
+        return 0
+
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.server.api.server import SubprocessASGIServer
+
+    logging.getLogger("prefect.task_runs").setLevel("WARNING")
+
+    @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+    def noop(x: int) -> int:
+        return x
+
+    @flow
+    def calls(n: int) -> tuple[float, float]:
+        for _ in range(20):  # warm-up
+            noop(1)
+        time.sleep(2)  # let the server catch up on the warm-up's events
+        server = SubprocessASGIServer().server_process.pid
+        cpu0, t0 = cpu_seconds(server), time.perf_counter()
+        for _ in range(n):
+            noop(1)
+        wall = time.perf_counter() - t0
+        time.sleep(5)  # the server records the events after the calls return
+        return wall / n, (cpu_seconds(server) - cpu0) / n
+
+    driver, server = calls(args.calls)
+    print("task | driver ms / task | API server CPU ms / task | per step (6 tasks): driver ms | server CPU ms")
+    print("--- | --- | --- | --- | ---")
+    print(f"no-op, NO_CACHE, retries=2 | {1e3 * driver:.2f} | {1e3 * server:.2f} | {6e3 * driver:.1f} | "
+          f"{6e3 * server:.1f}")
+    print(f"({args.calls} calls; the server's CPU includes its other work in that window, which is idle here)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
