@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -172,8 +173,12 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
 
 
 def write_reference(path: str | os.PathLike = REPO_ROOT / REFERENCE, out_dir: str = "runs/regression-reference",
-                    extra: list[str] | None = None) -> Path:
-    """Run the fixed run (the grpo flow) and write its loss/grad-norm trajectory as the reference."""
+                    extra: list[str] | None = None, add_build: bool = False) -> Path:
+    """Run the fixed run (the grpo flow) and write its loss/grad-norm trajectory as the reference.
+
+    `add_build`: keep the file's reference and add (or replace) this machine's build of the warm start under
+    `other_builds`, keyed by its weights' hash: for a CPU whose warm start differs bitwise, on code whose math
+    has not changed."""
     import torch
 
     from flows.entry import run_recipe
@@ -198,6 +203,15 @@ def write_reference(path: str | os.PathLike = REPO_ROOT / REFERENCE, out_dir: st
         "steps": [{"step": r["step"], **{k: r[k] for k in TRAJECTORY_KEYS}} for r in records if "train/loss" in r],
     }
     target = Path(path)
+    if add_build:
+        base = json.loads(target.read_text())
+        if base.get("model_sha256") == data["model_sha256"]:
+            raise ValueError(f"{target}: this machine's warm start is the file's own build; nothing to add")
+        build = {k: data[k] for k in ("model_sha256", "summary", "steps", "generated_utc", "git_sha", "git_dirty",
+                                      "torch")}
+        build["machine"] = platform.processor() or platform.machine()
+        others = [b for b in base.get("other_builds", []) if b.get("model_sha256") != data["model_sha256"]]
+        data = {**base, "other_builds": [*others, build]}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(data, indent=1) + "\n")
     return target
@@ -206,12 +220,15 @@ def write_reference(path: str | os.PathLike = REPO_ROOT / REFERENCE, out_dir: st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.regression", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write-reference", action="store_true", help="regenerate regression/reference_trajectory.json")
+    parser.add_argument("--add-build", action="store_true",
+                        help="with --write-reference: add this machine's warm-start build to the reference's other_builds")
     parser.add_argument("--thresholds", default=THRESHOLDS)
     parser.add_argument("--reference", default=REFERENCE)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     if args.write_reference:
-        print(write_reference(_resolve(args.reference), args.out_dir or "runs/regression-reference"))
+        print(write_reference(_resolve(args.reference), args.out_dir or "runs/regression-reference",
+                              add_build=args.add_build))
         return 0
     state = regression(thresholds=args.thresholds, reference=args.reference,
                        out_dir=args.out_dir or "runs/regression", return_state=True)

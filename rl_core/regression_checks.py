@@ -104,7 +104,18 @@ def arithmetic_checks(summary: dict, limits: dict) -> list[Check]:
     return out
 
 
+def reference_for(reference: dict, model_hash: str | None) -> dict:
+    """The reference of the build whose weights hash `model_hash`: the file's own trajectory, or one of its
+    `other_builds`. The warm start is built bit-differently on different CPUs (their float kernels differ), and
+    each build has its own trajectory. With no match, the file's own (the check then names the differing weights)."""
+    for build in reference.get("other_builds", []):
+        if model_hash and build.get("model_sha256") == model_hash:
+            return {**reference, **build}
+    return reference
+
+
 def trajectory_checks(records: list[dict], reference: dict, limits: dict, model_hash: str | None) -> list[Check]:
+    reference = reference_for(reference, model_hash)
     rtol, atol = float(limits["rtol"]), float(limits["atol"])
     ref_steps = {r["step"]: r for r in reference["steps"]}
     got_steps = {r["step"]: r for r in records if "train/loss" in r}
