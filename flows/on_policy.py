@@ -82,7 +82,6 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it."""
             startup.mark("first_rollout")
             rows = role.sampler.next_batch()
-            engines.last_generate_s = 0.0  # stays 0 when the rollout comes from the cache
             args = (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, quote(role.sampling(at_step)),
                     quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}))
             cache_dir = str((run.run_dir / "cache").resolve())
@@ -104,8 +103,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     (rows, pending), ahead = ahead, None
                 sampler_state = role.sampler.state_dict()  # what this step's checkpoint resumes from: its rows drawn
                 with timer.phase("rollout"):
-                    completions = pending.result() if overlap else pending()
-                generate_s = engines.last_generate_s
+                    completions, generate_s = pending.result() if overlap else pending()
                 if overlap and step < cfg.rl.max_steps:
                     # step+1's rollout samples with this version while this step trains (the gate bounds the lag)
                     ahead = draw(step + 1, version)

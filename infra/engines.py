@@ -15,6 +15,7 @@ completions do not depend on the number of engines.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -129,13 +130,19 @@ class EnginePool:
 
     It quacks like a `RolloutEngine` for the rollout and evaluate tasks: `generate(prompt_ids, n,
     sampling)` and `last_generate_s` (the slowest engine's time inside generate: they run in parallel).
+    `last_generate_s` is the calling thread's own last call: with `rl.async_steps` a rollout in flight in
+    a task thread and an evaluation in the flow's thread call `generate` at the same time.
     """
 
     def __init__(self, actors: list[Any]):
         if not actors:
             raise ValueError("EnginePool needs at least one engine")
         self.actors = list(actors)
-        self.last_generate_s = 0.0
+        self._calls = threading.local()
+
+    @property
+    def last_generate_s(self) -> float:
+        return getattr(self._calls, "generate_s", 0.0)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -149,5 +156,5 @@ class EnginePool:
                 calls.append(actor.generate.remote(prompt_ids[offset: offset + size], n, sampling, offset))
             offset += size
         results = ray.get(calls)
-        self.last_generate_s = max(s for _, s in results)
+        self._calls.generate_s = max(s for _, s in results)
         return concat_completions([c for c, _ in results])

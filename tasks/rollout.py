@@ -31,8 +31,9 @@ def rollout_cache_key(prompt_ids: list[list[int]], n: int, sampling: Any, cache_
 
 @task(name="rollout", cache_policy=NO_CACHE)
 def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict,
-                 cache_dir: str | None = None) -> Any:
-    """Completions for `prompt_ids`: read back from `cache_dir` when this exact rollout was made before."""
+                 cache_dir: str | None = None) -> tuple[Any, float]:
+    """`(completions, seconds inside the engines' generate)` for `prompt_ids`; completions read back from
+    `cache_dir` when this exact rollout was made before (then 0 seconds)."""
     from rl_core.rollout import Completions
 
     path = Path(cache_dir) / f"{rollout_cache_key(prompt_ids, n, sampling, cache_identity)}.safetensors" \
@@ -41,17 +42,18 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
         try:
             cached = Completions.load(path)
             if len(cached) == len(prompt_ids) * n:
-                return cached
+                return cached, 0.0
             log.warning("%s: holds %d rows, not %d; regenerating", path, len(cached), len(prompt_ids) * n)
         except Exception as exc:  # noqa: BLE001 - a torn, foreign or planted file: never trusted, regenerated
             log.warning("%s: not a readable rollout (%s); regenerating", path, exc)
     completions = engine.generate(prompt_ids, n, sampling)
+    generate_s = engine.last_generate_s  # this thread's call (EnginePool keeps it per thread)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         completions.save(tmp)
         os.replace(tmp, path)  # complete files only
-    return completions
+    return completions, generate_s
 
 
 @task(name="sync", cache_policy=NO_CACHE)

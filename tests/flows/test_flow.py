@@ -137,7 +137,8 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
         third = rollout_task(engine, prompts, 2, sampling3, planted_ident, cache_dir=str(cache))
         return first, second, other, third
 
-    first, second, other, third = rollouts()
+    (first, first_s), (second, second_s), (other, _), (third, _) = rollouts()
+    assert first_s > 0 and second_s == 0.0  # seconds inside generate; none for the one read back
     assert len(calls) == 3, "the identical call is read back; the planted file is regenerated over"
     for field in ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index"):
         assert torch.equal(getattr(first, field), getattr(second, field))

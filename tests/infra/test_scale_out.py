@@ -58,6 +58,41 @@ def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_mod
         assert got.finish_reason == ref.finish_reason
 
 
+def test_each_thread_reads_the_generate_time_of_its_own_call():
+    """rl.async_steps: the in-flight rollout (a task thread) and an evaluation (the flow's thread) call the same
+    EnginePool at once; each must read back the seconds of its own call, not the other's."""
+    import threading
+
+    from infra.engines import EnginePool
+    from rl_core.rollout.base import build_completions
+
+    completions = build_completions([[1, 5]], [[9, 2]], [[-0.5, -0.5]], n=1, eos_token_id=2, pad_token_id=0,
+                                    max_tokens=4, policy_version=0)
+
+    class Actor:  # answers generate(prompts, n, sampling, offset) with (completions, seconds = n)
+        class generate:  # Ray's actor.method.remote(...) shape
+            @staticmethod
+            def remote(prompts, n, sampling, offset):
+                return ray.put((completions, float(n)))
+
+    pool = EnginePool([Actor()])
+    called, other_done, seen = threading.Event(), threading.Event(), []
+
+    def rollout():
+        pool.generate([[1, 5]], 2, None)
+        called.set()
+        other_done.wait(10)
+        seen.append(pool.last_generate_s)
+
+    thread = threading.Thread(target=rollout)
+    thread.start()
+    assert called.wait(10)
+    pool.generate([[1, 5]], 3, None)  # the evaluation's call, between the rollout's call and its read
+    other_done.set()
+    thread.join(10)
+    assert seen == [2.0] and pool.last_generate_s == 3.0
+
+
 def test_engines_and_placements_train_to_identical_weights_with_no_model_in_the_driver(in_workdir, warm_model,
                                                                                        monkeypatch):
     """1 vs 2 separate engines and colocated: identical rollouts, losses and step-3 weights. At every step (after
