@@ -5,7 +5,8 @@ at most 4 tokens a step) in a scratch directory, once per placement below, and p
 medians over the steps after warm-up:
 
 - trainer ranks 1 and 2, engines colocated (the default): the HF engine samples from the trainer's
-  own weights, so a sync moves no bytes;
+  own weights, so a sync moves no bytes; and 1 rank with 2 torch threads (`cluster.cpus_per_worker=2`,
+  every core of a 2-core machine; the default is 1 a rank);
 - separate HF engines, 1 and 2: rank 0 broadcasts every policy version to them over gloo;
 - one separate HF engine with clipped GRPO, on-policy and with `rl.async_steps=1` (step k+1's rollout
   overlapped with step k's training);
@@ -50,6 +51,7 @@ COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
 CLIPPED = ["job.algorithm=grpo", "rl.grpo_surrogate=clipped"]  # rl.async_steps needs pi_old: clipped GRPO
 CONFIGS = {  # name -> overrides
     "colocated-w1": ["cluster.num_workers=1"],
+    "colocated-w1-t2": ["cluster.num_workers=1", "cluster.cpus_per_worker=2"],
     "colocated-w2": ["cluster.num_workers=2"],
     "separate-hf-e1": ["cluster.placement=separate", "rollout.num_engines=1"],
     "separate-hf-e2": ["cluster.placement=separate", "rollout.num_engines=2"],

@@ -8,6 +8,9 @@ Runs a flow against Prefect's temporary API server (as `posttrain run` does) tha
 - API server CPU ms / task: CPU time the temporary server spends per task run (it receives each
   run's state events and records them, which is what the UI shows), read from /proc for its pid.
 
+Once with Prefect's own server settings (the task-run recorder writes every event in its own
+transaction) and once with those posttrain starts its servers with (infra.services.PREFECT_SERVER_DEFAULTS:
+batches of up to 100, at least once a second), each row in a process of its own.
 The pipeline runs six such tasks a step (rollout, reward, annotate, validate, train, sync).
 
     python benchmarks/bench_prefect_task.py [--calls 600]
@@ -18,9 +21,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -32,14 +38,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--calls", type=int, default=600)
-    args = parser.parse_args()
-    if not os.path.exists("/proc/self/stat"):
-        print("(needs /proc to read the server's CPU time: not run)")
-        return 0
-
+def measure(calls: int) -> tuple[float, float]:
+    """(driver seconds, API server CPU seconds) per task run, against a temporary server started here."""
     from prefect import flow, task
     from prefect.cache_policies import NO_CACHE
     from prefect.server.api.server import SubprocessASGIServer
@@ -51,7 +51,7 @@ def main() -> int:
         return x
 
     @flow
-    def calls(n: int) -> tuple[float, float]:
+    def run_calls(n: int) -> tuple[float, float]:
         for _ in range(20):  # warm-up
             noop(1)
         time.sleep(2)  # let the server catch up on the warm-up's events
@@ -63,12 +63,36 @@ def main() -> int:
         time.sleep(5)  # the server records the events after the calls return
         return wall / n, (cpu_seconds(server) - cpu0) / n
 
-    driver, server = calls(args.calls)
-    print("task | driver ms / task | API server CPU ms / task | per step (6 tasks): driver ms | server CPU ms")
+    return run_calls(calls)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=600)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not os.path.exists("/proc/self/stat"):
+        print("(needs /proc to read the server's CPU time: not run)")
+        return 0
+    if args.child:  # one measurement, in a process of its own: the server reads its settings when it starts
+        print(*measure(args.calls))
+        return 0
+
+    sys.path.insert(0, str(REPO))
+    from infra.services import PREFECT_SERVER_DEFAULTS
+
+    variants = {"Prefect's defaults": {}, "posttrain's server settings": PREFECT_SERVER_DEFAULTS}
+    print("server settings | driver ms / task | API server CPU ms / task | per step (6 tasks): driver ms | "
+          "server CPU ms")
     print("--- | --- | --- | --- | ---")
-    print(f"no-op, NO_CACHE, retries=2 | {1e3 * driver:.2f} | {1e3 * server:.2f} | {6e3 * driver:.1f} | "
-          f"{6e3 * server:.1f}")
-    print(f"({args.calls} calls; the server's CPU includes its other work in that window, which is idle here)")
+    for name, settings in variants.items():
+        env = {**{k: v for k, v in os.environ.items() if k not in PREFECT_SERVER_DEFAULTS}, **settings}
+        out = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)], env=env, check=True,
+                             capture_output=True, text=True)
+        driver, server = map(float, out.stdout.split()[-2:])
+        print(f"{name} | {1e3 * driver:.2f} | {1e3 * server:.2f} | {6e3 * driver:.1f} | {6e3 * server:.1f}")
+    print(f"(no-op task, NO_CACHE, retries=2; {args.calls} calls; the server's CPU includes its other work in that "
+          "window, which is idle here)")
     return 0
 
 

@@ -44,6 +44,13 @@ PORT_ENV = {"prefect": "POSTTRAIN_PREFECT_PORT", "mlflow": "POSTTRAIN_MLFLOW_POR
 # Stop order: the worker before the server it talks to.
 SERVICES = ("prefect-worker", "prefect-server", "mlflow")
 QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+# Prefect API server settings for the servers posttrain starts (this module's `prefect server`, and the temporary one
+# of `posttrain run`); a user's own values win. Prefect's task-run recorder writes each task run's state events one
+# transaction at a time (batch size 1); in batches of up to 100, written at least once a second, the server spends
+# about half the CPU per task run (benchmarks/bench_prefect_task.py), CPU the trainer and engines share on a small
+# machine. The UI shows a task run's state up to a second later; a server that stops writes one last batch.
+PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+                           "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
 
 class ServicesError(RuntimeError):
@@ -277,7 +284,7 @@ class Services:
     # ---------------------------------------------------------------- start
 
     def _base_env(self) -> dict[str, str]:
-        env = {**os.environ, **QUIET}
+        env = {**PREFECT_SERVER_DEFAULTS, **os.environ, **QUIET}
         # Our own Prefect home and database; an inherited profile or API URL must not redirect them.
         for key in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_API_DATABASE_CONNECTION_URL",
                     "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_KEY"):

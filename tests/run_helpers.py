@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import FAST, recipe
@@ -103,7 +104,10 @@ def save_checkpoint(store, cfg, step: int, run_id: str = "run-abc") -> None:
                checkpoint_meta(cfg, mlflow_run_id=run_id))
 
 
-def task_runs(flow_run_id) -> list:
+def task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 60.0) -> list:
+    """The flow run's task runs as the API has recorded them. The server records task-run states from events, in
+    batches (infra.services.PREFECT_SERVER_DEFAULTS: at least once a second), so read until two reads `settle_s`
+    apart agree and every run is in a final state."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -111,4 +115,15 @@ def task_runs(flow_run_id) -> list:
         async with get_client() as client:
             return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
-    return asyncio.run(fetch())
+    def snapshot(runs) -> list:
+        return sorted((str(r.id), r.state.type.value if r.state else None) for r in runs)
+
+    deadline = time.monotonic() + timeout_s
+    runs = asyncio.run(fetch())
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        again = asyncio.run(fetch())
+        if snapshot(again) == snapshot(runs) and all(r.state is not None and r.state.is_final() for r in again):
+            return again
+        runs = again
+    return runs

@@ -509,6 +509,31 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
     assert int(float(out.stdout.strip().splitlines()[-1])) == expected
 
 
+@pytest.mark.parametrize("user_value, expected", [(None, 100), ("7", 7)])
+def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_value, expected, tmp_path,
+                                                                          monkeypatch):
+    """The temporary API server of `posttrain run` (flows.entry) and the `prefect server` of `posttrain services`
+    record task-run states in batches (half the server CPU per task run), unless the user set the value."""
+    from infra.services import PREFECT_SERVER_DEFAULTS
+
+    key = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
+    env = {k: v for k, v in os.environ.items() if k not in PREFECT_SERVER_DEFAULTS}
+    for k in PREFECT_SERVER_DEFAULTS:
+        monkeypatch.delenv(k, raising=False)
+    if user_value is not None:
+        env[key] = user_value
+        monkeypatch.setenv(key, user_value)
+    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+            "s = get_current_settings().server.services.task_run_recorder\nprint(s.batch_size, s.flush_interval)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    batch, flush = out.stdout.strip().splitlines()[-1].split()
+    assert (int(batch), float(flush)) == (expected, 1.0)
+    server_env = Services(tmp_path)._base_env()
+    assert server_env[key] == str(expected)
+    assert server_env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"] == "1"
+
+
 def test_a_service_stays_recognised_when_the_system_clock_steps():
     """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
     (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""
