@@ -64,10 +64,12 @@ def _start_temporary_api() -> threading.Thread | None:
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         return None
-    from prefect.server.api.server import SubprocessASGIServer
 
     def start() -> None:
         with contextlib.suppress(Exception):
+            # imported here, not by the caller: the server's package takes ~2 s to import, while Ray starts
+            from prefect.server.api.server import SubprocessASGIServer
+
             server = SubprocessASGIServer()
             server.start()
             # its bookkeeping (every task run's events) yields the CPU to the trainer and engine actors

@@ -47,7 +47,7 @@ QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "RAY_
 # Prefect API server settings for the servers posttrain starts (this module's `prefect server`, and the temporary one
 # of `posttrain run`); a user's own values win. Prefect's task-run recorder writes each task run's state events one
 # transaction at a time (batch size 1); in batches of up to 100, written at least once a second, the server spends
-# about half the CPU per task run (benchmarks/bench_prefect_task.py), CPU the trainer and engines share on a small
+# about 40% less CPU per task run (benchmarks/bench_prefect_task.py), CPU the trainer and engines share on a small
 # machine. The UI shows a task run's state up to a second later; a server that stops writes one last batch.
 PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
