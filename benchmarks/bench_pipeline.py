@@ -12,10 +12,12 @@ medians over the steps after warm-up:
   overlapped with step k's training);
 - separate vLLM engines (vLLM's CPU build), 1 and 2, when vLLM is installed.
 
-Columns: `generate` is the time inside the engines (the slowest one; they run in parallel);
-`rollout tok/s` = response tokens sampled / generate time; `sync` and `sync MB` the weight sync of
-one step and the bytes each engine received; `overhead` = step wall time - generate time - the
-trainer's forward/backward/optimizer time (overlapped, `rl.async_steps=1`: the longer of the two).
+Columns: `step` is `perf/step_s`, the six phases' wall time; `wall/step` the loop's whole step, the
+writing of its metrics (metrics.jsonl, MLflow) included (from MLflow's timestamps; `wall_per_step`);
+`generate` is the time inside the engines (the slowest one; they run in parallel); `rollout tok/s` =
+response tokens sampled / generate time; `sync` and `sync MB` the weight sync of one step and the
+bytes each engine received; `overhead` = step wall time - generate time - the trainer's
+forward/backward/optimizer time (overlapped, `rl.async_steps=1`: the longer of the two).
 
 A second table is the start-up of each run: the seconds from the start of the `posttrain run` process to
 each mark (`perf/startup/*` of step 1; flows/startup.py): `imports`, `flow` (the Prefect API up, the flow
@@ -77,6 +79,27 @@ def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[lis
     return records, peak_mb, wall
 
 
+def wall_per_step(workdir: Path, run_name: str, records: list[dict]) -> list[float]:
+    """Each step's wall seconds in the loop, evaluation and checkpoint excluded: `perf/step_s` times the phases
+    only, not the writing of the step's metrics (metrics.jsonl, MLflow) that follows them, so this reads MLflow's
+    timestamp of every step's metrics (taken as each step's write starts, ms) from the run's store and takes the
+    gaps between them, less the `perf/evaluate_s` and `perf/checkpoint_s` inside each gap. Step 1's is its
+    `perf/step_s`. One value per record of `records` (the steps, in order)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri="sqlite:///" + str(workdir.resolve() / "mlflow.db"))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                f"tags.mlflow.runName = '{run_name}'", max_results=1)
+    stamps = {m.step: m.timestamp / 1e3 for m in client.get_metric_history(run.info.run_id, "perf/step_s")}
+    walls, previous = [], None
+    for r in records:
+        at = stamps[r["step"]]
+        walls.append(r["perf/step_s"] if previous is None else
+                     at - previous - r.get("perf/evaluate_s", 0.0) - r.get("perf/checkpoint_s", 0.0))
+        previous = at
+    return walls
+
+
 def median(records: list[dict], key: str) -> float:
     values = [r[key] for r in records if key in r and r[key] is not None]
     return statistics.median(values) if values else float("nan")
@@ -108,14 +131,18 @@ def main() -> int:
         rows = []
         for name in names:
             records, peak_mb, wall = run(workdir, name, CONFIGS[name], args.steps)
+            steps = [r for r in records if r.get("step", 0) > 0 and "perf/step_s" in r]
+            for r, step_wall in zip(steps, wall_per_step(workdir, f"bench-{name}", steps)):
+                r["perf/wall_per_step_s"] = step_wall  # the benchmark's own figure, not a logged metric
             steady = [r for r in records if r.get("step", 0) > 3 and "val/accuracy" not in r]
             rows.append((name, steady, peak_mb, records[0], wall))
-        header = ["placement", "step ms", *[f"{p} ms" for p in PHASES], "generate ms", "rollout tok/s",
+        header = ["placement", "step ms", "wall/step ms", *[f"{p} ms" for p in PHASES], "generate ms", "rollout tok/s",
                   "fwd/bwd ms", "weight sync ms", "sync MB", "overhead ms", "train tok/s", "peak RSS MB"]
         print(" | ".join(header))
         print(" | ".join("---" for _ in header))
         for name, steady, peak_mb, _, _ in rows:
-            cells = [name, f"{1e3 * median(steady, 'perf/step_s'):.1f}"]
+            cells = [name, f"{1e3 * median(steady, 'perf/step_s'):.1f}",
+                     f"{1e3 * median(steady, 'perf/wall_per_step_s'):.1f}"]
             cells += [f"{1e3 * median(steady, f'perf/{p}_s'):.1f}" for p in PHASES]
             cells += [f"{1e3 * median(steady, 'perf/generate_s'):.1f}", f"{rollout_tokens_per_s(steady):,.0f}",
                       f"{1e3 * median(steady, 'perf/train_compute_s'):.1f}",

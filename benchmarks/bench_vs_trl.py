@@ -13,8 +13,11 @@ reward, rollout.max_tokens new tokens).
   scores the trainer's model with `evaluate_accuracy` outside the timed span.
 - posttrain runs as a subprocess, `python -m flows.cli run recipes/arithmetic.py -- <overrides>`, in a
   scratch directory (the way benchmarks/bench_pipeline.py runs it); its figures come from
-  `runs/<name>/metrics.jsonl`: `perf/step_s` (which excludes evaluation and checkpoints) and
-  `val/accuracy`. Its saved final model is rescored here with the same function as a cross-check.
+  `runs/<name>/metrics.jsonl` (`val/accuracy`) and the run's MLflow store: each step's wall time is the
+  gap between consecutive steps' metrics writes less any evaluation or checkpoint inside it
+  (`bench_pipeline.wall_per_step`), so that, like TRL's, it counts everything a step does. posttrain's
+  `perf/step_s` (the phases alone) is printed beside it. Its saved final model is rescored here with
+  the same function as a cross-check.
 
 The table: seconds per step (median over steps 2..N), held-out accuracy at step 25 (or the first
 evaluation at or after it) and at the last step, the first evaluated step reaching 0.90 / 0.95 and the
@@ -221,7 +224,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
 
 
 def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> dict:
-    from bench_pipeline import QUIET_ENV  # benchmarks/ is this script's sys.path[0]
+    from bench_pipeline import QUIET_ENV, wall_per_step  # benchmarks/ is this script's sys.path[0]
 
     env = {**os.environ, **QUIET_ENV}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(RECIPE), "--", *run_overrides]
@@ -236,10 +239,12 @@ def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> 
     run_dir = workdir / "runs" / RUN_NAME
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r.get("step", 0) > 0 and "perf/step_s" in r]
+    # the loop's wall time a step, metrics writing included (TRL's Clock times its whole step too)
+    walls = wall_per_step(workdir, RUN_NAME, steps)
     evals = {int(r["step"]): float(r["val/accuracy"]) for r in records if "val/accuracy" in r}
     logged_rows = [r.get("data/prompt_rows") for r in steps]
     final = load_model(run_dir / "final_model")
-    return {"step_s": [r["perf/step_s"] for r in steps], "evals": evals, "wall_s": wall_s,
+    return {"step_s": walls, "phases_step_s": [r["perf/step_s"] for r in steps], "evals": evals, "wall_s": wall_s,
             "eval_s": sum(r.get("perf/evaluate_s", 0.0) for r in records), "warm_logged": evals.get(0), "threads": max(int(
                 cfg.cluster.cpus_per_worker), 1), "same_prompts": logged_rows == rows,
             "final_rescored": score(final)}
@@ -371,6 +376,9 @@ def main() -> int:
     if "posttrain" in results:
         r = results["posttrain"]
         logged = r["evals"].get(args.steps)
+        phases = statistics.median(r["phases_step_s"][1:] or r["phases_step_s"])
+        notes.append(f"posttrain s/step is the loop's wall time a step; perf/step_s, its six phases alone: {phases:.3f} "
+                     f"(median)")
         notes.append(f"posttrain subprocess wall {r['wall_s']:.1f} s (evaluation {r['eval_s']:.1f} s); scoring "
                      f"cross-check: warm start {r['warm_logged']} in the flow vs {warm_acc:.3f} here, final model "
                      f"{logged} in the flow vs {r['final_rescored']:.3f} rescored here; logged prompt rows match the "
