@@ -48,7 +48,8 @@ QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "RAY_
 # of `posttrain run`); a user's own values win. Prefect's task-run recorder writes each task run's state events one
 # transaction at a time (batch size 1); in batches of up to 100, written at least once a second, the server spends
 # about 40% less CPU per task run (benchmarks/bench_prefect_task.py), CPU the trainer and engines share on a small
-# machine. The UI shows a task run's state up to a second later; a server that stops writes one last batch.
+# machine. The UI shows a task run's state up to a second later; a server that stops writes one last batch. (Prefect
+# truncates the interval to whole seconds: below 1 its flush loop would never sleep.)
 PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
