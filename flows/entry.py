@@ -8,7 +8,7 @@ import os
 import threading
 
 from flows import startup
-from infra.services import PREFECT_SERVER_DEFAULTS
+from infra.services import use_prefect_server_defaults
 from rl_core.config import load_checked
 from rl_core.registry import algorithm
 
@@ -21,8 +21,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # on a quiet one, so allow 3 minutes (a user's own value wins).
 EPHEMERAL_STARTUP_TIMEOUT_S = "180"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT_S)
-for _key, _value in PREFECT_SERVER_DEFAULTS.items():  # the temporary API server's task-run recorder batches its writes
-    os.environ.setdefault(_key, _value)
+use_prefect_server_defaults()  # the temporary API server's task-run recorder batches its writes
 
 
 # the flow that runs each topology of rl_core.registry (module, flow function)

@@ -54,6 +54,13 @@ PREFECT_SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
 
+def use_prefect_server_defaults() -> None:
+    """Put `PREFECT_SERVER_DEFAULTS` in this process's environment where unset: a temporary API server it
+    starts inherits them."""
+    for key, value in PREFECT_SERVER_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 class ServicesError(RuntimeError):
     """A service did not start, or the services are not up; the message says which and where its log is."""
 

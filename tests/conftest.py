@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.services import PREFECT_SERVER_DEFAULTS
+from infra.services import use_prefect_server_defaults
 
 REPO = Path(__file__).resolve().parents[1]
 _PREFECT_HOME = tempfile.mkdtemp(prefix="posttrain-test-prefect-")
@@ -29,8 +29,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # the ephemeral Prefect API may take longer than its default 20 s to start on a loaded 2-core machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # the API server settings `posttrain run` and `posttrain services` start Prefect with (batched task-run recording)
-for _key, _value in PREFECT_SERVER_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
+use_prefect_server_defaults()
 
 
 @pytest.fixture(scope="session")
