@@ -10,7 +10,12 @@ import torch
 
 from rl_core.annotate import annotate
 from rl_core.config import RLConfig
-from rl_core.gate import BatchValidationError, validate_annotations, validate_batch_tensors
+from rl_core.gate import (
+    BatchValidationError,
+    annotations_schema,
+    validate_annotations,
+    validate_batch_tensors,
+)
 from rl_core.rollout.base import build_completions
 
 EOS, PAD = 2, 0
@@ -153,3 +158,7 @@ def test_the_policy_version_window_bounds_the_staleness_naming_the_bound():
         with pytest.raises(BatchValidationError, match=rf"policy_version in \[{window[0]}, {window[1]}\]") as err:
             validate_annotations(table, max_tokens=4, versions=window)
         assert "8 failing" in str(err.value)  # every row, named
+    # each window is a copy: the schema cached for the run's bounds keeps its own checks, so the next step's
+    # window is the only one that applies
+    validate_annotations(table, max_tokens=4, versions=(3, 3))
+    assert [c.name for c in annotations_schema(4).columns["policy_version"].checks] == ["greater_than_or_equal_to"]
