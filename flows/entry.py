@@ -39,8 +39,10 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     # config and preflight errors surface here, before Prefect starts; the flow takes this config, not a second load
     cfg = load_checked(str(recipe), list(overrides), hand_over=True)
     # Start-up in parallel: Prefect's temporary API server (a subprocess) starts in a thread, the driver's heavy
-    # imports in another, while this thread starts the local Ray, which the flow's Cluster then takes over (and
-    # stops) as if it had started it. A user's PREFECT_API_URL or Ray address is used as before.
+    # imports in another, while this thread starts the local Ray and in it the trainer ranks' actors, which the
+    # flow's Cluster then takes over (and stops) as if it had started them. A user's PREFECT_API_URL or Ray
+    # address is used as before.
+    from infra.cluster import discard_early_workers, start_workers_early
     from infra.ray_connect import discard_early_ray, start_local_ray_early
 
     api = _start_temporary_api()
@@ -48,11 +50,14 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     try:
         if start_local_ray_early(cfg):
             startup.mark("local_ray")
+            with contextlib.suppress(Exception):  # a placement the cluster cannot give is the flow's to report
+                start_workers_early(cfg)
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")
         return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))
     finally:
+        discard_early_workers()
         discard_early_ray()
 
 

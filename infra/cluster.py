@@ -16,6 +16,9 @@ Roles, all Ray actors in placement groups whose CPUs/GPUs Ray counts (the driver
   Every sync carries the policy version and a checksum of the weights; each engine echoes both and
   a mismatch fails the step (`WeightSyncError`).
 
+`posttrain run` starts the trainer ranks' actors ahead, as soon as its local Ray is up and while Prefect's
+API starts (`start_workers_early`); the flow's `Cluster` of the same config takes them over.
+
 Actors receive the resolved, validated config as data (local model paths made absolute by the
 driver): they never re-run a recipe file nor depend on the driver's working directory. On a
 cluster of several machines those paths must exist on every node (a shared filesystem), or the
@@ -55,6 +58,73 @@ class PlacementError(RuntimeError):
 # ------------------------------------------------------------------------------------------ Ray
 
 
+def bundle(cpus: float, gpus: float) -> dict[str, float]:
+    """One placement-group bundle: CPUs, and GPUs when any."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+
+
+def worker_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
+    """The trainer ranks' placement-group bundles: one per rank."""
+    return [bundle(cfg.cluster.cpus_per_worker, cfg.cluster.gpus_per_worker)] * cfg.cluster.num_workers
+
+
+def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
+    """Create the trainer ranks' actors in placement group `pg` (not waited for: their processes start now)."""
+    c = cfg.cluster
+    actor = ray.remote(PolicyWorker)
+    return [actor.options(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            .remote(worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker)
+            for r in range(c.num_workers)]
+
+
+_early_workers: dict[str, Any] = {}  # start_workers_early -> the next Cluster with the same worker config
+
+
+def start_workers_early(cfg: PosttrainConfig) -> int:
+    """Start the trainer ranks' actors now, before the flow's `Cluster` exists, and have each import what its
+    `setup` needs (`PolicyWorker.preload`): their processes start and import while the Prefect API starts.
+
+    Call it with Ray up (`infra.ray_connect.start_local_ray_early`). The next `Cluster` whose worker config is the
+    same takes them over as if it had created them; one with another config discards them and places its own.
+    Returns the number of actors started.
+    """
+    pg = placement_group(worker_bundles(cfg), strategy=cfg.cluster.placement_strategy)
+    worker_cfg = worker_config(cfg)
+    workers = launch_workers(worker_cfg, cfg, pg)
+    for w in workers:
+        w.preload.remote()
+    _early_workers.update(worker_cfg=worker_cfg, pg=pg, workers=workers)
+    return len(workers)
+
+
+def take_early_workers(worker_cfg: dict) -> tuple[Any, list[Any]] | None:
+    """`(placement group, actors)` started early for this worker config, handed over once; else None (and
+    actors started for another config are discarded)."""
+    if _early_workers.get("worker_cfg") == worker_cfg:
+        early = _early_workers.pop("pg"), _early_workers.pop("workers")
+        _early_workers.clear()
+        return early
+    discard_early_workers()
+    return None
+
+
+def discard_early_workers() -> None:
+    """Kill actors started early that no Cluster took, and free their placement group."""
+    if not _early_workers:
+        return
+    workers, pg = _early_workers.pop("workers", []), _early_workers.pop("pg", None)
+    _early_workers.clear()
+    if not ray.is_initialized():
+        return  # gone with their Ray
+    for actor in workers:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+
+
 class Cluster(AbstractContextManager):
     """Joins or starts Ray, then places the trainer ranks and the rollout engines (see the module docstring).
 
@@ -87,9 +157,10 @@ class Cluster(AbstractContextManager):
             raise
         return self
 
-    def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
+    def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str, pg: Any = None) -> Any:
+        """A placement group of `bundles`, ready (`pg`: one already requested, e.g. by `start_workers_early`)."""
         timeout = self.cfg.cluster.placement_timeout_s
-        pg = placement_group(bundles, strategy=strategy)
+        pg = pg or placement_group(bundles, strategy=strategy)
         self.placement_groups.append(pg)
         try:
             ray.get(pg.ready(), timeout=timeout)
@@ -101,21 +172,12 @@ class Cluster(AbstractContextManager):
                 "rollout.num_engines, *_per_engine), relax cluster.placement_strategy, or add nodes") from None
         return pg
 
-    @staticmethod
-    def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-        return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
-
     def _place_workers(self) -> None:
         c = self.cfg.cluster
-        pg = self._placement_group([self._bundle(c.cpus_per_worker, c.gpus_per_worker)] * c.num_workers,
-                                   c.placement_strategy, f"{c.num_workers} trainer rank(s)")
-        actor = ray.remote(PolicyWorker)
-        self.workers = [
-            actor.options(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-            .remote(self.worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker)
-            for r in range(c.num_workers)
-        ]
+        early = take_early_workers(self.worker_cfg)
+        pg = self._placement_group(worker_bundles(self.cfg), c.placement_strategy, f"{c.num_workers} trainer rank(s)",
+                                   early[0] if early else None)
+        self.workers = early[1] if early else launch_workers(self.worker_cfg, self.cfg, pg)
         host, port = ray.get(self.workers[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
         ray.get([w.setup.remote(host, port, self.max_model_len) for w in self.workers])
 
@@ -125,7 +187,7 @@ class Cluster(AbstractContextManager):
             self.engines = EnginePool(self.workers)
             return
         count = num_engines(self.cfg)
-        pg = self._placement_group([self._bundle(c.cpus_per_engine, c.gpus_per_engine)] * count, "PACK",
+        pg = self._placement_group([bundle(c.cpus_per_engine, c.gpus_per_engine)] * count, "PACK",
                                    f"{count} rollout engine(s)")
         actor = ray.remote(RolloutWorker)
         self.engine_actors = [
@@ -149,6 +211,7 @@ class Cluster(AbstractContextManager):
         self._weight_world = world
 
     def __exit__(self, *exc: object) -> None:
+        discard_early_workers()  # started ahead for a run that did not take them
         for actor in self.engine_actors + self.workers:
             with contextlib.suppress(Exception):  # the actor or Ray may already be gone
                 ray.get(actor.shutdown.remote(), timeout=10)

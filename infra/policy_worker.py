@@ -56,6 +56,16 @@ class PolicyWorker:
         self._store = self._weight_store = self.weight_group = None
         self.layout: list | None = None
 
+    def preload(self) -> float:
+        """Import what `setup` uses (transformers' model classes take seconds), ahead of it: called on actors
+        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        t = time.perf_counter()
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        import rl_core.trainer  # noqa: F401
+        from rl_core.models import load_policy  # noqa: F401
+        return time.perf_counter() - t
+
     def info(self) -> dict[str, Any]:
         return node_info(self.device)
 
