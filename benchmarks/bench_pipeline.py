@@ -21,8 +21,9 @@ forward/backward/optimizer time (overlapped, `rl.async_steps=1`: the longer of t
 
 A second table is the start-up of each run: the seconds from the start of the `posttrain run` process to
 each mark (`perf/startup/*` of step 1; flows/startup.py): `imports`, `flow` (the Prefect API up, the flow
-run created, the local Ray started beside it), `inputs` (data, tokenizer, resume plan), `cluster` (the
-actors and their models), `tracking_and_sync` (the MLflow run, the first weight sync) = the first rollout.
+run created, the local Ray started beside it, the trainer actors started in it), `inputs` (data, tokenizer,
+resume plan), `tracking` (the MLflow run), `cluster` (the actors ready with their models), `first_rollout`
+(after a resume's restore and the first weight sync).
 
     python benchmarks/bench_pipeline.py [--steps 30] [--only colocated-w1 separate-hf-e2 ...]
 """
@@ -47,7 +48,7 @@ PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
 # a `posttrain run` subprocess without Prefect/Ray chatter or telemetry (bench_vs_trl uses it too)
 QUIET_ENV = {"PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "RAY_USAGE_STATS_ENABLED": "0"}
-STARTUP = ("imports", "flow", "inputs", "cluster", "tracking_and_sync")  # flows/startup.py, in order
+STARTUP = ("imports", "flow", "inputs", "tracking", "cluster", "first_rollout")  # flows/startup.py, in order
 COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
 
 CLIPPED = ["job.algorithm=grpo", "rl.grpo_surrogate=clipped"]  # rl.async_steps needs pi_old: clipped GRPO

@@ -15,7 +15,7 @@ draws the in-flight step's prompts again.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 from prefect import get_run_logger
@@ -62,13 +62,15 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     group_relative = algorithm(cfg.job.algorithm).group_relative  # the gate checks groups (rl_core.registry)
     overlap = cfg.rl.async_steps > 0  # rollout of step k+1 in flight while step k trains (preflight: separate engines)
     step = run.start_step
-    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=role.max_model_len) as cluster, \
-            (TeacherRole(cfg) if with_teacher else nullcontext()) as teacher:
-        startup.mark("cluster")  # Ray, the actors, their models
+    with run, RunTracker() as tracker, ExitStack() as placed:
+        # the MLflow run opens first: meanwhile the trainer actors that `posttrain run` started early finish importing
         run.start(tracker)
+        startup.mark("tracking")  # the MLflow run
+        cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
+        teacher = placed.enter_context(TeacherRole(cfg)) if with_teacher else None
+        startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines
-        version = run.restore(cluster, role.sampler, logger.info)
-        startup.mark("tracking_and_sync")  # the MLflow run, a resume's restore, the first weight sync
+        version = run.restore(cluster, role.sampler, logger.info)  # a resume's restore, the first weight sync
 
         def log(record: dict) -> None:
             run.log(record, bar)

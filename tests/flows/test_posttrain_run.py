@@ -15,7 +15,7 @@ from tests.conftest import FAST, REPO, recipe
 
 pytestmark = pytest.mark.slow
 
-STARTUP = ("imports", "flow", "inputs", "cluster", "tracking_and_sync", "first_rollout")  # flows/startup.py, in order
+STARTUP = ("imports", "flow", "inputs", "tracking", "cluster", "first_rollout")  # flows/startup.py, in order
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
 
 READ_TASK_RUNS = """
