@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import threading
 
 from flows import startup
 from infra.services import use_prefect_server_defaults
 from rl_core.config import load_checked
+from rl_core.redact import redact_text
 from rl_core.registry import algorithm
+
+log = logging.getLogger("posttrain.startup")
 
 # Quiet, local defaults for the embedded Prefect API (a user's own settings win).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -39,9 +43,16 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     # config and preflight errors surface here, before Prefect starts; the flow takes this config, not a second load
     cfg = load_checked(str(recipe), list(overrides), hand_over=True)
     # Start-up in parallel: Prefect's temporary API server (a subprocess) starts in a thread, the driver's heavy
-    # imports in another, while this thread starts the local Ray and in it the trainer ranks' actors, which the
-    # flow's Cluster then takes over (and stops) as if it had started them. A user's PREFECT_API_URL or Ray
-    # address is used as before.
+    # imports in another, while this thread starts the local Ray and in it the trainer ranks' actors (and the
+    # separate rollout engines'), which the flow's Cluster then takes over (and stops) as if it had started them.
+    # A user's PREFECT_API_URL or Ray address is used as before.
+    #
+    # This thread's first Ray actor (start_workers_early) makes Ray build its serializers, which import pydantic.v1,
+    # while the threads below import Prefect's server and transformers, which import it too. pydantic.v1 imports its
+    # own submodules from its package's __init__, and two threads importing it at once can fail (KeyError:
+    # 'pydantic.v1', 1 `posttrain run` in ~25): it is imported here, before any thread starts (13 ms).
+    import pydantic.v1  # noqa: F401
+
     from infra.cluster import discard_early_workers, start_workers_early
     from infra.ray_connect import discard_early_ray, start_local_ray_early
 
@@ -50,8 +61,11 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     try:
         if start_local_ray_early(cfg):
             startup.mark("local_ray")
-            with contextlib.suppress(Exception):  # a placement the cluster cannot give is the flow's to report
+            try:
                 start_workers_early(cfg)
+            except Exception as exc:  # noqa: BLE001 - the flow's Cluster places them instead, and reports its failures
+                log.warning("posttrain run: the actors were not started ahead (%s: %s); the flow places them",
+                            type(exc).__name__, redact_text(str(exc)))
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")

@@ -16,8 +16,10 @@ Roles, all Ray actors in placement groups whose CPUs/GPUs Ray counts (the driver
   Every sync carries the policy version and a checksum of the weights; each engine echoes both and
   a mismatch fails the step (`WeightSyncError`).
 
-`posttrain run` starts the trainer ranks' actors ahead, as soon as its local Ray is up and while Prefect's
-API starts (`start_workers_early`); the flow's `Cluster` of the same config takes them over.
+`posttrain run` starts the trainer ranks' and the separate engines' actors ahead, as soon as its local Ray
+is up and while Prefect's API starts (`start_workers_early`); the flow's `Cluster` of the same config takes
+them over. Trainers and separate engines build their models side by side (one after the other only when
+they may share a GPU: vLLM sizes its cache from the memory free when it starts).
 
 Actors receive the resolved, validated config as data (local model paths made absolute by the
 driver): they never re-run a recipe file nor depend on the driver's working directory. On a
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Self
@@ -68,6 +71,18 @@ def worker_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
     return [bundle(cfg.cluster.cpus_per_worker, cfg.cluster.gpus_per_worker)] * cfg.cluster.num_workers
 
 
+def engine_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
+    """The separate rollout engines' placement-group bundles: one per engine."""
+    return [bundle(cfg.cluster.cpus_per_engine, cfg.cluster.gpus_per_engine)] * num_engines(cfg)
+
+
+def shares_gpus(cfg: PosttrainConfig) -> bool:
+    """Separate engines that may share a GPU with a trainer rank (both on GPUs, either with a fraction of one)."""
+    c = cfg.cluster
+    return (c.placement == "separate" and c.gpus_per_worker > 0 and c.gpus_per_engine > 0
+            and min(c.gpus_per_worker, c.gpus_per_engine) < 1)
+
+
 def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
     """Create the trainer ranks' actors in placement group `pg` (not waited for: their processes start now)."""
     c = cfg.cluster
@@ -78,49 +93,75 @@ def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]
             for r in range(c.num_workers)]
 
 
-_early_workers: dict[str, Any] = {}  # start_workers_early -> the next Cluster with the same worker config
+def launch_engines(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
+    """Create the separate rollout engines' actors in placement group `pg` (not waited for; `setup` builds each
+    engine)."""
+    c = cfg.cluster
+    actor = ray.remote(RolloutWorker)
+    return [actor.options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+            .remote(worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine)
+            for i in range(num_engines(cfg))]
+
+
+# start_workers_early -> the next Cluster with the same worker config: {"worker_cfg": ..., role: (pg, actors)}
+_early: dict[str, Any] = {}
 
 
 def start_workers_early(cfg: PosttrainConfig) -> int:
-    """Start the trainer ranks' actors now, before the flow's `Cluster` exists, and have each import what its
-    `setup` needs (`PolicyWorker.preload`): their processes start and import while the Prefect API starts.
+    """Start the trainer ranks' actors, and with `cluster.placement=separate` the rollout engines' actors, now,
+    before the flow's `Cluster` exists, and have each import what its `setup` needs (`preload`): their processes
+    start and import while the Prefect API starts.
 
     Call it with Ray up (`infra.ray_connect.start_local_ray_early`). The next `Cluster` whose worker config is the
     same takes them over as if it had created them; one with another config discards them and places its own.
-    Returns the number of actors started.
+    All or nothing: on a failure, what was started is released before the error is raised. Returns the number
+    of actors started.
     """
-    pg = placement_group(worker_bundles(cfg), strategy=cfg.cluster.placement_strategy)
     worker_cfg = worker_config(cfg)
-    workers = launch_workers(worker_cfg, cfg, pg)
-    for w in workers:
-        w.preload.remote()
-    _early_workers.update(worker_cfg=worker_cfg, pg=pg, workers=workers)
-    return len(workers)
+    roles = {"trainers": (worker_bundles(cfg), cfg.cluster.placement_strategy, launch_workers)}
+    if cfg.cluster.placement == "separate":
+        roles["engines"] = (engine_bundles(cfg), "PACK", launch_engines)
+    started: dict[str, tuple[Any, list[Any]]] = {}
+    try:
+        for role, (bundles, strategy, launch) in roles.items():
+            pg = placement_group(bundles, strategy=strategy)
+            started[role] = pg, []  # freed below if launching its actors fails
+            started[role] = pg, launch(worker_cfg, cfg, pg)
+        for _, actors in started.values():
+            for actor in actors:
+                actor.preload.remote()
+    except BaseException:
+        _release(started.values())
+        raise
+    discard_early_workers()  # one set at a time
+    _early.update(worker_cfg=worker_cfg, **started)
+    return sum(len(actors) for _, actors in started.values())
 
 
-def take_early_workers(worker_cfg: dict) -> tuple[Any, list[Any]] | None:
-    """`(placement group, actors)` started early for this worker config, handed over once; else None (and
-    actors started for another config are discarded)."""
-    if _early_workers.get("worker_cfg") == worker_cfg:
-        early = _early_workers.pop("pg"), _early_workers.pop("workers")
-        _early_workers.clear()
-        return early
+def take_early(role: str, worker_cfg: dict) -> tuple[Any, list[Any]] | None:
+    """`(placement group, actors)` of `role` ("trainers" or "engines") started early for this worker config,
+    handed over once; else None (and everything started for another config is discarded)."""
+    if _early.get("worker_cfg") == worker_cfg:
+        return _early.pop(role, None)
     discard_early_workers()
     return None
 
 
 def discard_early_workers() -> None:
-    """Kill actors started early that no Cluster took, and free their placement group."""
-    if not _early_workers:
-        return
-    workers, pg = _early_workers.pop("workers", []), _early_workers.pop("pg", None)
-    _early_workers.clear()
+    """Kill the actors started early that no Cluster took, and free their placement groups."""
+    early = [_early.pop(role) for role in ("trainers", "engines") if role in _early]
+    _early.clear()
+    _release(early)
+
+
+def _release(started: Iterable[tuple[Any, list[Any]]]) -> None:
     if not ray.is_initialized():
         return  # gone with their Ray
-    for actor in workers:
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
-    if pg is not None:
+    for pg, actors in started:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
         with contextlib.suppress(Exception):
             remove_placement_group(pg)
 
@@ -149,9 +190,14 @@ class Cluster(AbstractContextManager):
     def __enter__(self) -> Self:
         try:
             self.started_ray = connect_ray(self.cfg)
-            self._place_workers()
+            setups = self._place_workers()
             if self.with_engines:
-                self._place_engines()
+                if shares_gpus(self.cfg):  # vLLM sizes its cache from the GPU memory free at its start: trainers first
+                    ray.get(setups)
+                setups += self._place_engines()
+            ray.get(setups)  # the trainers and the separate engines build their models side by side
+            if self.with_engines:
+                self._connect_engines()
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -172,33 +218,35 @@ class Cluster(AbstractContextManager):
                 "rollout.num_engines, *_per_engine), relax cluster.placement_strategy, or add nodes") from None
         return pg
 
-    def _place_workers(self) -> None:
+    def _place_workers(self) -> list[Any]:
+        """The trainer ranks' actors, placed; returns their `setup` calls, in flight."""
         c = self.cfg.cluster
-        early = take_early_workers(self.worker_cfg)
+        early = take_early("trainers", self.worker_cfg)
         pg = self._placement_group(worker_bundles(self.cfg), c.placement_strategy, f"{c.num_workers} trainer rank(s)",
                                    early[0] if early else None)
         self.workers = early[1] if early else launch_workers(self.worker_cfg, self.cfg, pg)
         host, port = ray.get(self.workers[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
-        ray.get([w.setup.remote(host, port, self.max_model_len) for w in self.workers])
+        return [w.setup.remote(host, port, self.max_model_len) for w in self.workers]
 
-    def _place_engines(self) -> None:
+    def _place_engines(self) -> list[Any]:
+        """Separate placement: the engines' actors, placed; returns their `setup` calls, in flight."""
+        if self.cfg.cluster.placement == "colocated":
+            return []
+        early = take_early("engines", self.worker_cfg)
+        pg = self._placement_group(engine_bundles(self.cfg), "PACK", f"{num_engines(self.cfg)} rollout engine(s)",
+                                   early[0] if early else None)
+        self.engine_actors = early[1] if early else launch_engines(self.worker_cfg, self.cfg, pg)
+        return [e.setup.remote(self.max_model_len) for e in self.engine_actors]
+
+    def _connect_engines(self) -> None:
+        """The driver's pool of engines; separate, each engine joins trainer rank 0's weight-sync group."""
         c = self.cfg.cluster
         if c.placement == "colocated":
             self.engines = EnginePool(self.workers)
             return
-        count = num_engines(self.cfg)
-        pg = self._placement_group([bundle(c.cpus_per_engine, c.gpus_per_engine)] * count, "PACK",
-                                   f"{count} rollout engine(s)")
-        actor = ray.remote(RolloutWorker)
-        self.engine_actors = [
-            actor.options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-            .remote(self.worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine, self.max_model_len)
-            for i in range(count)
-        ]
         self.engines = EnginePool(self.engine_actors)
         # the weight-sync group: trainer rank 0 is its rank 0, engine i its rank i + 1
-        world = count + 1
+        world = len(self.engine_actors) + 1
         layout = ray.get(self.workers[0].weight_layout.remote())
         host, port = ray.get(self.workers[0].open_weight_group.remote(world))
         backend = "nccl" if c.gpus_per_worker > 0 and c.gpus_per_engine > 0 else "gloo"

@@ -71,15 +71,30 @@ def node_info(device: torch.device) -> dict[str, Any]:
 class RolloutWorker:
     """One rollout engine in its own Ray actor (separate placement). Created by `Cluster`."""
 
-    def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float, max_model_len: int | None):
+    def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
         self.cfg = config_from_dict(cfg_data)
         self.index = index
         self.device = actor_device(gpus)
-        torch.manual_seed(self.cfg.job.seed)
-        self.engine = build_engine(self.cfg, self.device, max_model_len=max_model_len)
+        self.engine = None
         self.group = None
         self.layout = None
+
+    def preload(self) -> float:
+        """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called on actors
+        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        t = time.perf_counter()
+        if self.cfg.rollout.backend == "vllm":
+            import vllm  # noqa: F401
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+        return time.perf_counter() - t
+
+    def setup(self, max_model_len: int | None) -> int:
+        """Build the engine (vLLM sizes its KV cache for `max_model_len`: the longest prompt plus max_tokens)."""
+        torch.manual_seed(self.cfg.job.seed)
+        self.engine = build_engine(self.cfg, self.device, max_model_len=max_model_len)
+        return self.index
 
     def info(self) -> dict[str, Any]:
         return node_info(self.device)

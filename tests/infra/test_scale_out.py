@@ -225,35 +225,39 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
 
-def test_trainer_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(in_workdir, warm_model):
-    """`posttrain run` starts the trainer ranks while Prefect's API starts (infra.cluster.start_workers_early): the
-    flow's Cluster takes those very actors, already past their imports; a Cluster of another config kills them
-    and places its own; none is left behind either way."""
+def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(in_workdir, warm_model):
+    """`posttrain run` starts the trainer ranks and the separate engines while Prefect's API starts
+    (infra.cluster.start_workers_early): the flow's Cluster takes those very actors, already past their imports,
+    and they train and sync; a Cluster of another config kills them and places its own; none is left behind."""
+    from infra import cluster as cluster_module
     from infra.cluster import Cluster, start_workers_early
     from infra.services import wait_until
     from rl_core.config import load_config
 
-    base = [f"model.name_or_path={warm_model[0]}", "cluster.num_workers=2"]
+    base = [f"model.name_or_path={warm_model[0]}", "cluster.num_workers=2", "cluster.placement=separate",
+            "rollout.num_engines=1"]
     cfg = load_config(recipe("arithmetic"), base)
     free_before = ray.available_resources().get("CPU")
-    assert start_workers_early(cfg) == 2
-    from infra import cluster as cluster_module
-
-    early = list(cluster_module._early_workers["workers"])
-    assert len(ray.get([w.preload.remote() for w in early])) == 2  # alive, their imports done
+    assert start_workers_early(cfg) == 3
+    trainers, engines = cluster_module._early["trainers"][1], cluster_module._early["engines"][1]
+    assert len(ray.get([a.preload.remote() for a in trainers + engines])) == 3  # alive, their imports done
     with Cluster(cfg, max_model_len=32) as cluster:
-        assert [w._actor_id for w in cluster.workers] == [w._actor_id for w in early]
-        assert cluster_module._early_workers == {}  # handed over once
-        cluster.sync_weights(0)  # set up and in one data-parallel group: the ranks' checksums agree
+        assert [w._actor_id for w in cluster.workers] == [w._actor_id for w in trainers]
+        assert [e._actor_id for e in cluster.engine_actors] == [e._actor_id for e in engines]
+        assert "trainers" not in cluster_module._early and "engines" not in cluster_module._early  # handed over once
+        synced = cluster.sync_weights(1)  # set up, and joined to rank 0's weight-sync group: the checksums agree
+        assert synced["perf/weight_sync_bytes"] > 0
+    assert cluster_module._early == {}
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
     start_workers_early(cfg)
-    early = list(cluster_module._early_workers["workers"])
+    early = [*cluster_module._early["trainers"][1], *cluster_module._early["engines"][1]]
     other = load_config(recipe("arithmetic"), [*base, "rl.optimizer.lr=3e-4"])
     with Cluster(other, max_model_len=32) as cluster:
-        assert not {w._actor_id for w in cluster.workers} & {w._actor_id for w in early}
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(early[0].info.remote(), timeout=30)  # killed: it holds the wrong config
+        assert not {a._actor_id for a in cluster.workers + cluster.engine_actors} & {a._actor_id for a in early}
+        for actor in early:  # killed: they hold the wrong config
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.info.remote(), timeout=30)
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
 
