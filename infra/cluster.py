@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Self
@@ -83,25 +83,27 @@ def shares_gpus(cfg: PosttrainConfig) -> bool:
             and min(c.gpus_per_worker, c.gpus_per_engine) < 1)
 
 
+def _launch(cls: type, pg: Any, count: int, cpus: float, gpus: float, args: Callable[[int], tuple]) -> list[Any]:
+    """`count` actors of `cls` in placement group `pg`, actor i in bundle i, built from `args(i)` (not waited for:
+    their processes start now)."""
+    actor = ray.remote(cls)
+    return [actor.options(num_cpus=cpus, num_gpus=gpus,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+            .remote(*args(i)) for i in range(count)]
+
+
 def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
-    """Create the trainer ranks' actors in placement group `pg` (not waited for: their processes start now)."""
+    """The trainer ranks' actors in placement group `pg`."""
     c = cfg.cluster
-    actor = ray.remote(PolicyWorker)
-    return [actor.options(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-            .remote(worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker)
-            for r in range(c.num_workers)]
+    return _launch(PolicyWorker, pg, c.num_workers, c.cpus_per_worker, c.gpus_per_worker,
+                   lambda r: (worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker))
 
 
 def launch_engines(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
-    """Create the separate rollout engines' actors in placement group `pg` (not waited for; `setup` builds each
-    engine)."""
+    """The separate rollout engines' actors in placement group `pg` (`setup` builds each engine)."""
     c = cfg.cluster
-    actor = ray.remote(RolloutWorker)
-    return [actor.options(num_cpus=c.cpus_per_engine, num_gpus=c.gpus_per_engine,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-            .remote(worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine)
-            for i in range(num_engines(cfg))]
+    return _launch(RolloutWorker, pg, num_engines(cfg), c.cpus_per_engine, c.gpus_per_engine,
+                   lambda i: (worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine))
 
 
 # start_workers_early -> the next Cluster with the same worker config: {"worker_cfg": ..., role: (pg, actors)}
@@ -206,7 +208,7 @@ class Cluster(AbstractContextManager):
     def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str, pg: Any = None) -> Any:
         """A placement group of `bundles`, ready (`pg`: one already requested, e.g. by `start_workers_early`)."""
         timeout = self.cfg.cluster.placement_timeout_s
-        pg = pg or placement_group(bundles, strategy=strategy)
+        pg = placement_group(bundles, strategy=strategy) if pg is None else pg
         self.placement_groups.append(pg)
         try:
             ray.get(pg.ready(), timeout=timeout)

@@ -513,7 +513,8 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
 def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_value, expected, tmp_path,
                                                                           monkeypatch):
     """The temporary API server of `posttrain run` (flows.entry) and the `prefect server` of `posttrain services`
-    record task-run states in batches (half the server CPU per task run), unless the user set the value."""
+    record task-run states in batches (about 40% less server CPU per task run), unless the user set the
+    value."""
     from infra.services import PREFECT_SERVER_DEFAULTS
 
     key = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
