@@ -27,7 +27,8 @@ class ClippedAdvantagePG:
         self.temperature, self.clip = temperature, clip
 
     def __call__(self, model, batch):
-        logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=self.temperature)
+        logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=self.temperature,
+                                       loss_mask=batch.loss_mask)  # log-probs only where the loss reads them
         mask = batch.loss_mask.to(logp.dtype)
         advantages = batch.advantages.to(logp.dtype)
         if advantages.dim() == 1:  # one advantage per completion: broadcast over its tokens

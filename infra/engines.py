@@ -41,7 +41,7 @@ def actor_device(gpus: float) -> torch.device:
 
 def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, tokenizer=None,
                  max_model_len: int | None = None, sleep_mode: bool = False):
-    """The configured engine, computing in `model.compute_dtype`.
+    """The configured engine: HF in `model.compute_dtype`, vLLM in `engine_dtype`.
 
     HF over `model` (the trainer's own float32 model, colocated and unsharded: it then samples under
     autocast) or over a fresh copy of the policy held in the compute dtype; vLLM from the policy's path.
@@ -57,9 +57,26 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
         return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, dtype=compute)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed,
-                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=compute,
+                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=engine_dtype(cfg, device.type == "cuda"),
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code)
+
+
+def enable_tf32(device: torch.device) -> None:
+    """On CUDA, float32 matmuls in TF32 (Ampere and later): the float32 paths (master weights, a float32
+    recipe's forward) at tensor-core speed. The log-softmax, ratios and reductions stay float32."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
+def engine_dtype(cfg: PosttrainConfig, on_gpu: bool) -> str:
+    """The rollout engines' dtype: `rollout.dtype` for vLLM (auto: bfloat16 on a GPU, never float32 unless asked,
+    else `model.compute_dtype`); the HF engine computes in `model.compute_dtype`."""
+    if cfg.rollout.backend != "vllm":
+        return cfg.model.compute_dtype
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    return "bfloat16" if on_gpu else cfg.model.compute_dtype
 
 
 def node_info(device: torch.device) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from infra.engines import actor_device, build_engine, node_info
+from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, node_info
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -118,14 +118,20 @@ class PolicyWorker:
     def _wire_dtype(self) -> torch.dtype:
         from rl_core.models import torch_dtype
 
-        return torch_dtype(self.cfg.model.compute_dtype)
+        return torch_dtype(self._engine_dtype())
+
+    def _engine_dtype(self) -> str:
+        """The engines' dtype, which the weights are cast to before they leave this rank."""
+        on_gpu = self.device.type == "cuda" if self.cfg.cluster.placement == "colocated" \
+            else self.cfg.cluster.gpus_per_engine > 0
+        return engine_dtype(self.cfg, on_gpu)
 
     # -- weight sync to separate engines (rank 0)
     def weight_layout(self) -> list:
         from infra.distributed import wire_layout
 
         if self.layout is None:
-            self.layout = wire_layout(self.trainer.model.state_dict(), self.cfg.model.compute_dtype)
+            self.layout = wire_layout(self.trainer.model.state_dict(), self._engine_dtype())
         return self.layout
 
     def open_weight_group(self, world_size: int) -> tuple[str, int]:
@@ -167,7 +173,8 @@ class PolicyWorker:
             self.engine.sleep()  # colocated vLLM on GPU: free its memory for the step
         t0 = time.perf_counter()
         rl = self.cfg.rl
-        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica)
+        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica,
+                                           rl.micro_batch_max_tokens)
         self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
@@ -252,6 +259,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)
+    enable_tf32(device or torch.device("cpu"))
     model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

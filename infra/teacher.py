@@ -27,7 +27,7 @@ class TeacherWorker:
     """The frozen teacher model. Created as a Ray actor by `TeacherRole`."""
 
     def __init__(self, cfg_data: dict, threads: int, gpus: float):
-        from infra.engines import actor_device
+        from infra.engines import actor_device, enable_tf32
         from rl_core.config import config_from_dict
         from rl_core.models import load_policy
 
@@ -36,6 +36,7 @@ class TeacherWorker:
         if not self.cfg.model.teacher:
             raise ValueError("model.teacher is not set: the OPD teacher role needs a teacher model")
         self.device = actor_device(gpus)
+        enable_tf32(self.device)
         model, _ = load_policy(self.cfg.model.model_copy(update={"name_or_path": self.cfg.model.teacher}),
                                device=self.device, dtype=self.cfg.model.compute_dtype)  # frozen: compute dtype
         self.model = model.eval().requires_grad_(False)

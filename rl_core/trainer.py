@@ -240,45 +240,71 @@ class LLMTrainer:
         return out
 
     def train_step(self, batch: Trajectory, micro_batch_size: int | None = None,
-                   mini_batch_size: int | None = None) -> dict[str, float]:
+                   mini_batch_size: int | None = None, micro_batch_max_tokens: int | None = None) -> dict[str, float]:
         """Train on one collected batch; returns public metrics (`train/...`), averaged over its optimizer steps.
 
         `mini_batch_size`: rows per optimizer step (`rl.mini_batch_per_replica`); None = the whole
         batch, one step. `micro_batch_size`: rows per forward/backward chunk
-        (`rl.micro_batch_per_replica`); None = the whole mini-batch.
+        (`rl.micro_batch_per_replica`); None = the whole mini-batch. `micro_batch_max_tokens`
+        (`rl.micro_batch_max_tokens`): chunks of whole rows grouped by length, each at most this many
+        unpadded tokens (`Trajectory.token_budget_split`; `micro_batch_size` then caps their rows).
         """
         if not isinstance(batch, Trajectory):
             raise TypeError(f"batch must be a Trajectory, got {type(batch).__name__}")
         if batch.batch_size == 0:
             raise ValueError("train_step got an empty batch")
         minis = batch.split(mini_batch_size) if mini_batch_size else [batch]
-        micro_batch_size = micro_batch_size or max(len(m) for m in minis)
         cache = self.objective.old_logp_cache
         if cache is None and len(minis) > 1:
             raise ValueError(f"mini_batch_size={mini_batch_size} gives {len(minis)} updates per batch, but the objective "
                              "has no pi_old (on-policy only, e.g. rl.grpo_surrogate=legacy_pg); use one update per batch")
+        plans = [self._micro_batches(mini, micro_batch_size, micro_batch_max_tokens) for mini in minis]
         self.model.train()
         behaviour = self._stale(batch)
         if cache is not None:
             if behaviour:  # sampled by an older policy: the ratio is taken against what sampled it
                 cache.fill(batch.sample_ids, batch.rollout_logp, batch.policy_version)
             elif len(minis) > 1 or cache.certified_deterministic_forward:
-                cache.fill(batch.sample_ids, self._ahead_pass(cache, minis, micro_batch_size), batch.policy_version)
+                cache.fill(*self._ahead_pass(cache, plans), batch.policy_version)
             else:
                 cache.fill_on_policy(batch.sample_ids, batch.policy_version)
         results = []
         try:
-            for k, mini in enumerate(minis):
-                if cache is not None:
-                    cache.certify = cache.certified_deterministic_forward and k == 0 and not behaviour
-                results.append(self._optimizer_step(mini, micro_batch_size))
-                if cache is not None:
-                    cache.certify = False
+            for k, chunks in enumerate(plans):
+                certify = cache is not None and cache.certified_deterministic_forward and k == 0 and not behaviour
+                results.append(self._optimizer_step(chunks, certify))
         finally:
             if cache is not None:
                 cache.invalidate()
         self.policy_version += 1
         return _combine_steps(results)
+
+    def _micro_batches(self, mini: Trajectory, micro_batch_size: int | None,
+                       max_tokens: int | None) -> list[tuple[Trajectory, bool]]:
+        """The chunks of one mini-batch as `(chunk, padding)`: rows, or a token budget (`train_step`).
+
+        Sharded with a token budget, ranks may cut different numbers of chunks while FSDP's collectives
+        need the same number of forwards and backwards on every rank: the short ranks add padding
+        chunks (one row, no loss token, weight 0) up to the longest's count.
+        """
+        if max_tokens is None:
+            chunks = mini.split(micro_batch_size or len(mini))
+            if self.objective.reduction is Reduction.MEAN and len({len(c) for c in chunks}) > 1:
+                raise ValueError(f"Reduction.MEAN divides by the number of chunks, so chunks must be equal: "
+                                 f"micro_batch_size={micro_batch_size} does not divide the mini-batch of {len(mini)} rows")
+            return [(c, False) for c in chunks]
+        if self.objective.reduction is not Reduction.TOKEN_SUM:
+            raise ValueError("micro_batch_max_tokens (rl.micro_batch_max_tokens) cuts chunks of unequal sizes, but this "
+                             "objective's Reduction.MEAN divides by the number of chunks, so its chunks must be equal: "
+                             "use micro_batch_size (rl.micro_batch_per_replica) instead")
+        chunks = [(c, False) for c in mini.token_budget_split(max_tokens, micro_batch_size)]
+        if self.sharded:
+            count = torch.tensor([len(chunks)], dtype=torch.float64, device=self.device)
+            self.dp_reducer.all_reduce_max_([count])
+            pad = mini.slice(0, 1)
+            pad = pad.replace(loss_mask=torch.zeros_like(pad.loss_mask))
+            chunks += [(pad, True)] * (int(count.item()) - len(chunks))
+        return chunks
 
     def _stale(self, batch: Trajectory) -> bool:
         """Whether `batch` was sampled by an older policy (only with `max_staleness` > 0); refuses one older than
@@ -368,80 +394,87 @@ class LLMTrainer:
 
     # ------------------------------------------------------------------------------------ internals
 
-    def _ahead_pass(self, cache, minis: list[Trajectory], micro_batch_size: int) -> torch.Tensor:
-        """π_old `[N, T]` for the whole batch, no grad, in the training micro-batch layout."""
-        out = []
-        for mini in minis:
-            for chunk in mini.split(micro_batch_size):
+    def _ahead_pass(self, cache, plans: list[list[tuple[Trajectory, bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """π_old of the whole batch, no grad, in the training micro-batch layout: `(sample_ids [N], logp [N, T])`."""
+        ids, out = [], []
+        for chunks in plans:
+            for chunk, padding in chunks:
                 with self.autocast():
-                    out.append(cache.scorer(self.model, chunk.to(self.device)))
-        return torch.cat(out, 0)
+                    logp = cache.scorer(self.model, chunk.to(self.device))
+                if not padding:
+                    ids.append(chunk.sample_ids)
+                    out.append(logp)
+        return torch.cat(ids), torch.cat(out, 0)
 
-    def _optimizer_step(self, mini: Trajectory, micro_batch_size: int) -> dict[str, float]:
+    def _optimizer_step(self, chunks: list[tuple[Trajectory, bool]], certify: bool) -> dict[str, float]:
+        """One optimizer step over `chunks`. Loss, weights and metrics are summed on the device and read once,
+        after the data-parallel reduction (a single device-to-host copy per step)."""
         objective = self.objective
+        cache = objective.old_logp_cache
         token_sum = objective.reduction is Reduction.TOKEN_SUM
-        chunks = mini.split(micro_batch_size)
-        if not token_sum and len({len(c) for c in chunks}) > 1:
-            raise ValueError(f"Reduction.MEAN divides by the number of chunks, so chunks must be equal: "
-                             f"micro_batch_size={micro_batch_size} does not divide the mini-batch of {len(mini)} rows")
         for p in self.params:
             p.grad = None
-        weight_sum = 0.0
-        loss_sum = 0.0
-        sums: dict[str, float] = {}
-        extrema: dict[str, float] = {}  # max of value (for *_max) or of -value (for *_min)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        weight_sum, loss_sum, bad = zero, zero, zero  # bad: chunks with a non-finite loss or a bad weight
+        sums: dict[str, torch.Tensor] = {}
+        extrema: dict[str, torch.Tensor] = {}  # max of value (for *_max) or of -value (for *_min)
         names: list[str] | None = None
-        for chunk in chunks:
+        for chunk, padding in chunks:
             chunk = chunk.to(self.device)
             if objective.reference_scorer is not None and chunk.ref_logp is None:
                 with torch.no_grad(), self.autocast():
                     ref = objective.reference_scorer(self.auxiliary_models[self.REFERENCE], chunk)
                 chunk = chunk.replace(ref_logp=ref)
-            with self.autocast():
-                loss, metrics = objective.fn(self.model, chunk)
+            if cache is not None:
+                cache.certify = certify and not padding
+            try:
+                with self.autocast():
+                    loss, metrics = objective.fn(self.model, chunk)
+            finally:
+                if cache is not None:
+                    cache.certify = False
             objective.metric_adapter.publish(metrics, self.metric_split)  # unmapped names fail here, on step 1
             if token_sum:
                 if OBJECTIVE_WEIGHT_SUM not in metrics:
                     raise KeyError(f"a Reduction.TOKEN_SUM objective must report its chunk weight as "
                                    f"metrics[{OBJECTIVE_WEIGHT_SUM!r}]")
-                weight = float(metrics[OBJECTIVE_WEIGHT_SUM])
+                weight = _device_scalar(metrics[OBJECTIVE_WEIGHT_SUM], self.device)
             else:
-                weight = 1.0
-            if not math.isfinite(weight) or weight < 0:
-                raise ValueError(f"objective weight {weight} is not a finite non-negative number")
+                weight = torch.ones((), dtype=torch.float64, device=self.device)
+            if padding:
+                weight = weight * 0
             chunk_names = sorted(k for k in metrics if k != OBJECTIVE_WEIGHT_SUM)
             if names is None:
                 names = chunk_names
                 for k in names:
-                    agg = metric_aggregation(k)
-                    if agg == "mean":
-                        sums[k] = 0.0
+                    if metric_aggregation(k) == "mean":
+                        sums[k] = zero
                     else:
-                        extrema[k] = -math.inf
+                        extrema[k] = torch.full((), -math.inf, dtype=torch.float64, device=self.device)
             elif chunk_names != names:
                 raise ValueError(f"the objective emitted different metric names across chunks: {names} vs {chunk_names}")
-            if weight == 0:
-                if self.sharded:  # FSDP's reduce-scatter runs in backward: every rank must take part
-                    (loss.nan_to_num(0.0) * 0.0).backward()
-                continue  # a weight-0 chunk changes nothing (no gradient, no metric)
-            (loss * weight if token_sum else loss).backward()
-            weight_sum += weight
-            loss_sum += float(loss.detach()) * weight
+            live = weight > 0
+            finite = torch.isfinite(loss.detach()).all()
+            bad = bad + (~torch.isfinite(weight) | (weight < 0) | (live & ~finite)).to(torch.float64)
+            # a weight-0 chunk backpropagates zero (FSDP's reduce-scatter needs every rank's backward)
+            (torch.where(live, loss, loss.detach().nan_to_num(0.0) * 0) * (weight.to(loss.dtype) if token_sum
+                                                                           else 1.0)).backward()
+            weight_sum = weight_sum + weight
+            loss_sum = loss_sum + torch.where(live, loss.detach().to(torch.float64) * weight, zero)
             for k in names:
-                v = float(metrics[k])
+                v = _device_scalar(metrics[k], self.device)
                 agg = metric_aggregation(k)
                 if agg == "mean":
-                    sums[k] += v * weight
+                    sums[k] = sums[k] + torch.where(live, v * weight, zero)
                 else:
-                    extrema[k] = max(extrema[k], v if agg == "max" else -v)
+                    extrema[k] = torch.maximum(extrema[k], torch.where(live, v if agg == "max" else -v, -math.inf))
 
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         mean_keys = sorted(sums)
         ext_keys = sorted(extrema)
         # on the model's device: NCCL reduces CUDA tensors only
-        stats = torch.tensor([weight_sum, loss_sum] + [sums[k] for k in mean_keys], dtype=torch.float64,
-                             device=self.device)
-        ext = torch.tensor([extrema[k] for k in ext_keys], dtype=torch.float64, device=self.device)
+        stats = torch.stack([weight_sum, loss_sum, bad] + [sums[k] for k in mean_keys])
+        ext = torch.stack([extrema[k] for k in ext_keys]) if ext_keys else stats.new_zeros(0)
         if self.dp_reducer is not None:
             if not self.sharded:  # FSDP has reduce-scattered the gradients in backward
                 self._all_reduce_gradients(grads)
@@ -449,28 +482,39 @@ class LLMTrainer:
             reduce_max = getattr(self.dp_reducer, "all_reduce_max_", None)
             if ext.numel() and reduce_max is not None:
                 reduce_max([ext])
-        total_weight = float(stats[0])
-        if total_weight <= 0:
-            raise ValueError("the global objective weight of this optimizer step is 0 (no loss tokens on any "
-                             "micro-batch or rank); the batch should have been refused before dispatch")
         for p, g in zip(self.params, grads):
-            p.grad = g.div_(total_weight)
+            p.grad = g.div_(stats[0].to(g.dtype))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optimizer_config.max_grad_norm)
         if _is_dtensor(grad_norm):
             grad_norm = grad_norm.full_tensor()
+        host = torch.cat([stats, ext, grad_norm.detach().reshape(1).to(torch.float64)]).tolist()  # the one copy
+        total_weight, loss_total, n_bad = host[0], host[1], host[2]
+        if n_bad:
+            raise ValueError(f"{int(n_bad)} micro-batch(es) of this optimizer step had a non-finite loss or an objective "
+                             "weight that is not a finite non-negative number; nothing was applied")
+        if total_weight <= 0:
+            raise ValueError("the global objective weight of this optimizer step is 0 (no loss tokens on any "
+                             "micro-batch or rank); the batch should have been refused before dispatch")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
 
-        local: dict[str, float] = {k: float(v) / total_weight for k, v in zip(mean_keys, stats[2:].tolist())}
-        for k, v in zip(ext_keys, ext.tolist()):
+        local: dict[str, float] = {k: v / total_weight for k, v in zip(mean_keys, host[3:3 + len(mean_keys)])}
+        for k, v in zip(ext_keys, host[3 + len(mean_keys):-1]):
             local[k] = v if metric_aggregation(k) == "max" else -v
         out = objective.metric_adapter.publish(local, self.metric_split)
-        out[f"{self.metric_split}/loss"] = float(stats[1]) / total_weight
-        out[f"{self.metric_split}/grad_norm"] = float(grad_norm)
+        out[f"{self.metric_split}/loss"] = loss_total / total_weight
+        out[f"{self.metric_split}/grad_norm"] = host[-1]
         out[f"{self.metric_split}/lr"] = float(lr)
         return out
+
+
+def _device_scalar(value, device: torch.device) -> torch.Tensor:
+    """A metric (0-d tensor or number) as a 0-d float64 tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

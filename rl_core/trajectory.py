@@ -125,6 +125,31 @@ class Trajectory:
         return [self.slice(s, min(s + micro_batch_size, self.batch_size))
                 for s in range(0, self.batch_size, micro_batch_size)]
 
+    def token_budget_split(self, max_tokens: int, max_rows: int | None = None) -> list[Trajectory]:
+        """Micro-batches of whole rows, longest first, each holding at most `max_tokens` tokens once unpadded.
+
+        A micro-batch's tokens are its rows times its longest row's real tokens (`attention_mask`),
+        the size of the unpadded forward (`rl_core.primitives.logprobs`); rows are sorted by length
+        (ties in row order) and filled greedily, so rows of similar length share a micro-batch.
+        `max_rows` caps the rows of one micro-batch too. A row longer than `max_tokens` is refused.
+        """
+        for name, value in (("max_tokens", max_tokens), ("max_rows", max_rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise TrajectoryError(f"{name} must be a positive int, got {value!r}")
+        lengths = self.attention_mask.sum(-1).tolist()
+        order = sorted(range(self.batch_size), key=lambda i: (-lengths[i], i))
+        if order and lengths[order[0]] > max_tokens:
+            raise TrajectoryError(f"row {order[0]} holds {lengths[order[0]]} tokens, more than the micro-batch budget "
+                                  f"of {max_tokens} (rl.micro_batch_max_tokens): raise it to at least the longest prompt + response")
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            if g and (len(g) + 1) * lengths[g[0]] <= max_tokens and (max_rows is None or len(g) < max_rows):
+                g.append(i)
+            else:
+                groups.append([i])
+        return [self.select(g) for g in groups]
+
     def to(self, device: torch.device | str) -> Trajectory:
         return self._map_rows(lambda v: v.to(device))
 

@@ -46,7 +46,7 @@ class RankReducer:
             self.group.collective(self.rank, t, "max")
 
 
-def run_ranks(make_trainer, shares, micro, mini=None):
+def run_ranks(make_trainer, shares, micro, mini=None, max_tokens=None):
     """Train one step on `len(shares)` simulated ranks (threads); returns [(metrics, trainer)] per rank."""
     group = ThreadGroup(len(shares))
     trainers = [make_trainer(group.hook(r)) for r in range(len(shares))]
@@ -54,7 +54,7 @@ def run_ranks(make_trainer, shares, micro, mini=None):
 
     def work(r):
         try:
-            out[r] = trainers[r].train_step(shares[r], micro, mini)
+            out[r] = trainers[r].train_step(shares[r], micro, mini, max_tokens)
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
             group.barrier.abort()

@@ -142,7 +142,8 @@ class DPOLoss:
         if batch.ref_logp is None:
             raise ValueError("batch.ref_logp is missing: DPO scores the reference once, before training; build the "
                              "batch with rl_core.algorithms.dpo.with_reference_logps(ref_model, batch, temperature=...)")
-        logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature)
+        logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
+                                       loss_mask=batch.loss_mask)
         seq = sequence_logps(logp, batch.loss_mask)
         ref = sequence_logps(batch.ref_logp.to(logp.dtype), batch.loss_mask)
         per_pair, parts = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta=s.beta)

@@ -74,7 +74,8 @@ class GRPOLoss:
             raise ValueError("batch.advantages are per token ([B, T]) but rl.importance_sampling_level=sequence needs one "
                              "advantage per completion ([B]); use rl.importance_sampling_level=token")
         logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
-                                                temperature=s.temperature, return_entropy=True)
+                                                temperature=s.temperature, return_entropy=True,
+                                                loss_mask=batch.loss_mask)
         entropy = entropy.detach()
         mask = batch.loss_mask.to(logp.dtype)
 

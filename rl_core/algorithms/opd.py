@@ -254,7 +254,8 @@ class OPDLoss:
                                  "annotate the batch with rl_core.algorithms.opd.opd_annotate(batch, rl) first"
                                  + ("" if adv is None else f" (got shape {list(adv.shape)})"))
         logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
-                                                temperature=s.temperature, return_entropy=True)
+                                                temperature=s.temperature, return_entropy=True,
+                                                loss_mask=batch.loss_mask)
         entropy = entropy.detach()
         mask = batch.loss_mask.to(logp.dtype)
         teacher = batch.teacher_logp.to(logp.dtype)

@@ -76,20 +76,20 @@ def metric_names(prefix: str, *own: str) -> dict[str, str]:
 def loss_and_metrics(prefix: str, numerator: torch.Tensor, weight: torch.Tensor, *, pg_numerator: torch.Tensor,
                      stats: dict[str, torch.Tensor], logp: torch.Tensor, rollout_logp: torch.Tensor | None,
                      entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                     own: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                     own: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`(numerator / weight, metrics)` of a chunk, with the metrics every surrogate objective logs.
 
-    A chunk without loss tokens (weight 0) gives a zero loss that keeps the graph. Ratios of
+    A chunk without loss tokens (weight 0) gives a zero loss that keeps the graph. Metrics are 0-d
+    tensors on the device (`scalar_metrics`). Ratios of
     numerators (`pg_numerator`, each of `own`) are divided by the same weight, so they combine over
     chunks to the unsplit value; `metrics[OBJECTIVE_WEIGHT_SUM]` = weight.
     """
-    w = float(weight)
-    loss = numerator / weight if w > 0 else numerator * 0.0
+    denom = torch.where(weight > 0, weight, torch.ones_like(weight))  # no host sync: weight 0 has numerator 0
+    loss = numerator / denom
     with torch.no_grad():
-        denom = weight if w > 0 else torch.ones_like(weight)
         values = {"loss": loss.detach(), "pg_loss": pg_numerator.detach() / denom,
                   **{k: v.detach() / denom for k, v in (own or {}).items()},
                   **sampled_batch_diagnostics(logp, rollout_logp, entropy, advantages, mask), **stats}
         metrics = scalar_metrics({f"{prefix}_{k}": v for k, v in values.items()})
-    metrics[OBJECTIVE_WEIGHT_SUM] = w
+    metrics[OBJECTIVE_WEIGHT_SUM] = weight.detach()
     return loss, metrics

@@ -199,6 +199,15 @@ def micro_batch_rows(cfg: PosttrainConfig) -> int:
     return min(cfg.rl.micro_batch_per_replica or cfg.rl.mini_batch_per_replica or per, per)
 
 
+def micro_batch_tokens(cfg: PosttrainConfig, rows: int, seq: int) -> tuple[int, int]:
+    """`(tokens, read tokens)` of one trainer forward: `rl.micro_batch_max_tokens` when set (rows x longest row
+    within it), else `rows` full rows of `seq`; the read (loss) tokens are at most the response tokens in them."""
+    budget, responses = cfg.rl.micro_batch_max_tokens, rows * cfg.rollout.max_tokens
+    if budget is None:
+        return rows * seq, responses
+    return budget, budget if cfg.rl.micro_batch_per_replica is None else min(budget, responses)
+
+
 def layer_activation_bytes(shape: ModelShape, c: int) -> int:
     """Bytes one decoder layer keeps for backward, per token (HF Llama/Qwen2 layer, SDPA attention).
 
@@ -210,43 +219,47 @@ def layer_activation_bytes(shape: ModelShape, c: int) -> int:
     h, q, inter = shape.hidden_size, shape.num_heads * shape.head_dim, shape.intermediate_size
     norms = 2 * (4 * h + 4 * h) + 2 * 4  # two RMSNorms: float32 input and normalised output (+ rsqrt)
     matmul_inputs = 2 * 4 * h if c == 4 else 5 * c * h  # fp32: the 2 norm outputs; bf16: 5 casts (q,k,v,gate,up)
-    attention = 4 * c * q + 4 * shape.num_heads  # q, k and v repeated to all heads, output; logsumexp
+    kv = shape.num_kv_heads * shape.head_dim
+    attention = 2 * c * (q + kv) + 4 * shape.num_heads  # q, k and v (SDPA's native GQA: no mask), output; logsumexp
     mlp = 4 * c * inter  # gate, up, SiLU(gate), SiLU(gate) * up
     return norms + matmul_inputs + attention + mlp
 
 
 def activation_bytes(shape: ModelShape, rows: int, seq: int, c: int, checkpointing: bool) -> int:
-    """Activations kept for backward by one forward of `rows` x `seq` tokens (not the logits).
+    """Activations kept for backward by one unpadded forward of `rows` x `seq` tokens (not the logits).
 
-    Without checkpointing: every layer's `layer_activation_bytes`, plus the additive attention mask
-    SDPA makes from the boolean one in each layer (rows·seq² in the compute dtype per layer). With
-    it each layer keeps only its float32 input (4·h per token) and the boolean mask (rows·seq²),
-    and one layer at a time is recomputed in backward. Once per model: the final norm and lm_head
-    input ((8 + c)·h + 4), rotary cos/sin (8·head_dim) and the input ids (8) per token.
+    The trainer's forward has no attention mask (`rl_core.primitives.logprobs`: rows left-aligned under
+    causal attention, or packed for varlen kernels), so nothing grows with seq². Without checkpointing:
+    every layer's `layer_activation_bytes`. With it each layer keeps only its float32 input (4·h per
+    token) and one layer at a time is recomputed in backward. Once per model: the final norm and
+    lm_head input ((8 + c)·h + 4), rotary cos/sin (8·head_dim) and the input ids (8) per token.
     """
-    tokens, square = rows * seq, rows * seq * seq
+    tokens = rows * seq
     layer = layer_activation_bytes(shape, c)
     once = (8 + c) * shape.hidden_size + 4 + 8 * shape.head_dim + 8
     if checkpointing:
-        return tokens * (shape.num_layers * 4 * shape.hidden_size + layer + once) + square * (c + 1)
-    return tokens * (shape.num_layers * layer + once) + shape.num_layers * square * c
+        return tokens * (shape.num_layers * 4 * shape.hidden_size + layer + once)
+    return tokens * (shape.num_layers * layer + once)
 
 
-def logits_bytes(shape: ModelShape, rows: int, seq: int, c: int, entropy: bool) -> int:
-    """The loss's `[rows, seq, V]` tensors at their peak: the logits (compute dtype) and float32 temporaries.
+def logits_bytes(shape: ModelShape, read_tokens: int, c: int, backward: bool) -> int:
+    """The loss's vocabulary-sized tensors at their peak, for `read_tokens` positions whose log-prob is read.
 
-    `log_softmax(logits.float() / T)` holds logits + scaled + log-softmax (c + 8 bytes per element);
-    the GRPO-family/OPD objectives then compute the entropy diagnostic one row at a time
-    (`rl_core.primitives.logprobs.entropy_from_logits`), whose log-softmax, exp and product of one
-    `[seq, V]` row (16 bytes per element) meet the kept tensors.
+    The LM head sees only the read positions: logits `[K, V]` in the compute dtype, kept for backward,
+    and (with `backward`) their gradient, the same size. The float32 log-softmax and entropy walk
+    chunks of `CHUNK_ELEMENTS` (`rl_core.primitives.logprobs`): three float32 chunk temporaries.
     """
-    return rows * seq * shape.vocab_size * (c + 8) + (16 * seq * shape.vocab_size if entropy else 0)
+    from rl_core.primitives.logprobs import CHUNK_ELEMENTS
+
+    chunk = min(CHUNK_ELEMENTS // shape.vocab_size, read_tokens) * shape.vocab_size
+    return read_tokens * shape.vocab_size * c * (2 if backward else 1) + 3 * 4 * chunk
 
 
-def nograd_forward_bytes(shape: ModelShape, rows: int, seq: int, c: int, residual: int) -> int:
-    """One layer's transient tensors in a forward without grad (prefill, scoring): residual stream + MLP, mask."""
+def nograd_forward_bytes(shape: ModelShape, rows: int, seq: int, c: int, residual: int, mask: bool = True) -> int:
+    """One layer's transient tensors in a forward without grad: residual stream + MLP, and for a masked forward
+    (generation's prefill) the additive attention mask; unpadded scoring has none."""
     h, q, inter = shape.hidden_size, shape.num_heads * shape.head_dim, shape.intermediate_size
-    return rows * seq * (2 * residual * h + c * max(3 * inter, 4 * q)) + rows * seq * seq * c
+    return rows * seq * (2 * residual * h + c * max(3 * inter, 4 * q)) + (rows * seq * seq * c if mask else 0)
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, seq: int, c: int) -> int:
@@ -582,12 +595,11 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
                  f"{cfg.model.compute_dtype}{', + float32 reduce-scatter input' if c == 2 else ''}",
                  per * (s.root_params + FSDP_LAYERS_IN_FLIGHT * s.layer), (FORWARD,))
     ckpt = cfg.model.gradient_checkpointing
-    role.add(f"activations: {rows} rows x {seq} tokens{', checkpointed per layer' if ckpt else ''}",
-             activation_bytes(s, rows, seq, c, ckpt), (FORWARD,))
-    entropy = algo != "dpo"
-    role.add(f"logits + float32 log-softmax: {rows} x {seq} x {s.vocab_size} x {c + 8} B"
-             f"{' + one row of entropy temporaries' if entropy else ''}", logits_bytes(s, rows, seq, c, entropy),
-             (FORWARD,))
+    tokens, read = micro_batch_tokens(cfg, rows, seq)
+    role.add(f"activations: {tokens} tokens{', checkpointed per layer' if ckpt else ''}",
+             activation_bytes(s, 1, tokens, c, ckpt), (FORWARD,))
+    role.add(f"logits of the {read} read tokens and their gradient: {read} x {s.vocab_size} x 2 x {c} B, "
+             "+ float32 chunks", logits_bytes(s, read, c, True), (FORWARD,))
     if not fsdp and n > 1:
         role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * P), (STEP,))
     if on_gpu:  # torch's foreach AdamW (the default on CUDA) allocates sqrt(exp_avg_sq) for all params
@@ -601,8 +613,9 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, (REFERENCE,),
                  "rank 0 scores every pair once, then frees it")
-        role.add(f"reference scoring: logits + log-softmax, {chunk} rows + one layer",
-                 logits_bytes(ref, chunk, seq, c, False) + nograd_forward_bytes(ref, chunk, seq, c, c), (REFERENCE,))
+        role.add(f"reference scoring: read logits, {chunk} rows + one layer",
+                 logits_bytes(ref, chunk * cfg.rollout.max_tokens, c, False)
+                 + nograd_forward_bytes(ref, chunk, seq, c, c, mask=False), (REFERENCE,))
 
     # -- weight sync
     state_c = s.state * c
@@ -682,9 +695,10 @@ def _teacher(cfg: PosttrainConfig, t: ModelShape | None, prompt: int) -> RolePla
     if on_gpu:
         role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
     role.add(f"teacher weights: frozen, {cfg.model.compute_dtype} ({params_text(t.n_params)} params)", t.n_params * c)
-    role.add(f"scoring: logits + float32 log-softmax, {rows} rows x {seq} tokens",
-             logits_bytes(t, rows, seq, c, False), (SCORE,))
-    role.add("scoring: one layer's working set, no grad", nograd_forward_bytes(t, rows, seq, c, c), (SCORE,))
+    role.add(f"scoring: read logits, {rows} rows x {cfg.rollout.max_tokens} response tokens",
+             logits_bytes(t, rows * cfg.rollout.max_tokens, c, False), (SCORE,))
+    role.add("scoring: one layer's working set, no grad", nograd_forward_bytes(t, rows, seq, c, c, mask=False),
+             (SCORE,))
     return role
 
 

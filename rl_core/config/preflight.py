@@ -171,6 +171,13 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     if algo == "dpo" and rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
         err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
             "pairs, so a micro-batch must hold an even number of rows")
+    if rl.micro_batch_max_tokens is not None and rl.micro_batch_max_tokens <= ro.max_tokens:
+        err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: a micro-batch must hold at least one whole row, "
+            f"a prompt plus up to rollout.max_tokens={ro.max_tokens} response tokens; set it above the longest prompt "
+            "+ rollout.max_tokens")
+    if algo == "dpo" and rl.micro_batch_max_tokens is not None:
+        err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a chunk "
+            "(Reduction.MEAN), so its chunks must hold equal numbers of pairs; use rl.micro_batch_per_replica")
     if cfg.data.task != "gsm8k" and cfg.data.reward_mode != "strict":
         err(f"data.reward_mode={cfg.data.reward_mode!r}: only read by data.task=gsm8k")
 
@@ -229,9 +236,6 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if rl.loss_type != "seq-mean-token-mean":
             warn(f"rl.loss_type={rl.loss_type}: a sequence ratio under a token-weighted reduction weights sequences "
                  "by length; GSPO's setting is seq-mean-token-mean")
-    if clipped and cfg.model.compute_dtype == "bfloat16" and min(rl.epsilon_low, rl.epsilon_high) < 1e-3:
-        warn(f"model.compute_dtype={cfg.model.compute_dtype} with epsilons < 1e-3: bf16 log-prob noise exceeds the "
-             "clip range; prefer model.compute_dtype=float32")
     if clipped and ro.top_p < 1 and algo != "dpo":
         warn(f"rollout.top_p={ro.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
              "truncated distribution the trainer does not model")

@@ -62,6 +62,7 @@ class RolloutConfig(_Section):
     prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Sampling seed (< 2^32); None derives it from job.seed.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="vLLM's weights and compute: auto is bfloat16 on a GPU and model.compute_dtype on CPU; float32 only when asked (the HF engine follows model.compute_dtype).")
 
 
 class OptimizerConfig(_Section):
@@ -93,7 +94,8 @@ class RLConfig(_Section):
     reference: str | None = Field(None, description="Reference model for the KL anchor/DPO; None is a frozen copy of the initial policy.")
     shared_prefix_min_tokens: int = Field(0, ge=0, description="Mask shared group prefixes at least this long whose rewards differ; 0 disables.")
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
-    micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch.")
+    micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch. With rl.micro_batch_max_tokens: the most rows of one chunk.")
+    micro_batch_max_tokens: int | None = Field(None, gt=0, description="Token budget of one forward/backward chunk per worker (verl's ppo_max_token_len_per_gpu): rows grouped by length, rows x longest row <= this many unpadded tokens; at least the longest prompt + response. None: chunks of rl.micro_batch_per_replica rows. Not for DPO (its mean over pairs needs equal chunks).")
     certified_deterministic_forward: bool = Field(False, description="Check that the pi_old pass and the first training forward agree exactly.")
     async_steps: int = Field(0, ge=0, le=1, description="1 overlaps rollout with training: step k+1's batch is sampled with policy version k-1 while step k trains, so each batch after the first is one version stale and pi_old is the rollout's log-probs (behaviour policy); 0 is on-policy. Needs cluster.placement=separate and the clipped surrogate.")
     max_steps: int = Field(100, gt=0, description="Training steps (one rollout batch each).")

@@ -85,13 +85,16 @@ class LogprobScorer:
     def __call__(self, model: torch.nn.Module, batch) -> torch.Tensor:
         with torch.no_grad():
             return sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
-                                           temperature=self.temperature)
+                                           temperature=self.temperature, loss_mask=batch.loss_mask)
 
 
-def scalar_metrics(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Scalar tensors as python floats (via float64), in one device-to-host copy; keys and order kept."""
-    floats = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()]).tolist()
-    return dict(zip(values, floats))
+def scalar_metrics(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Scalar tensors as detached 0-d float64 tensors on their device; keys and order kept.
+
+    They stay on the device: the trainer sums them over chunks and brings them to the host once per
+    optimizer step (`float(v)` reads one where a caller needs a number).
+    """
+    return {k: v.detach().to(torch.float64).reshape(()) for k, v in values.items()}
 
 
 def frozen_token_logprobs(model: torch.nn.Module, batch, *, temperature: float,
