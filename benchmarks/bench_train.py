@@ -108,12 +108,14 @@ def posttrain_step(args, model, batch, variant):
 
     trainer = LLMTrainer(model, build_objective(RLConfig(loss_type="token-mean"), ObjectiveContext(MAX_TOKENS)),
                          OptimizerConfig(lr=1e-6))
-    layout = forward_layout("padded") if variant == "padded" else contextlib.nullcontext()
+    def layout():
+        return forward_layout("padded") if variant == "padded" else contextlib.nullcontext()
+
     budget = args.budget if variant == "unpadded-budget" else None
     micro = None if budget else args.micro
 
     def step():
-        with layout:
+        with layout():
             trainer.train_step(batch, micro, None, budget)
         trainer.release_gradients()
 
@@ -136,9 +138,13 @@ def trl_step(args, model, batch):
                         use_cpu=True, bf16=False, fp16=False, per_device_train_batch_size=batch.batch_size,
                         gradient_accumulation_steps=1, num_generations=args.n, max_completion_length=MAX_TOKENS,
                         beta=0.0, loss_type="dapo", learning_rate=1e-6, max_grad_norm=1.0)
+    from rl_core.models import build_tiny_tokenizer
+
     trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": "x"}] * args.n))
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * args.n),
+                          processing_class=build_tiny_tokenizer())  # not used: the batch is token ids
     trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which is not run here
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     tokens = float(batch.loss_mask.sum())
 
@@ -201,7 +207,7 @@ def main(argv=None) -> int:
     import importlib.util
 
     rows = []
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
+    passed = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("variant", "json")]
     for variant in VARIANTS:
         if variant == "trl" and importlib.util.find_spec("trl") is None:
             print("trl: skipped (pip install -e '.[bench]')")
@@ -212,6 +218,7 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stdout + proc.stderr)
             return proc.returncode
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"{variant}: {rows[-1]['step_s']:.2f} s a step", file=sys.stderr, flush=True)
     first = rows[0]
     print(f"batch: {first['rows']} rows ({args.prompts} GSM8K prompts x {args.n}), padded width {first['width']}, "
           f"{first['real_tokens']} real tokens, {first['loss_tokens']} loss tokens; Qwen2 vocab {VOCAB}, hidden "

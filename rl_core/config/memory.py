@@ -243,16 +243,20 @@ def activation_bytes(shape: ModelShape, rows: int, seq: int, c: int, checkpointi
 
 
 def logits_bytes(shape: ModelShape, read_tokens: int, c: int, backward: bool) -> int:
-    """The loss's vocabulary-sized tensors at their peak, for `read_tokens` positions whose log-prob is read.
+    """The LM head's working set for `read_tokens` positions whose log-prob is read (the fused head of
+    `rl_core.primitives.logprobs`): no `[tokens, V]` tensor, only chunks of `CHUNK_ELEMENTS` float32.
 
-    The LM head sees only the read positions: logits `[K, V]` in the compute dtype, kept for backward,
-    and (with `backward`) their gradient, the same size. The float32 log-softmax and entropy walk
-    chunks of `CHUNK_ELEMENTS` (`rl_core.primitives.logprobs`): three float32 chunk temporaries.
+    Forward: two float32 chunks (the chunk's logits and their exponentials); kept for backward: the
+    gathered hidden states (float32) and three float32 numbers per read token (log-prob, entropy,
+    log-normaliser). Backward: the head weight's float32 gradient accumulator (`V·h`). bf16: the head
+    weight cast to bf16 (`2·V·h`) while the head runs.
     """
     from rl_core.primitives.logprobs import CHUNK_ELEMENTS
 
+    vh = shape.vocab_size * shape.hidden_size
     chunk = min(CHUNK_ELEMENTS // shape.vocab_size, read_tokens) * shape.vocab_size
-    return read_tokens * shape.vocab_size * c * (2 if backward else 1) + 3 * 4 * chunk
+    kept = read_tokens * (4 * shape.hidden_size + 12)
+    return 2 * 4 * chunk + kept + (4 * vh if backward else 0) + (2 * vh if c == 2 else 0)
 
 
 def nograd_forward_bytes(shape: ModelShape, rows: int, seq: int, c: int, residual: int, mask: bool = True) -> int:
@@ -598,8 +602,8 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     tokens, read = micro_batch_tokens(cfg, rows, seq)
     role.add(f"activations: {tokens} tokens{', checkpointed per layer' if ckpt else ''}",
              activation_bytes(s, 1, tokens, c, ckpt), (FORWARD,))
-    role.add(f"logits of the {read} read tokens and their gradient: {read} x {s.vocab_size} x 2 x {c} B, "
-             "+ float32 chunks", logits_bytes(s, read, c, True), (FORWARD,))
+    role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states, head-weight gradient",
+             logits_bytes(s, read, c, True), (FORWARD,))
     if not fsdp and n > 1:
         role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * P), (STEP,))
     if on_gpu:  # torch's foreach AdamW (the default on CUDA) allocates sqrt(exp_avg_sq) for all params
@@ -613,7 +617,7 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, (REFERENCE,),
                  "rank 0 scores every pair once, then frees it")
-        role.add(f"reference scoring: read logits, {chunk} rows + one layer",
+        role.add(f"reference scoring: fused LM head, {chunk} rows + one layer",
                  logits_bytes(ref, chunk * cfg.rollout.max_tokens, c, False)
                  + nograd_forward_bytes(ref, chunk, seq, c, c, mask=False), (REFERENCE,))
 
@@ -695,7 +699,7 @@ def _teacher(cfg: PosttrainConfig, t: ModelShape | None, prompt: int) -> RolePla
     if on_gpu:
         role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
     role.add(f"teacher weights: frozen, {cfg.model.compute_dtype} ({params_text(t.n_params)} params)", t.n_params * c)
-    role.add(f"scoring: read logits, {rows} rows x {cfg.rollout.max_tokens} response tokens",
+    role.add(f"scoring: fused LM head, {rows} rows x {cfg.rollout.max_tokens} response tokens",
              logits_bytes(t, rows * cfg.rollout.max_tokens, c, False), (SCORE,))
     role.add("scoring: one layer's working set, no grad", nograd_forward_bytes(t, rows, seq, c, c, mask=False),
              (SCORE,))

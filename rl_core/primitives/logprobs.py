@@ -12,10 +12,12 @@ result is returned in it (`[B, T]`, 0 where nothing was read), but the model nev
   token attends to it); `packed` — every row back to back in one sequence with per-row position ids,
   for attention kernels that read sequence boundaries from them (`flash_attention_*`, varlen).
   `padded` runs the rollout layout as it is, with the mask: the reference for parity checks.
-- **Log-probs only where read.** A forward pre-hook on the LM head keeps only the hidden states whose
-  next token is read (the loss mask; every real token by default), so the logits are `[K, V]` for K
-  read tokens, never `[B, T, V]`, and the float32 log-softmax and entropy run over chunks of them
-  (`token_logprobs_and_entropy`), with a backward that recomputes each chunk's softmax.
+- **Log-probs only where read.** Hooks on the LM head keep only the hidden states whose next token is
+  read (the loss mask; every real token by default) and, for a plain linear head, fuse it with the
+  float32 log-softmax and entropy (`_FusedHeadLogprobs`): chunk by chunk, each chunk's logits made,
+  reduced and dropped, recomputed in backward. No `[B, T, V]` nor `[K, V]` tensor exists. A head the
+  model post-processes (softcapping, logit scaling) returns the `[K, V]` logits of the read tokens,
+  reduced by the same chunked function (`token_logprobs_and_entropy`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class _TokenLogprobs(torch.autograd.Function):
     """`log_softmax(logits / T)[target]` and the entropy of `softmax(logits / T)`, `[K, V]` -> `[K]`, `[K]` float32.
 
     Forward and backward walk the rows in chunks of `chunk` rows, so the float32 temporaries are
-    `[chunk, V]`; autograd keeps only the logits (already alive) and the `[K]` log-normalisers.
+    `[chunk, V]`; autograd keeps only the logits (already alive) and the `[K]` log-normalisers. One
+    exponential pass per chunk: `e = exp(x - max)`, `lse = max + log Σe`, `H = lse - Σ e·x / Σ e`.
     The entropy is a diagnostic: it carries no gradient.
     """
 
@@ -76,12 +79,14 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(0)
         for s in range(0, k, chunk):
-            x = logits[s:s + chunk].float() / temperature  # a new tensor: float() of float32 is the same one
-            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
+            x = _scaled(logits[s:s + chunk], temperature)
+            top = x.amax(-1, keepdim=True)
+            e = torch.sub(x, top).exp_()
+            total = e.sum(-1)
+            lse[s:s + chunk] = top.squeeze(-1) + total.log()
             logp[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-            if with_entropy:  # H = lse - Σ p x
-                x_p = torch.softmax(x, dim=-1).mul_(x)
-                entropy[s:s + chunk] = lse[s:s + chunk] - x_p.sum(-1)
+            if with_entropy:
+                entropy[s:s + chunk] = lse[s:s + chunk] - e.mul_(x).sum(-1) / total
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -92,14 +97,23 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty_like(logits)
+        in_place = grad.dtype == torch.float32  # write the float32 result straight into the gradient
         for s in range(0, logits.shape[0], chunk):
             g = grad_logp[s:s + chunk, None].float()
-            x = logits[s:s + chunk].float() / t
-            p = x.sub_(lse[s:s + chunk, None]).exp_()  # softmax, in place of x
-            d = p.mul_(-g)
-            d.scatter_add_(-1, targets[s:s + chunk, None], g)
-            grad[s:s + chunk] = d.div_(t)
+            x = _scaled(logits[s:s + chunk], t)
+            d = torch.sub(x, lse[s:s + chunk, None], out=grad[s:s + chunk] if in_place else None)
+            d.exp_().mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g)  # (onehot - softmax) · g
+            if t != 1.0:
+                d.div_(t)
+            if not in_place:
+                grad[s:s + chunk] = d
         return grad, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / T` in float32: the logits themselves at T = 1 (never written to), else a new tensor."""
+    x = logits.float()
+    return x if temperature == 1.0 else x / temperature
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, *,
@@ -172,43 +186,152 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Ten
     return UnpaddedBatch(ids, positions, b_read, t_read, source, input_ids[b_read, t_read])
 
 
-# (LM head, flat indices) of the forward running in this thread/task, read by the head's pre-hook
-_read_source: contextvars.ContextVar[tuple[torch.nn.Module, torch.Tensor] | None] = contextvars.ContextVar(
-    "posttrain_read_source", default=None)
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """The LM head and `token_logprobs_and_entropy` in one: hidden `[K, H]`, head weight `[V, H]` -> `[K]`, `[K]`.
+
+    Each chunk's logits are computed, reduced to log-prob, log-normaliser and entropy, and dropped;
+    backward recomputes them chunk by chunk. No `[K, V]` tensor exists, only `[chunk, V]` float32
+    temporaries. The matmuls run in the autocast dtype when autocast is on (as the head would), the
+    softmax in float32; the weight's gradient is accumulated in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy):
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else weight.dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        k = hidden.shape[0]
+        logp = torch.empty(k, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(0)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, k, chunk):
+                x = _scaled(torch.nn.functional.linear(hidden[s:s + chunk].to(dtype), w, b), temperature)
+                top = x.amax(-1, keepdim=True)
+                e = torch.sub(x, top).exp_()
+                total = e.sum(-1)
+                lse[s:s + chunk] = top.squeeze(-1) + total.log()
+                logp[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+                if with_entropy:
+                    entropy[s:s + chunk] = lse[s:s + chunk] - e.mul_(x).sum(-1) / total
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s:s + chunk]
+                g = grad_logp[s:s + chunk, None].float()
+                x = torch.nn.functional.linear(h.to(dtype), w, b).float()
+                if t != 1.0:
+                    x = x / t
+                d = x.sub_(lse[s:s + chunk, None]).exp_().mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g)
+                if t != 1.0:
+                    d.div_(t)  # d = ∂loss/∂logits of the chunk, (onehot - softmax) · g / T
+                grad_hidden[s:s + chunk] = (d.to(dtype) @ w).to(hidden.dtype)
+                grad_weight.addmm_(d.t(), h.float())
+                if grad_bias is not None:
+                    grad_bias += d.sum(0)
+        return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
+                None, None, None, None)
+
+
+# Config attributes of models whose forward transforms the logits after the LM head (softcapping, scaling):
+# for those the head's output is needed as it is, so the fused path is not taken.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
+
+
+@dataclass
+class _HeadRead:
+    """What the LM head's hooks do for one forward: keep the hidden states at `source`; `fused`: also compute
+    the log-probs of `targets` in place of the logits (`[1, K, 2]`: log-prob, entropy)."""
+
+    head: torch.nn.Module
+    source: torch.Tensor
+    targets: torch.Tensor
+    temperature: float
+    with_entropy: bool
+    fused: bool
+    hidden: torch.Tensor | None = None
+
+
+# the forward running in this thread/task, read by the head's hooks
+_head_read: contextvars.ContextVar[_HeadRead | None] = contextvars.ContextVar("posttrain_head_read", default=None)
 _hook_lock = threading.Lock()
 
 
-def _keep_read_positions(module: torch.nn.Module, args: tuple):
-    """The LM head's forward pre-hook: only the hidden states at this forward's read positions go in."""
-    current = _read_source.get()
-    if current is None or current[0] is not module:
-        return None  # another caller's forward (generation, a user's own call): untouched
+def _current(module: torch.nn.Module) -> _HeadRead | None:
+    read = _head_read.get()
+    return read if read is not None and read.head is module else None  # another caller's forward: untouched
+
+
+def _head_pre_hook(module: torch.nn.Module, args: tuple):
+    """Only the hidden states at this forward's read positions go into the head (none when fused)."""
+    read = _current(module)
+    if read is None:
+        return None
     hidden = args[0]
-    return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, current[1])[None], *args[1:])
+    kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, read.source)
+    if not read.fused:
+        return (kept[None], *args[1:])
+    read.hidden = kept
+    return (hidden[:, :0], *args[1:])
+
+
+def _head_post_hook(module: torch.nn.Module, args: tuple, output):
+    """Fused: the head's output is `[1, K, 2]`, the read tokens' log-probs and entropies."""
+    read = _current(module)
+    if read is None or not read.fused:
+        return None
+    chunk = max(1, CHUNK_ELEMENTS // module.weight.shape[0])
+    logp, entropy = _FusedHeadLogprobs.apply(read.hidden, module.weight, module.bias, read.targets,
+                                             float(read.temperature), chunk, read.with_entropy)
+    read.hidden = None
+    return torch.stack([logp, entropy if read.with_entropy else torch.zeros_like(logp)], -1)[None]
+
+
+def _fusable(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return type(head) is torch.nn.Linear and all(getattr(text, a, None) is None for a in _LOGIT_TRANSFORMS)
 
 
 @contextlib.contextmanager
-def _hidden_states_at(model: torch.nn.Module, source: torch.Tensor):
+def _reading_head(model: torch.nn.Module, source: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  with_entropy: bool):
     """Inside the block, the LM head of `model` sees only the hidden states at the flat indices `source`.
 
-    One forward pre-hook per head, registered once and inert unless this thread's context names the
-    head (threads sharing a model, e.g. simulated ranks or generation beside training, do not see each
-    other's positions): the logits come out `[1, K, V]`. Yields False when the model has no output
-    embedding to hook (its logits are then gathered after the forward).
+    Yields `fused`: True when the head (a plain `nn.Linear` whose output the model leaves as it is) computes
+    the log-probs itself (`_FusedHeadLogprobs`, output `[1, K, 2]`); False when it returns the read
+    positions' logits (`[1, K, V]`); None when the model has no output embedding to hook (its logits,
+    `[.., V]` at every position, are then gathered after the forward). The hooks are registered once per
+    head and inert unless this thread's context names the head: threads sharing a model (simulated
+    ranks, generation beside training) do not see each other's positions.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
-        yield False
+        yield None
         return
     with _hook_lock:
-        if not getattr(head, "_posttrain_read_hook", False):
-            head.register_forward_pre_hook(_keep_read_positions)
-            head._posttrain_read_hook = True
-    token = _read_source.set((head, source))
+        if not getattr(head, "_posttrain_read_hooks", False):
+            head.register_forward_pre_hook(_head_pre_hook)
+            head.register_forward_hook(_head_post_hook)
+            head._posttrain_read_hooks = True
+    read = _HeadRead(head, source, targets, temperature, with_entropy, _fusable(model, head))
+    token = _head_read.set(read)
     try:
-        yield True
+        yield read.fused
     finally:
-        _read_source.reset(token)
+        _head_read.reset(token)
 
 
 # ------------------------------------------------------------------------------- the primitive
@@ -234,13 +357,16 @@ def sequence_token_logprobs(
     if layout == "padded":
         return _padded_token_logprobs(model, input_ids, attention_mask, read, temperature, return_entropy)
     u = unpad(input_ids, attention_mask, read, layout)
-    with _hidden_states_at(model, u.source) as hooked:
+    with _reading_head(model, u.source, u.targets, temperature, return_entropy) as fused:
         out = model(input_ids=u.input_ids, position_ids=u.position_ids, use_cache=False)
-    logits = out.logits
-    logits = logits.reshape(-1, logits.shape[-1])
-    if not hooked:
-        logits = logits.index_select(0, u.source)
-    lp, ent = token_logprobs_and_entropy(logits, u.targets, temperature, with_entropy=return_entropy)
+    if fused:
+        lp, ent = out.logits[0].unbind(-1)
+        ent = ent.detach()
+    else:
+        logits = out.logits.reshape(-1, out.logits.shape[-1])
+        if fused is None:
+            logits = logits.index_select(0, u.source)
+        lp, ent = token_logprobs_and_entropy(logits, u.targets, temperature, with_entropy=return_entropy)
     full = lp.new_zeros(input_ids.shape).index_put((u.rows, u.cols), lp)
     if not return_entropy:
         return full

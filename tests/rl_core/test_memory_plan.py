@@ -112,7 +112,7 @@ def test_3b_fp32_unsharded_needs_checkpointing_and_fsdp_bf16_checkpointing_fits(
     assert problems[0].startswith("trainer rank (x4): peak ") and "cluster.gpu_memory_gib=80" in problems[0]
     assert "cluster.sharding=fsdp" in problems[0]
     assert "model.gradient_checkpointing=true (" in problems[0] and "fits)" in problems[0]
-    # the logits of the read tokens only (8 x 1024 x V x 2 x 4 B), not [8, 1536, V] float32 three times over
+    # the LM head's chunks for the read tokens, not [8, 1536, V] float32 logits three times over
     assert memory_problems(cfg_3b(qwen3b_dir, *FP32_UNSHARDED, "model.gradient_checkpointing=true"),
                            probe=no_gpu) == []
     assert memory_problems(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT), probe=no_gpu) == []
@@ -143,6 +143,12 @@ def test_3b_plan_items(qwen3b_dir):
     gen = t_sh.phase_bytes()[mem.GENERATE]
     assert gen == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes + mem.RUNTIME_BYTES
                    + t_sh.item("vLLM awake").bytes)
+    # the fused LM head, by hand: 8 rows x 1024 response tokens read, chunks of 2^24 // V positions
+    V, h, K = QWEN_3B["vocab_size"], QWEN_3B["hidden_size"], 8 * 1024
+    chunk = (2**24 // V) * V
+    head = 2 * 4 * chunk + K * (4 * h + 12) + 4 * V * h  # two float32 chunks, kept hidden + 3 floats, grad acc
+    assert t_full.item("LM head").bytes == head
+    assert t_sh.item("LM head").bytes == head + 2 * V * h  # + the bf16 cast of the head weight
     # checkpointing keeps each layer's input instead of its activations
     act_full = activation_bytes(shape, 8, 1536, 2, False)
     act_ckpt = activation_bytes(shape, 8, 1536, 2, True)
@@ -155,7 +161,7 @@ def test_knobs_already_set_are_not_suggested(qwen3b_dir):
     for knob in ("cluster.sharding", "model.compute_dtype", "model.gradient_checkpointing"):
         assert knob not in problem, problem
     knobs = problem.split("(the peak each gives alone): ")[1]
-    assert knobs.startswith("cluster.num_workers=8 (") and ", fits)" in knobs, problem
+    assert knobs.startswith("cluster.placement=separate cluster.gpus_per_engine=1 (") and ", fits)" in knobs, problem
 
 
 def test_vllm_weights_must_fit_its_reservation(qwen3b_dir):

@@ -145,7 +145,7 @@ def test_chunked_log_softmax_equals_torch_in_value_and_gradient():
 
 
 class LargestTensor(TorchDispatchMode):
-    """The largest tensor over the vocabulary (last dimension V) any op makes inside the block, forward and backward."""
+    """The largest new tensor over the vocabulary (last dimension V) any op makes in the block, forward and backward."""
 
     def __init__(self):
         super().__init__()
@@ -153,8 +153,11 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()]
+                  if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == V:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == V \
+                    and t.untyped_storage().data_ptr() not in inputs:  # views of an input (a weight's .t()) are not new
                 self.largest = max(self.largest, t.numel())
         return out
 
@@ -173,6 +176,31 @@ def test_no_tensor_spans_every_position_and_the_vocabulary(layout):
         sizes[name] = watch.largest
     assert sizes["padded"] >= b * (t - 1) * V  # the measurement sees the padded path's [B, T, V] logits
     assert sizes[layout] <= read * V < b * t * V / 2  # logits (and their gradient) of the read tokens only
+
+
+def test_the_fused_head_holds_chunks_and_the_unfused_head_equals_it(monkeypatch):
+    """The fused LM head never holds more than a chunk of the vocabulary; a head it cannot fuse (a model that
+    transforms its logits, or another module type) returns the read positions' logits, with the same values."""
+    import rl_core.primitives.logprobs as lp_module
+
+    batch = make_batch()
+    read = int(batch.loss_mask[:, 1:].sum())
+    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", 8 * V)  # chunks of 8 positions
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(lp_module, "_fusable", lambda model, head, fused=fused: fused)
+        model = qwen()
+        with LargestTensor() as watch:
+            lp, ent = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7,
+                                              return_entropy=True, loss_mask=batch.loss_mask)
+            (lp * torch.arange(lp.numel()).reshape(lp.shape).cos()).sum().backward()
+        results[fused] = (lp.detach(), ent, grads_of(model), watch.largest)
+    assert results[True][3] <= 8 * V < results[False][3] == read * V
+    for a, b in zip(results[True][:3], results[False][:3]):
+        assert (a - b).abs().max() <= 1e-5
+    with torch.no_grad():
+        assert not lp_module._fusable(type("Gemma2Like", (), {"config": type("C", (), {
+            "final_logit_softcapping": 30.0})()})(), torch.nn.Linear(2, 3))
 
 
 # ------------------------------------------------------------------------------------ the trainer
