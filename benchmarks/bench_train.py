@@ -52,8 +52,9 @@ def lengths(args) -> tuple[list[int], list[int]]:
 
     path = REPO / args.data
     if not path.is_file():
-        sys.exit(f"{path} not found: build the project's GSM8K data with `dvc repro pipelines/gsm8k/dvc.yaml` "
-                 "(params.yaml gsm8k_data.source) or pass --data PATH")
+        print(f"{path} not found: build the project's GSM8K data with `dvc repro pipelines/gsm8k/dvc.yaml` "
+              "(params.yaml gsm8k_data.source) or pass --data PATH", file=sys.stderr)
+        sys.exit(2)
     records = read_gsm8k_jsonl(path)
     rng = np.random.default_rng(args.seed)
     picked = rng.choice(len(records), size=args.prompts, replace=False)
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
         proc = subprocess.run([sys.executable, __file__, *passed, "--variant", variant], capture_output=True,
                               text=True, cwd=REPO, check=False)
         if proc.returncode:
-            sys.stderr.write(proc.stdout + proc.stderr)
+            sys.stderr.write(proc.stdout + proc.stderr[-4000:])
             return proc.returncode
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"{variant}: {rows[-1]['step_s']:.2f} s a step", file=sys.stderr, flush=True)

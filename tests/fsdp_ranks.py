@@ -6,7 +6,8 @@ Each rank trains on its own half of every batch (the data-parallel split) for 3 
 mini-batches each, in micro-batches of one row; rank 1's last row has no loss token, so rank 1
 takes a weight-0 chunk that rank 0 does not (FSDP's backward collectives must still line up).
 Cross-mode resume: 2 steps in one mode, the trainer state loaded into a fresh trainer of the other
-mode, the 3rd step there. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). Rank 0 writes the largest differences (and how far the weights moved)
+mode, the 3rd step there. Token budgets: FSDP with chunks cut by tokens, 2 per mini-batch on rank 0
+and 1 on rank 1, which pads to 2 with a weight-0 chunk. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). Rank 0 writes the largest differences (and how far the weights moved)
 to OUT.json.
 """
 
@@ -85,9 +86,10 @@ def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32):
                        compute_dtype=compute)
 
 
-def train(trainer, steps):
+def train(trainer, steps, max_tokens=None):
     for step in steps:
-        trainer.train_step(batch(step, dist.get_rank()), micro_batch_size=1, mini_batch_size=2)
+        trainer.train_step(batch(step, dist.get_rank()), micro_batch_size=1 if max_tokens is None else None,
+                           mini_batch_size=2, micro_batch_max_tokens=max_tokens)
 
 
 def full_state(trainer) -> dict:
@@ -136,6 +138,10 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
         resumed_sharded.load_state_dict(full_state(half_plain))
         train(resumed_sharded, [STEPS - 1])
         from_sharded, from_plain = full_state(resumed_plain), full_state(resumed_sharded)
+        # token budgets that cut rank 0's mini-batches into 2 chunks and rank 1's into 1: rank 1 adds a padding chunk
+        budgeted = make_trainer(True, checkpointing)
+        train(budgeted, range(STEPS), max_tokens=9 if rank == 0 else 18)
+        budgeted_state = full_state(budgeted)
         if rank == 0:
             result = {
                 "moved": max_diff(plain_state["model"], initial),
@@ -147,7 +153,8 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
                 "resume_fsdp_to_plain": max_diff(from_sharded["model"], plain_state["model"]),
                 "resume_plain_to_fsdp": max_diff(from_plain["model"], sharded_state["model"]),
                 "resume_fsdp_to_plain_optimizer": optimizer_diff(from_sharded["optimizer"], plain_state["optimizer"]),
-                "steps": [plain.step, sharded.step, resumed_plain.step, resumed_sharded.step],
+                "fsdp_budget_vs_plain": max_diff(budgeted_state["model"], plain_state["model"]),
+                "steps": [plain.step, sharded.step, resumed_plain.step, resumed_sharded.step, budgeted.step],
             }
             with open(out, "w") as f:
                 json.dump(result, f)

@@ -30,7 +30,8 @@ def run_ranks(tmp_path: Path, *flags: str) -> dict:
 def test_fsdp_matches_unsharded_training_and_resumes_across_modes(tmp_path, flags):
     r = run_ranks(tmp_path, *flags)
     assert r["sharded_is_dtensor"] == "DTensor"  # the model really was sharded
-    assert r["steps"] == [6, 6, 6, 6]  # 3 batches x 2 mini-batches in every run
+    assert r["steps"] == [6, 6, 6, 6, 6]  # 3 batches x 2 mini-batches in every run
+    assert r["fsdp_budget_vs_plain"] <= TOL  # unequal chunk counts across ranks, padded: the same training
     assert r["moved"] > 1e-3  # training changed the weights well beyond the tolerance
     assert r["fsdp_vs_plain"] <= TOL
     assert r["optimizer_keys_equal"]  # the checkpoint keys optimizer state by parameter index in both modes
