@@ -215,6 +215,28 @@ def csrf_headers(api: str, auth: str | None) -> dict[str, str]:
     return {"Prefect-Csrf-Token": token, "Prefect-Csrf-Client": client}
 
 
+# Job variables a flow run's creator could use to run another command, set the worker's environment (an opt-in,
+# credentials) or move the flow's directory: not variables of the pool's template, so fixed by the worker.
+FIXED_JOB_FIELDS = ("command", "env", "working_dir")
+
+
+def process_pool_template() -> dict:
+    """Prefect's process work-pool base job template without `FIXED_JOB_FIELDS`, refusing unknown variables.
+
+    A job variable reaches the flow-run process only through a `{{ placeholder }}` of `job_configuration`, and the
+    worker merges an `env` variable into a dict-valued `env` of it: with neither, the worker runs its own command
+    (`python -m prefect.engine`) in its own environment, whatever a flow run or deployment sets; the server refuses
+    a flow run with other variables (`additionalProperties: false`)."""
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    for key in FIXED_JOB_FIELDS:
+        template["job_configuration"].pop(key, None)
+        template["variables"]["properties"].pop(key, None)
+    template["variables"]["additionalProperties"] = False
+    return template
+
+
 @dataclass
 class Services:
     """The local services of one state directory."""
@@ -332,13 +354,16 @@ class Services:
             return "(no log)"
 
     def _create_work_pool(self, env: Mapping[str, str]) -> None:
-        out = subprocess.run([venv_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
+        """Create (or reset) the work pool with `process_pool_template()` as its base job template."""
+        template = self.root / "process-pool-template.json"
+        _write_private(template, json.dumps(process_pool_template(), indent=1))
+        out = subprocess.run([venv_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process",
+                              "--base-job-template", str(template), "--overwrite"],
                              env=dict(env), capture_output=True, text=True, timeout=180, cwd=self.root,
                              check=False)
-        text = out.stdout + out.stderr
-        if out.returncode != 0 and "already exists" not in text:
+        if out.returncode != 0:
             raise ServicesError(f"`prefect work-pool create {WORK_POOL} --type process` failed "
-                                f"({out.returncode}):\n{text[-3000:]}")
+                                f"({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
 
     def up(self, *, prefect_port: int | None = None, mlflow_port: int | None = None, timeout: float = 240,
            worker_env: Mapping[str, str] | None = None, announce: Callable[[str], None] = print) -> dict[str, str]:
