@@ -116,6 +116,7 @@ def record_run(cfg: PosttrainConfig, store: CheckpointStore, run_id: str) -> Non
     """Keep the run id with the run: in `run_state.json`, and on S3 next to its checkpoints (`run.json`)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # configs, metrics, checkpoints: the owner's only
     state = read_run_state(run_dir)
     if state.get("run_id") != run_id:
         write_run_state(run_dir, {**state, "run_id": run_id})

@@ -215,6 +215,13 @@ def test_services_are_up_with_state_files(services, client_env):
         assert svc.pid_file(name).is_file() and svc.log_file(name).is_file()
     assert http_ok(env["PREFECT_API_URL"] + "/health") and http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
     assert (svc.prefect_home / "prefect.db").is_file()  # the server's own home, not ~/.prefect
+    # nothing in the state directory is readable by other users (MLflow has no authentication)
+    import stat
+
+    assert stat.S_IMODE(svc.root.stat().st_mode) == 0o700
+    files = [svc.root / "mlflow.db", svc.root / "ports.json", svc.prefect_home / "prefect.db",
+             *(f(n) for n in ("prefect-server", "prefect-worker", "mlflow") for f in (svc.pid_file, svc.log_file))]
+    assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {str(p): "0o600" for p in files}
     text = svc.env_file.read_text()
     assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
     assert f"export MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in text
