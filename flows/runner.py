@@ -43,6 +43,7 @@ from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
 from rl_core.registry import build_objective
 from tasks.checkpoint import checkpoint_task, save_model_task
+from tasks.rollout import prune_rollout_cache
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
 # trainer-side diagnostics that describe the rollout, published under rollout/*
@@ -308,6 +309,7 @@ class TrainingRun:
                   "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
+        prune_rollout_cache(self.run_dir / "cache", step)  # a resume starts after this step: its rollouts are done
         return time.perf_counter() - t
 
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
