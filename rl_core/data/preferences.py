@@ -92,7 +92,7 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
 def load_preference_pairs(source: str | Path) -> pd.DataFrame:
     """Pairs of a JSONL file, or of a hub dataset `org/name[:split]` (default split `train`); not yet validated."""
     path = Path(source)
-    if path.is_file():
+    if path.is_file() or path.is_dir():  # a directory: refused by iter_jsonl, naming it
         records = []
         for lineno, rec in iter_jsonl(path, "a preference pair {prompt, chosen, rejected}"):
             if any(k not in rec for k in PAIR_FIELDS):
