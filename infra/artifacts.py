@@ -62,6 +62,11 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
     Holds `BUILD_LOCK` while it checks and builds: a second caller waits, then finds them built."""
     import fcntl
 
+    wanted = [cfg.model.name_or_path, getattr(cfg.model, "teacher", None) or "", cfg.data.train, cfg.data.val]
+    built_here = [TINY_INIT, TINY_WARM, TINY_TEACHER, *(d / f"{s}.jsonl" for d in (ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR)
+                                                        for s in ("train", "val"))]
+    if not any(_is(path, target) for path in wanted if path for target in built_here):
+        return []  # nothing of the quickstart's: no lock (and no artifacts/ directory) needed
     BUILD_LOCK.parent.mkdir(parents=True, exist_ok=True)
     with open(BUILD_LOCK, "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
