@@ -50,3 +50,18 @@ def test_a_run_directory_is_made_private(tmp_path, monkeypatch):
     (tmp_path / "runs" / "plan").mkdir(parents=True, mode=0o755)
     record_run(cfg, CheckpointStore(tmp_path / "runs" / "plan" / "checkpoints"), "0123456789abcdef")
     assert stat.S_IMODE((tmp_path / "runs" / "plan").stat().st_mode) == 0o700
+
+
+def test_the_local_ray_a_run_starts_uses_token_authentication(tmp_path):
+    """The local Ray of `posttrain run` (infra.ray_connect, no RAY_AUTH_MODE set) requires a token (Ray turns it on
+    for a new local cluster); its workers carry the mode."""
+    import os
+
+    code = ("import ray\nfrom rl_core.config import load_config\nfrom infra.ray_connect import connect_ray\n"
+            f"connect_ray(load_config({str(REPO / 'recipes' / 'arithmetic.py')!r}, []))\n"
+            "print('mode', ray.get(ray.remote(lambda: __import__('os').environ.get('RAY_AUTH_MODE')).remote()))\n"
+            "ray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "HOME": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert "mode token" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
