@@ -217,3 +217,12 @@ def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "s3://***@bucket/run" in text, text[-2000:]
     assert SECRET not in text and "AKIAEXAMPLE" not in text and "user0" not in text, text[-3000:]
+
+
+def test_every_config_error_is_redacted_whoever_builds_it():
+    """Preflight and environment problems quote values back (a model or data URI): a ConfigError scrubs them all,
+    so the CLI, the flow's logs and the Prefect API's state message never carry the credential."""
+    error = ConfigError([f"model.name_or_path='https://user:{SECRET}@hub.example/m': not found",
+                         "data.train='s3://AKIAEXAMPLE:x/y@bucket/train.jsonl?X-Amz-Signature=abcdef0123': no such file"])
+    assert SECRET not in str(error) and "AKIAEXAMPLE" not in str(error) and "abcdef0123" not in str(error)
+    assert "https://***@hub.example/m" in error.problems[0] and "s3://***@bucket/train.jsonl" in error.problems[1]
