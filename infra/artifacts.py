@@ -7,8 +7,8 @@
 Each artifact is written beside its place and renamed into it (`rl_core.atomic`), under one lock per
 working directory (`artifacts/.build.lock`), so two first runs build each artifact once and neither
 reads the other's half-written files. A model directory counts as present only when its content is
-whole (`rl_core.models.model_problem`: JSON files parse, safetensors headers match their sizes); a
-damaged one is rebuilt, saying why.
+whole (`rl_core.models.model_problem`: JSON files parse, safetensors headers match their sizes), a
+data file only when every line reads back; a damaged one is rebuilt, saying why.
 """
 
 from __future__ import annotations
@@ -43,6 +43,23 @@ def _is(path: str, target: Path) -> bool:
 
 
 BUILD_LOCK = Path("artifacts/.build.lock")
+
+
+def _data_complete(path: str | Path, announce: Callable[[str], None] = lambda _: None) -> bool:
+    """A data file counts as present when every line reads back as a record (a torn or damaged file: rebuilt)."""
+    from rl_core.data.jsonl import iter_jsonl
+
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        if sum(1 for _ in iter_jsonl(path, "a record")):  # every line, not just the first
+            return True
+        problem = f"{path} holds no records"
+    except ValueError as exc:
+        problem = str(exc)
+    announce(f"{problem}: rebuilding it")
+    return False
 
 
 def _model_complete(path: Path, announce: Callable[[str], None] = lambda _: None) -> bool:
@@ -80,9 +97,9 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
     built: list[str] = []
     params = None
     needs_data = cfg.data.task == "arithmetic" and (
-        (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not Path(cfg.data.train).is_file())
-        or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not Path(cfg.data.val).is_file())
-        or (_is(cfg.model.name_or_path, TINY_WARM) and not (ARITHMETIC_DIR / "train.jsonl").is_file())
+        (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not _data_complete(cfg.data.train, announce))
+        or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not _data_complete(cfg.data.val, announce))
+        or (_is(cfg.model.name_or_path, TINY_WARM) and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce))
     )
     if needs_data:
         from rl_core.data.arithmetic import make_arithmetic_data
@@ -93,7 +110,7 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         built.append("arithmetic_data")
     teacher = getattr(cfg.model, "teacher", None)
     wants_teacher = bool(teacher) and _is(teacher, TINY_TEACHER) and not _model_complete(TINY_TEACHER, announce)
-    if wants_teacher and not needs_data and not (ARITHMETIC_DIR / "train.jsonl").is_file():
+    if wants_teacher and not needs_data and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce):
         from rl_core.data.arithmetic import make_arithmetic_data
 
         params = params or load_params()
@@ -128,9 +145,9 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
                  f"{metrics['val_accuracy']:.3f}")
         built.append("teacher_warm_start")
     if cfg.data.task == "arithmetic" and any(
-            _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not Path(source).is_file()
+            _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not _data_complete(source, announce)
             for source, split in ((cfg.data.train, "train"), (cfg.data.val, "val"))):
-        if not (ARITHMETIC_DIR / "val.jsonl").is_file():
+        if not _data_complete(ARITHMETIC_DIR / "val.jsonl", announce):
             from rl_core.data.arithmetic import make_arithmetic_data
 
             params = params or load_params()

@@ -157,6 +157,22 @@ def test_a_damaged_tiny_model_is_detected_by_content_and_rebuilt(tmp_path, monke
     assert not [p for p in TINY_INIT.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_torn_quickstart_data_file_is_rebuilt(tmp_path, monkeypatch):
+    from infra.artifacts import ARITHMETIC_DIR, ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.data.arithmetic import make_arithmetic_data
+    from tests.conftest import recipe
+
+    monkeypatch.chdir(tmp_path)
+    make_arithmetic_data(ARITHMETIC_DIR, seed=0)
+    good = (ARITHMETIC_DIR / "train.jsonl").read_text()
+    _truncate(ARITHMETIC_DIR / "train.jsonl", len(good) // 2 + 7)  # cut mid-line
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={tmp_path / 'mine'}"])
+    messages: list[str] = []
+    assert ensure_quickstart_artifacts(cfg, announce=messages.append) == ["arithmetic_data"]
+    assert any("train.jsonl:" in m and "rebuilding" in m for m in messages), messages
+
+
 def test_a_damaged_model_directory_given_by_the_user_is_refused_naming_the_file(tmp_path):
     from rl_core.config import load_config
     from rl_core.config.environment import environment_problems
