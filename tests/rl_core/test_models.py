@@ -133,10 +133,9 @@ def test_a_damaged_tiny_model_is_detected_by_content_and_rebuilt(tmp_path, monke
     failed in SafetensorError; now the content is checked and the quickstart build replaces it."""
     from infra.artifacts import TINY_INIT, ensure_quickstart_artifacts
     from rl_core.config import load_config
+    from rl_core.data.arithmetic import make_arithmetic_data
     from rl_core.models import model_problem
     from tests.conftest import recipe
-
-    from rl_core.data.arithmetic import make_arithmetic_data
 
     monkeypatch.chdir(tmp_path)
     make_arithmetic_data("data/arithmetic", seed=0)
