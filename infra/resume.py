@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from infra.storage import CheckpointStore, checkpoint_step, fsync_dir, write_durably
+from infra.storage import META, CheckpointStore, checkpoint_step, fsync_dir, step_dir_name, write_durably
 from rl_core.config import ConfigError, PosttrainConfig, flatten
 from rl_core.config.loader import config_dict
 
@@ -101,8 +101,7 @@ def run_identity(cfg: PosttrainConfig) -> str:
     if uri:
         job = CheckpointStore(run_dir / "checkpoints", remote_uri=f"{uri.rstrip('/')}/{cfg.job.name}")
         here = str(run_dir.resolve())
-        mine = sorted(rid for rid in job.remote_children() if RUN_ID.match(rid)
-                      and (job.read_remote_json(f"{rid}/{RUN_RECORD}") or {}).get("run_dir") == here)
+        mine = sorted(rid for rid in job.remote_children() if RUN_ID.match(rid) and _recorded_run_dir(job, rid) == here)
         if len(mine) > 1:
             raise ConfigError([(f"{len(mine)} runs recorded for run directory {here} under {uri}/{cfg.job.name}/: "
                                f"{', '.join(mine)}; write the one to continue as {{\"run_id\": \"<id>\"}} to "
@@ -110,6 +109,16 @@ def run_identity(cfg: PosttrainConfig) -> str:
         if mine:
             return mine[0]
     return uuid.uuid4().hex[:16]
+
+
+def _recorded_run_dir(job: CheckpointStore, run_id: str) -> str | None:
+    """The run directory recorded for `run_id`: its `run.json`, else (an endpoint that lost it) the meta.json of its
+    newest checkpoint, which every upload carries."""
+    record = job.read_remote_json(f"{run_id}/{RUN_RECORD}")
+    if record is None:
+        steps = CheckpointStore(job.root, remote_uri=f"{job.remote_uri}/{run_id}").list_remote()
+        record = job.read_remote_json(f"{run_id}/{step_dir_name(steps[-1])}/{META}") if steps else None
+    return (record or {}).get("run_dir")
 
 
 def record_run(cfg: PosttrainConfig, store: CheckpointStore, run_id: str) -> None:
@@ -244,4 +253,5 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
 
 
 def checkpoint_meta(cfg: PosttrainConfig, **extra: Any) -> dict[str, Any]:
-    return {"config": config_dict(cfg), **extra}
+    """The config, the run directory (how a run finds its own checkpoints on S3 again) and `extra`."""
+    return {"config": config_dict(cfg), "run_dir": str(Path(cfg.run_dir).resolve()), **extra}

@@ -470,6 +470,14 @@ def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_
     with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as again:
         assert again.store.remote_uri == first_prefix
         assert checkpoint_step(again.plan.checkpoint) == 200 and again.plan.run_state == {"mlflow_run_id": "mlflow-a"}
+    # an endpoint that lost run.json (moto restarted empty, then the uploads caught up): the newest checkpoint's
+    # meta.json names the run directory too
+    import boto3
+
+    boto3.client("s3").delete_object(Bucket=bucket, Key=f"{first_prefix.removeprefix(f's3://{bucket}/')}/run.json")
+    shutil.rmtree(tmp_path / "a")
+    with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as again:
+        assert again.store.remote_uri == first_prefix and checkpoint_step(again.plan.checkpoint) == 200
 
 
 def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(tmp_path, monkeypatch):
