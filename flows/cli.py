@@ -11,6 +11,7 @@ Overrides come as a dotlist after `--`, e.g. `posttrain run recipes/arithmetic.p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -22,18 +23,22 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rl_core.config import ConfigError, load_config, preflight, to_yaml
-    from rl_core.config.loader import config_hash
+    import yaml
+
+    from rl_core.config import ConfigError, load_config, preflight
+    from rl_core.config.loader import config_dict, config_hash
+    from rl_core.redact import redact, redact_message
 
     try:
         cfg = load_config(args.recipe, overrides)
     except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
+        print(redact_message(str(exc)), file=sys.stderr)
         return 1
     report = preflight(cfg)
-    print(to_yaml(cfg), end="")
+    # every value a URI may carry credentials in (data, models, addresses) is printed through the redactor
+    print(yaml.safe_dump(redact(config_dict(cfg)), sort_keys=False, default_flow_style=False), end="")
     print(f"# config hash: {config_hash(cfg)}")
-    print(report.render(), file=sys.stderr if report.errors else sys.stdout)
+    print(redact_message(report.render()), file=sys.stderr if report.errors else sys.stdout)
     memory_ok = print_memory_plan(cfg)
     return 0 if report.ok and memory_ok else 1
 
@@ -44,36 +49,44 @@ def print_memory_plan(cfg) -> bool:
 
     from rl_core.config.environment import gpu_memory, gpus_needed
     from rl_core.config.memory import plan_for_config
+    from rl_core.redact import redact_message
 
     remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
     gpu_bytes, source = gpu_memory(cfg, remote_ray=remote) if gpus_needed(cfg) else (None, "")
     plan, why = plan_for_config(cfg, gpu_bytes, gpu_source=source)
     if plan is None:
-        print(f"memory plan: none ({why})")
+        print(redact_message(f"memory plan: none ({why})"))
         return True
-    print(plan.render())
+    print(redact_message(plan.render()))
     problems = plan.problems()
     for problem in problems:
-        print(f"  memory error: {problem}", file=sys.stderr)
+        print(redact_message(f"  memory error: {problem}"), file=sys.stderr)
     return not problems
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     from rl_core.config import ConfigError
+    from rl_core.redact import redact_message
 
     try:
         from flows.entry import run_recipe
 
         result = run_recipe(args.recipe, overrides)
     except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
+        print(redact_message(str(exc)), file=sys.stderr)
         return 1
     print(summary_line(result))
     return 0
 
 
+# What posttrain and its children (Ray workers, services) write is the user's only: files 0600, directories 0700
+# (run directories hold configs, metrics, checkpoints and logs; MLflow's local store has no authentication).
+PRIVATE_UMASK = 0o077
+
+
 def module_main(argv: list[str] | None = None, prog: str = "python -m flows.grpo") -> int:
     """`python -m flows.<flow> --config RECIPE -- <overrides>`: the recipe's flow, as `posttrain run` runs it."""
+    os.umask(PRIVATE_UMASK)
     own, overrides = _split_overrides(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True, help="recipes/<name>.py")
@@ -113,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.umask(PRIVATE_UMASK)
     argv = list(sys.argv[1:] if argv is None else argv)
     own, overrides = _split_overrides(argv)
     args = build_parser().parse_args(own)

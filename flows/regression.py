@@ -107,9 +107,13 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
     from prefect.runtime import flow_run
 
     from flows.grpo import grpo
+    from flows.guard import check_regression_parameters, trusted_subflows
     from infra.tracking import git_revision, resolve_tracking_uri
     from rl_core.config import load_config
 
+    # a deployment's parameters are untrusted input; the grpo subflow's come from this code, not the caller
+    check_regression_parameters(thresholds=thresholds, reference=reference, out_dir=out_dir, mlflow_uri=mlflow_uri,
+                                overrides=overrides)
     logger = get_run_logger()
     limits = load_thresholds(thresholds)
     ref = json.loads(_resolve(reference).read_text())
@@ -124,7 +128,8 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
     summary: dict = {}
     training_run_id = None
     try:
-        result = grpo(recipe=str(REPO_ROOT / RECIPE), overrides=overrides)
+        with trusted_subflows():
+            result = grpo(recipe=str(REPO_ROOT / RECIPE), overrides=overrides)
         training_run_id = result.get("mlflow_run_id")
         records = MetricsLog(result["metrics"]).read()
     except Exception as exc:  # noqa: BLE001 - a crashed run is itself the regression; checks 3 and 4 still run

@@ -156,6 +156,7 @@ def params_overrides(params_path: str | Path, key: str) -> list[str]:
 
 def cmd_run_params(args: argparse.Namespace) -> int:
     from rl_core.config import ConfigError, load_config
+    from rl_core.redact import redact_message
 
     try:
         overrides = params_overrides(args.params, args.overrides_key) + list(args.fixed)
@@ -164,12 +165,12 @@ def cmd_run_params(args: argparse.Namespace) -> int:
             if Path(cfg.run_dir).resolve() != Path(args.run_dir).resolve():
                 raise ValueError(f"the run directory is {cfg.run_dir!r} but this stage's outputs are under "
                                  f"{args.run_dir!r}; keep job.name/job.out_dir or change dvc.yaml")
-        print(f"run-params: posttrain run {args.recipe} -- {' '.join(overrides)}", flush=True)
+        print(redact_message(f"run-params: posttrain run {args.recipe} -- {' '.join(overrides)}"), flush=True)
         from flows.entry import run_recipe
 
         run_recipe(args.recipe, overrides)
     except (ValueError, ConfigError) as exc:
-        print(f"posttrain run-params: {exc}", file=sys.stderr)
+        print(redact_message(f"posttrain run-params: {exc}"), file=sys.stderr)
         return 1
     return 0
 

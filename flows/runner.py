@@ -26,13 +26,24 @@ from typing import Any, Self
 from prefect.runtime import flow_run
 
 from infra.provenance import dvc_hashes
-from infra.resume import ResumePlan, RunLock, checkpoint_meta, checkpoint_prefix, plan_resume, write_run_state
+from infra.resume import (
+    ResumePlan,
+    RunLock,
+    checkpoint_meta,
+    checkpoint_prefix,
+    plan_resume,
+    read_run_state,
+    record_run,
+    run_identity,
+    write_run_state,
+)
 from infra.storage import CheckpointError, CheckpointStore
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
 from rl_core.registry import build_objective
 from tasks.checkpoint import checkpoint_task, save_model_task
+from tasks.rollout import prune_rollout_cache
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
 # trainer-side diagnostics that describe the rollout, published under rollout/*
@@ -171,10 +182,12 @@ class TrainingRun:
     def _prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str], announce: Callable[[str], None],
                  lock: RunLock) -> TrainingRun:
         run_dir = Path(cfg.run_dir)
+        run_id = run_identity(cfg)  # its own S3 prefix: another run's steps are never listed, loaded or pruned
         # uploads in the background: training goes on while S3 is slow or briefly down (`finish` waits for them)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                                remote_uri=checkpoint_prefix(cfg), background_upload=True)
+                                remote_uri=checkpoint_prefix(cfg, run_id), background_upload=True)
         plan = plan_resume(cfg, store)
+        record_run(cfg, store, run_id)
         config_path = write_resolved(cfg, run_dir)
         metrics_log = MetricsLog(run_dir / "metrics.jsonl")
         # steps after the checkpoint are redone; with no checkpoint every line is, step 0 included
@@ -214,7 +227,8 @@ class TrainingRun:
             run_id=self.plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
             dvc_hashes=dvc_hashes(self.cfg), config_path=self.config_path,
             resumed_from=str(self.plan.checkpoint) if self.plan.checkpoint else None)
-        write_run_state(self.run_dir, {"mlflow_run_id": self.run_id, "config_hash": self.cfg_hash})
+        write_run_state(self.run_dir, {**read_run_state(self.run_dir), "mlflow_run_id": self.run_id,
+                                       "config_hash": self.cfg_hash})
         return self.run_id
 
     def record_placement(self, cluster: Any) -> dict:
@@ -295,6 +309,7 @@ class TrainingRun:
                   "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
+        prune_rollout_cache(self.run_dir / "cache", step)  # a resume starts after this step: its rollouts are done
         return time.perf_counter() - t
 
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:

@@ -3,6 +3,12 @@
 `ensure_quickstart_artifacts(cfg)` builds whatever a config needs and is missing, with the values of
 `params.yaml` (the DVC stages' parameters) and the same rl_core code the DVC stages call, so that
 `posttrain run recipes/arithmetic.py` works on a fresh clone with no prior step.
+
+Each artifact is written beside its place and renamed into it (`rl_core.atomic`), under one lock per
+working directory (`artifacts/.build.lock`), so two first runs build each artifact once and neither
+reads the other's half-written files. A model directory counts as present only when its content is
+whole (`rl_core.models.model_problem`: JSON files parse, safetensors headers match their sizes), a
+data file only when every line reads back; a damaged one is rebuilt, saying why.
 """
 
 from __future__ import annotations
@@ -36,18 +42,64 @@ def _is(path: str, target: Path) -> bool:
     return Path(path).resolve() == target.resolve()
 
 
-def _model_complete(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+BUILD_LOCK = Path("artifacts/.build.lock")
+
+
+def _data_complete(path: str | Path, announce: Callable[[str], None] = lambda _: None) -> bool:
+    """A data file counts as present when every line reads back as a record (a torn or damaged file: rebuilt)."""
+    from rl_core.data.jsonl import iter_jsonl
+
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        if sum(1 for _ in iter_jsonl(path, "a record")):  # every line, not just the first
+            return True
+        problem = f"{path} holds no records"
+    except ValueError as exc:
+        problem = str(exc)
+    announce(f"{problem}: rebuilding it")
+    return False
+
+
+def _model_complete(path: Path, announce: Callable[[str], None] = lambda _: None) -> bool:
+    from rl_core.models import model_problem
+
+    if not path.exists():
+        return False
+    problem = model_problem(path)
+    if problem:
+        announce(f"{problem}: rebuilding {path}/")
+    return problem is None
 
 
 def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], None] = print) -> list[str]:
-    """Build the missing data / tiny model / warm start that `cfg` points at; returns what was built."""
+    """Build the missing or damaged data / tiny model / warm start that `cfg` points at; returns what was built.
+
+    Holds `BUILD_LOCK` while it checks and builds: a second caller waits, then finds them built."""
+    import fcntl
+
+    wanted = [cfg.model.name_or_path, getattr(cfg.model, "teacher", None) or "", cfg.data.train, cfg.data.val]
+    built_here = [TINY_INIT, TINY_WARM, TINY_TEACHER, *(d / f"{s}.jsonl" for d in (ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR)
+                                                        for s in ("train", "val"))]
+    if not any(_is(path, target) for path in wanted if path for target in built_here):
+        return []  # nothing of the quickstart's: no lock (and no artifacts/ directory) needed
+    BUILD_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_LOCK, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            return _ensure(cfg, announce)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
     built: list[str] = []
     params = None
     needs_data = cfg.data.task == "arithmetic" and (
-        (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not Path(cfg.data.train).is_file())
-        or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not Path(cfg.data.val).is_file())
-        or (_is(cfg.model.name_or_path, TINY_WARM) and not (ARITHMETIC_DIR / "train.jsonl").is_file())
+        (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not _data_complete(cfg.data.train, announce))
+        or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not _data_complete(cfg.data.val, announce))
+        or (_is(cfg.model.name_or_path, TINY_WARM) and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce))
     )
     if needs_data:
         from rl_core.data.arithmetic import make_arithmetic_data
@@ -57,8 +109,8 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
         make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
         built.append("arithmetic_data")
     teacher = getattr(cfg.model, "teacher", None)
-    wants_teacher = bool(teacher) and _is(teacher, TINY_TEACHER) and not _model_complete(TINY_TEACHER)
-    if wants_teacher and not needs_data and not (ARITHMETIC_DIR / "train.jsonl").is_file():
+    wants_teacher = bool(teacher) and _is(teacher, TINY_TEACHER) and not _model_complete(TINY_TEACHER, announce)
+    if wants_teacher and not needs_data and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce):
         from rl_core.data.arithmetic import make_arithmetic_data
 
         params = params or load_params()
@@ -66,14 +118,14 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
         make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
         built.append("arithmetic_data")
     wants_tiny = _is(cfg.model.name_or_path, TINY_WARM) or _is(cfg.model.name_or_path, TINY_INIT) or wants_teacher
-    if wants_tiny and not _model_complete(TINY_INIT):
+    if wants_tiny and not _model_complete(TINY_INIT, announce):
         from rl_core.models import build_tiny_model
 
         params = params or load_params()
         announce(f"building the tiny model in {TINY_INIT}/ (missing)")
         build_tiny_model(TINY_INIT, **params["tiny_model"])
         built.append("tiny_model")
-    if (_is(cfg.model.name_or_path, TINY_WARM) or wants_teacher) and not _model_complete(TINY_WARM):
+    if (_is(cfg.model.name_or_path, TINY_WARM) or wants_teacher) and not _model_complete(TINY_WARM, announce):
         from rl_core.warm_start import warm_start
 
         params = params or load_params()
@@ -93,9 +145,9 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
                  f"{metrics['val_accuracy']:.3f}")
         built.append("teacher_warm_start")
     if cfg.data.task == "arithmetic" and any(
-            _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not Path(source).is_file()
+            _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not _data_complete(source, announce)
             for source, split in ((cfg.data.train, "train"), (cfg.data.val, "val"))):
-        if not (ARITHMETIC_DIR / "val.jsonl").is_file():
+        if not _data_complete(ARITHMETIC_DIR / "val.jsonl", announce):
             from rl_core.data.arithmetic import make_arithmetic_data
 
             params = params or load_params()

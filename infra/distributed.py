@@ -54,8 +54,22 @@ def bind_gloo_to(ip: str) -> None:
 
 
 def open_store(ip: str, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[dist.TCPStore, int]:
-    """Rank 0: a TCPStore listening on a free port of this node; `(store, port)`."""
-    store = dist.TCPStore(ip, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    """Rank 0: a TCPStore listening on a free port of `ip` only (this node's IP; 127.0.0.1 for a local run);
+    `(store, port)`.
+
+    The store has no authentication, and torch's server binds every interface when it opens its own socket, so it
+    is given one already bound to `ip` (`master_listen_fd`)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((ip, 0))
+        listener.listen(max(128, world_size))
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(ip, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now
     return store, int(store.port)
 
 

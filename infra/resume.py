@@ -9,14 +9,17 @@ naming the keys; cadence, logging and placement keys may change.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from infra.storage import CheckpointStore, checkpoint_step, fsync_dir, write_durably
+from infra.storage import META, CheckpointStore, checkpoint_step, fsync_dir, step_dir_name, write_durably
 from rl_core.config import ConfigError, PosttrainConfig, flatten
 from rl_core.config.loader import config_dict
 
@@ -73,13 +76,62 @@ def _refuse_math_changes(saved: dict, cfg: PosttrainConfig, source: str) -> None
                            for key in changed])
 
 
-def checkpoint_prefix(cfg: PosttrainConfig) -> str | None:
-    """Where this run's checkpoints go remotely: `<tracking.checkpoint_uri>/<job.name>` (None: local only).
+RUN_RECORD = "run.json"  # at the top of a run's checkpoint prefix: the run id and the run directory that owns it
+RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 
-    Per job, so runs that share a `checkpoint_uri` never list, overwrite or prune each other's steps.
+
+def checkpoint_prefix(cfg: PosttrainConfig, run_id: str) -> str | None:
+    """Where this run's checkpoints go remotely: `<tracking.checkpoint_uri>/<job.name>/<run_id>` (None: local only).
+
+    Per run, so runs that share a `checkpoint_uri` (another job, or the same `job.name` in another directory)
+    never list, load, overwrite or prune each other's steps.
     """
     uri = cfg.tracking.checkpoint_uri
-    return f"{uri.rstrip('/')}/{cfg.job.name}" if uri else None
+    return f"{uri.rstrip('/')}/{cfg.job.name}/{run_id}" if uri else None
+
+
+def run_identity(cfg: PosttrainConfig) -> str:
+    """This run directory's id: the one in its `run_state.json`; with no run directory (a lost disk, another
+    machine) the id recorded on S3 for this same directory (`run.json`); else a new one."""
+    run_dir = Path(cfg.run_dir)
+    local = read_run_state(run_dir).get("run_id")
+    if isinstance(local, str) and RUN_ID.match(local):
+        return local
+    uri = cfg.tracking.checkpoint_uri
+    if uri:
+        job = CheckpointStore(run_dir / "checkpoints", remote_uri=f"{uri.rstrip('/')}/{cfg.job.name}")
+        here = str(run_dir.resolve())
+        mine = sorted(rid for rid in job.remote_children() if RUN_ID.match(rid) and _recorded_run_dir(job, rid) == here)
+        if len(mine) > 1:
+            raise ConfigError([(f"{len(mine)} runs recorded for run directory {here} under {uri}/{cfg.job.name}/: "
+                               f"{', '.join(mine)}; write the one to continue as {{\"run_id\": \"<id>\"}} to "
+                               f"{run_dir / RUN_STATE}, or pick another job.name")])
+        if mine:
+            return mine[0]
+    return uuid.uuid4().hex[:16]
+
+
+def _recorded_run_dir(job: CheckpointStore, run_id: str) -> str | None:
+    """The run directory recorded for `run_id`: its `run.json`, else (an endpoint that lost it) the meta.json of its
+    newest checkpoint, which every upload carries."""
+    record = job.read_remote_json(f"{run_id}/{RUN_RECORD}")
+    if record is None:
+        steps = CheckpointStore(job.root, remote_uri=f"{job.remote_uri}/{run_id}").list_remote()
+        record = job.read_remote_json(f"{run_id}/{step_dir_name(steps[-1])}/{META}") if steps else None
+    return (record or {}).get("run_dir")
+
+
+def record_run(cfg: PosttrainConfig, store: CheckpointStore, run_id: str) -> None:
+    """Keep the run id with the run: in `run_state.json`, and on S3 next to its checkpoints (`run.json`)."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # configs, metrics, checkpoints: the owner's only
+    state = read_run_state(run_dir)
+    if state.get("run_id") != run_id:
+        write_run_state(run_dir, {**state, "run_id": run_id})
+    if store.bucket is not None:
+        store.write_remote_json(RUN_RECORD, {"run_id": run_id, "run_dir": str(run_dir.resolve()),
+                                             "job_name": cfg.job.name, "host": socket.gethostname()})
 
 
 class RunLocked(RuntimeError):
@@ -173,7 +225,7 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
         remote = store.list_remote()
         occupied = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
         if occupied or remote:
-            where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {checkpoint_prefix(cfg)}" if remote else "")
+            where = str(run_dir) + (f" and {len(remote)} checkpoint(s) at {store.remote_uri}" if remote else "")
             if not cfg.job.overwrite:
                 raise ConfigError([(f"rl.resume=off: {where} already exist(s); resume it (rl.resume=auto), pick another "
                                     "job.name, or set job.overwrite=true to delete it")])
@@ -187,7 +239,7 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
     if checkpoint is None:
         if mode == "must":
             raise ConfigError([(f"rl.resume=must: no valid checkpoint under {store.root} "
-                                f"(nor at {checkpoint_prefix(cfg)!r}, under tracking.checkpoint_uri)")])
+                                f"(nor at {store.remote_uri!r}, under tracking.checkpoint_uri)")])
         # Killed before its first checkpoint: it restarts from step 0, in the same MLflow run, whose
         # params are the old config's — so the math may not have changed here either.
         resolved = run_dir / "config_resolved.yaml"
@@ -201,4 +253,5 @@ def plan_resume(cfg: PosttrainConfig, store: CheckpointStore) -> ResumePlan:
 
 
 def checkpoint_meta(cfg: PosttrainConfig, **extra: Any) -> dict[str, Any]:
-    return {"config": config_dict(cfg), **extra}
+    """The config, the run directory (how a run finds its own checkpoints on S3 again) and `extra`."""
+    return {"config": config_dict(cfg), "run_dir": str(Path(cfg.run_dir).resolve()), **extra}

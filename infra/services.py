@@ -43,6 +43,7 @@ DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
 PORT_ENV = {"prefect": "POSTTRAIN_PREFECT_PORT", "mlflow": "POSTTRAIN_MLFLOW_PORT"}
 # Stop order: the worker before the server it talks to.
 SERVICES = ("prefect-worker", "prefect-server", "mlflow")
+PRIVATE_UMASK = 0o077  # files 0600, directories 0700
 QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 # Prefect API server settings for the servers posttrain starts (this module's `prefect server`, and the temporary one
 # of `posttrain run`); a user's own values win. Prefect's task-run recorder writes each task run's state events one
@@ -215,6 +216,28 @@ def csrf_headers(api: str, auth: str | None) -> dict[str, str]:
     return {"Prefect-Csrf-Token": token, "Prefect-Csrf-Client": client}
 
 
+# Job variables a flow run's creator could use to run another command, set the worker's environment (an opt-in,
+# credentials) or move the flow's directory: not variables of the pool's template, so fixed by the worker.
+FIXED_JOB_FIELDS = ("command", "env", "working_dir")
+
+
+def process_pool_template() -> dict:
+    """Prefect's process work-pool base job template without `FIXED_JOB_FIELDS`, refusing unknown variables.
+
+    A job variable reaches the flow-run process only through a `{{ placeholder }}` of `job_configuration`, and the
+    worker merges an `env` variable into a dict-valued `env` of it: with neither, the worker runs its own command
+    (`python -m prefect.engine`) in its own environment, whatever a flow run or deployment sets; the server refuses
+    a flow run with other variables (`additionalProperties: false`)."""
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    for key in FIXED_JOB_FIELDS:
+        template["job_configuration"].pop(key, None)
+        template["variables"]["properties"].pop(key, None)
+    template["variables"]["additionalProperties"] = False
+    return template
+
+
 @dataclass
 class Services:
     """The local services of one state directory."""
@@ -301,15 +324,16 @@ class Services:
         return env
 
     def _spawn(self, name: str, cmd: list[str], env: Mapping[str, str], cwd: Path) -> dict:
-        with open(self.log_file(name), "ab") as log:
+        # umask 077: what the service writes (databases, artifacts, the worker's flow runs) is its owner's only
+        fd = os.open(self.log_file(name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.chmod(self.log_file(name), 0o600)
+        with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=dict(env), cwd=cwd, start_new_session=True)
+                                    env=dict(env), cwd=cwd, start_new_session=True, umask=PRIVATE_UMASK)
         started = _start_time(proc.pid) or time.time()
         record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "start_ticks": process_start_ticks(proc.pid),
                   "cmd": cmd}
-        tmp = self.pid_file(name).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, self.pid_file(name))
+        _write_private(self.pid_file(name), json.dumps(record, indent=1))
         return record
 
     def _await_health(self, name: str, url: str, timeout: float, auth: str | None = None) -> None:
@@ -332,13 +356,16 @@ class Services:
             return "(no log)"
 
     def _create_work_pool(self, env: Mapping[str, str]) -> None:
-        out = subprocess.run([venv_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process"],
+        """Create (or reset) the work pool with `process_pool_template()` as its base job template."""
+        template = self.root / "process-pool-template.json"
+        _write_private(template, json.dumps(process_pool_template(), indent=1))
+        out = subprocess.run([venv_bin("prefect"), "--no-prompt", "work-pool", "create", WORK_POOL, "--type", "process",
+                              "--base-job-template", str(template), "--overwrite"],
                              env=dict(env), capture_output=True, text=True, timeout=180, cwd=self.root,
                              check=False)
-        text = out.stdout + out.stderr
-        if out.returncode != 0 and "already exists" not in text:
+        if out.returncode != 0:
             raise ServicesError(f"`prefect work-pool create {WORK_POOL} --type process` failed "
-                                f"({out.returncode}):\n{text[-3000:]}")
+                                f"({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
 
     def up(self, *, prefect_port: int | None = None, mlflow_port: int | None = None, timeout: float = 240,
            worker_env: Mapping[str, str] | None = None, announce: Callable[[str], None] = print) -> dict[str, str]:
@@ -348,6 +375,7 @@ class Services:
         4200 / 5000 when free. `worker_env` is added to the worker's environment, which the flow runs inherit.
         """
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # logs, pid files, the MLflow store (no auth) and the API password: owner only
         state = self.running()
         if all(state.values()):
             announce(f"services already up in {self.root}")
@@ -360,7 +388,7 @@ class Services:
             if not _port_free(port):
                 raise ServicesError(f"port {port} on {HOST} is taken; free it or pick another with "
                                     f"{PORT_ENV[kind]}=<port>")
-        (self.root / "ports.json").write_text(json.dumps(ports))
+        _write_private(self.root / "ports.json", json.dumps(ports))
         urls = self.urls(ports)
         project = project_dir()
         base = self._base_env()

@@ -558,6 +558,49 @@ class CheckpointStore:
                 keys.setdefault(checkpoint_step(rest[0]), []).append(key)
         return keys
 
+    def remote_children(self) -> list[str]:
+        """The names of the 'directories' directly under `remote_uri` (empty for a local-only store)."""
+        if self.bucket is None:
+            return []
+        base = f"{self.prefix}/" if self.prefix else ""
+
+        def list_all() -> list[str]:
+            out = []
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
+                                                                          Delimiter="/"):
+                out.extend(p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", []))
+            return out
+
+        try:
+            return self._retry(f"list s3://{self.bucket}/{base}", list_all)
+        except S3Failure as exc:
+            raise CheckpointUnavailable(redact_message(f"listing {self.remote_uri} failed: {exc}")) from None
+
+    def read_remote_json(self, name: str) -> dict | None:
+        """The JSON object `<remote_uri>/<name>`, None when there is none (or it is not a JSON object)."""
+        key = "/".join(x for x in (self.prefix, name) if x)
+        try:
+            body = self._retry(f"get s3://{self.bucket}/{key}",
+                               lambda: self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+        except S3Failure as exc:
+            if exc.missing:
+                return None
+            raise CheckpointUnavailable(redact_message(f"reading s3://{self.bucket}/{key} failed: {exc}")) from None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def write_remote_json(self, name: str, data: Mapping[str, Any]) -> None:
+        key = "/".join(x for x in (self.prefix, name) if x)
+        body = json.dumps(data, indent=1, sort_keys=True).encode()
+        try:
+            self._retry(f"put s3://{self.bucket}/{key}",
+                        lambda: self.s3.put_object(Bucket=self.bucket, Key=key, Body=body))
+        except S3Failure as exc:
+            raise CheckpointUnavailable(redact_message(f"writing s3://{self.bucket}/{key} failed: {exc}")) from None
+
     def list_remote(self) -> list[int]:
         """Steps with a manifest under `remote_uri`, oldest first (validity is checked on download)."""
         if self.bucket is None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from rl_core.atomic import atomic_directory
+
 TINY_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # "\n" plus printable ASCII (space .. "~"): digits, operators and GSM8K text all round-trip.
 TINY_CHARS = ("\n",) + tuple(chr(c) for c in range(32, 127))
@@ -171,10 +173,46 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
     )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with atomic_directory(out) as tmp:  # a reader never sees half a model; a crash leaves only a .tmp-* sibling
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return out
+
+
+# What a saved model directory must hold (save_pretrained of the model and of a fast tokenizer).
+MODEL_JSON_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def model_problem(path: str | Path, *, built_here: bool = True) -> str | None:
+    """Why the model directory `path` is not whole, judged by content (None: it is): its JSON files parse, and each
+    safetensors file's header and size agree (a truncated file fails here, not at load time).
+
+    `built_here`: a directory `build_tiny_model`/`warm_start` wrote, which must hold `MODEL_JSON_FILES` and
+    safetensors weights; any other (a downloaded model) must hold config.json, and is checked for what it has."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    for name in MODEL_JSON_FILES if built_here else ("config.json",):
+        try:
+            json.loads((path / name).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return f"{path / name} is missing"
+        except (OSError, ValueError) as exc:
+            return f"{path / name} is not valid JSON ({exc})"
+    weights = sorted(path.glob("*.safetensors"))
+    if built_here and not weights:
+        return f"{path} holds no *.safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
+            return f"{file} is damaged ({exc})"
+    return None
 
 
 def _seeded_init_(model: torch.nn.Module, seed: int, std: float) -> None:

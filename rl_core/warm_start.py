@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rl_core.atomic import atomic_directory
 from rl_core.data import PromptSampler, format_prompt, load_examples
 from rl_core.evaluation import evaluate_accuracy
 
@@ -108,9 +109,9 @@ def warm_start(
 
     after = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with atomic_directory(out) as tmp:  # a reader never sees half a model
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     tail = losses[-10:]
     return {
         "steps": steps,

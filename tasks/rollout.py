@@ -1,7 +1,8 @@
 """rollout: sample `rollout.n` completions per prompt with the current policy (retried; cached on disk).
 
-The cache lives in the run directory (`cache/rollout-<key>.safetensors`): a retried or resumed step
-reads its rollout back instead of regenerating it. The files hold tensors and JSON only
+The cache lives in the run directory (`cache/rollout-<step>-<key>.safetensors`): a retried or resumed
+step reads its rollout back instead of regenerating it. Each checkpoint at step S deletes the files of
+steps <= S (`prune_rollout_cache`): a resume starts after S, so only later steps' files can be read again. The files hold tensors and JSON only
 (safetensors), never a pickle, so a file planted in the run directory cannot execute anything; a
 file that does not read back as the expected completions is ignored and the rollout regenerated.
 """
@@ -12,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,31 @@ def rollout_cache_key(prompt_ids: list[list[int]], n: int, sampling: Any, cache_
     return "rollout-" + hashlib.sha256(blob).hexdigest()[:32]
 
 
+CACHE_FILE = re.compile(r"^rollout-(?:(?P<step>\d{8})-)?[0-9a-f]{32}\.safetensors$")
+
+
+def rollout_cache_file(prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict) -> str:
+    """The cache file's name: `rollout-<step, 8 digits>-<key>.safetensors` (the step first, for pruning)."""
+    key = rollout_cache_key(prompt_ids, n, sampling, cache_identity).removeprefix("rollout-")
+    step = cache_identity.get("step") if isinstance(cache_identity, dict) else None
+    return f"rollout-{step:08d}-{key}.safetensors" if isinstance(step, int) else f"rollout-{key}.safetensors"
+
+
+def prune_rollout_cache(cache_dir: str | os.PathLike, through_step: int) -> int:
+    """Delete the cached rollouts of steps <= `through_step` (and those without a step); returns how many.
+    Other files are left alone."""
+    removed = 0
+    root = Path(cache_dir)
+    if not root.is_dir():
+        return 0
+    for path in root.iterdir():
+        match = CACHE_FILE.match(path.name)
+        if match and (match["step"] is None or int(match["step"]) <= through_step):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 @task(name="rollout", cache_policy=NO_CACHE)
 def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict,
                  cache_dir: str | None = None) -> tuple[Any, float]:
@@ -36,8 +63,7 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
     `cache_dir` when this exact rollout was made before (then 0 seconds)."""
     from rl_core.rollout import Completions
 
-    path = Path(cache_dir) / f"{rollout_cache_key(prompt_ids, n, sampling, cache_identity)}.safetensors" \
-        if cache_dir else None
+    path = Path(cache_dir) / rollout_cache_file(prompt_ids, n, sampling, cache_identity) if cache_dir else None
     if path is not None and path.is_file():
         try:
             cached = Completions.load(path)

@@ -198,8 +198,13 @@ def _hub_model_problem(key: str, name: str) -> str | None:
 def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
     """Why the model at `name` (the value of config key `key`) cannot be loaded here, or None."""
     if any(_same_path(name, q) for q in QUICKSTART_MODELS):
-        return None  # the flow builds the tiny model / warm start when it is missing
+        return None  # the flow builds the tiny model / warm start when it is missing or damaged
     if Path(name).expanduser().is_dir():
+        from rl_core.models import model_problem as damaged
+
+        if problem := damaged(Path(name).expanduser(), built_here=False):
+            return (f"{key}={name!r}: {problem}; copy or download the model again (the tiny model: "
+                    f"`posttrain init-model`, `posttrain warm-start`), or point {key} at a whole model directory")
         return None
     if looks_local(name):
         return (f"{key}={name!r}: no such local directory; build the tiny model (`posttrain init-model`, "

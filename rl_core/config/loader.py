@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rl_core.config.schema import PosttrainConfig
-from rl_core.redact import redact_uri
+from rl_core.redact import redact_text, redact_uri
 
 # Retired keys are unknown keys: nothing is aliased, the error names the replacement.
 RETIRED_KEYS: dict[str, dict[str | None, str]] = {
@@ -54,10 +54,11 @@ ENUM_HINTS: dict[tuple[str, str], str] = {
 
 
 class ConfigError(ValueError):
-    """One or more configuration problems; `.problems` lists them, each naming a dotted key."""
+    """One or more configuration problems; `.problems` lists them, each naming a dotted key. Every problem passes
+    through the redactor: a value quoted back (a model, data or address URI) never carries its credentials."""
 
     def __init__(self, problems: Iterable[str], source: str | None = None):
-        self.problems = list(problems)
+        self.problems = [redact_text(str(p)) for p in problems]
         head = f"invalid configuration{f' ({source})' if source else ''}: {len(self.problems)} problem(s)"
         super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in self.problems))
 

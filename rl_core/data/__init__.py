@@ -42,7 +42,7 @@ def load_examples(source: str | Path, task: str) -> list[Example]:
             records = load_gsm8k_split(name, split or "train")
         return [Example(r["question"], r["answer"]) for r in records]
     if task == "arithmetic":
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(
                 f"arithmetic split {str(source)!r} does not exist; build it with "
                 "`posttrain make-data arithmetic --out data/arithmetic`"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rl_core.atomic import write_text_atomic
+
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
@@ -58,11 +60,8 @@ def split_arithmetic(
 
 
 def write_jsonl(records: list[dict], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
-    return path
+    """Write one JSON record per line, atomically (a reader sees the old file or the whole new one)."""
+    return write_text_atomic(path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
 
 
 def make_arithmetic_data(out_dir: str | Path, seed: int = 0, **split_kwargs) -> dict:

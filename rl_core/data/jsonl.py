@@ -3,16 +3,97 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
+
+# Numbers beyond these are refused with the file, line and key (Python's int() refuses > 4300 digits, with no
+# position; a float literal of 400 digits is infinity): no answer or field of a data file needs more.
+MAX_NUMBER_CHARS = 100
+# Deeper nesting than this is refused: a data record is an object of strings and numbers; json's parser recurses
+# once per level and raised an uncaught RecursionError at ~100k.
+MAX_NESTING = 64
+
+
+class _Bad:
+    """A value the parser met that is not allowed (NaN, Infinity, a huge number): reported with its key."""
+
+    def __init__(self, text: str, why: str):
+        self.text, self.why = text, why
+
+
+def _constant(text: str) -> _Bad:
+    return _Bad(text, f"{text} is not a number JSON allows")
+
+
+def _integer(text: str) -> int | _Bad:
+    return _Bad(text[:20] + "...", f"a number of {len(text)} digits") if len(text) > MAX_NUMBER_CHARS else int(text)
+
+
+def _real(text: str) -> float | _Bad:
+    if len(text) > MAX_NUMBER_CHARS:
+        return _Bad(text[:20] + "...", f"a number of {len(text)} characters")
+    value = float(text)
+    return value if math.isfinite(value) else _Bad(text, f"{text} overflows to infinity")
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(key)
+        out[key] = value
+    return out
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _depth(line: str) -> int:
+    """The deepest nesting of `[`/`{` outside strings (a linear scan, no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in line:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _find_bad(node: object, key: str = "") -> tuple[str, _Bad] | None:
+    if isinstance(node, _Bad):
+        return key, node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        found = _find_bad(v, f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
 
 
 def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
     """`(line number, record)` for every non-blank line of a JSONL file.
 
     A line that is not a JSON object raises ValueError `"<path>:<line>: not a JSON object (...)"`;
-    `what` names the records in that message (e.g. "an arithmetic example").
+    `what` names the records in that message (e.g. "an arithmetic example"). So does a record with a
+    duplicate key, NaN or Infinity, a number of more than `MAX_NUMBER_CHARS` characters (naming the
+    key), or nesting deeper than `MAX_NESTING`. A directory given as the file is named as one.
     """
+    if Path(path).is_dir():
+        raise ValueError(f"{path}: is a directory, not a JSONL file; give the file ({what} per line)")
     with open(path, "rb") as fh:  # bytes, decoded line by line: a bad byte is named by its line
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -22,13 +103,23 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
                                  "re-save the file as UTF-8") from None
             if not line.strip():
                 continue
+            if (depth := _depth(line)) > MAX_NESTING:
+                raise ValueError(f"{path}:{lineno}: nested {depth} levels deep (at most {MAX_NESTING}); each line "
+                                 f"holds {what}")
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_object, parse_constant=_constant, parse_int=_integer,
+                                    parse_float=_real)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg}); each line holds {what}") from None
+            except _Duplicate as dup:
+                raise ValueError(f"{path}:{lineno}: key {dup.key!r} appears twice; keep one") from None
             if not isinstance(record, dict):  # bad input data: a ValueError, like every data-file error
                 kind = type(record).__name__
                 raise ValueError(f"{path}:{lineno}: not a JSON object (a {kind}); each line holds {what}")  # noqa: TRY004
+            if found := _find_bad(record):
+                key, bad = found
+                raise ValueError(f"{path}:{lineno}: key {key!r}: {bad.why} ({bad.text}); write a finite number of "
+                                 f"at most {MAX_NUMBER_CHARS} characters")
             yield lineno, record
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from rl_core.atomic import write_text_atomic
 from rl_core.data.jsonl import iter_jsonl
 from rl_core.gate import PreferencePairsError, validate_pair_table  # noqa: F401 - the pair gate
 
@@ -91,7 +92,7 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
 def load_preference_pairs(source: str | Path) -> pd.DataFrame:
     """Pairs of a JSONL file, or of a hub dataset `org/name[:split]` (default split `train`); not yet validated."""
     path = Path(source)
-    if path.is_file():
+    if path.is_file() or path.is_dir():  # a directory: refused by iter_jsonl, naming it
         records = []
         for lineno, rec in iter_jsonl(path, "a preference pair {prompt, chosen, rejected}"):
             if any(k not in rec for k in PAIR_FIELDS):
@@ -118,13 +119,11 @@ def write_pairs_jsonl(df: pd.DataFrame, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     cols = ["pair_id", *PAIR_FIELDS] + [c for c in df.columns if c not in ("pair_id", *PAIR_FIELDS)
                                         and not c.endswith("_tokens")]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for rec in df[cols].to_dict("records"):
-            rec["pair_id"] = int(rec["pair_id"])
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return path
+    lines = []
+    for rec in df[cols].to_dict("records"):
+        rec["pair_id"] = int(rec["pair_id"])
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    return write_text_atomic(path, "".join(lines))
 
 
 # ------------------------------------------------------------------------------ arithmetic builder

@@ -31,6 +31,7 @@ DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo
                "regression/nightly-regression"}
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+OPTED_IN = ("grpo/arithmetic", "dpo/dpo-arithmetic", "opd/opd-arithmetic")  # see `deployed`
 
 
 # ------------------------------------------------------------------------------ prefect.yaml
@@ -59,6 +60,7 @@ def test_prefect_yaml_declares_the_deployments():
     assert nightly["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}]
     for d in spec["deployments"]:
         assert d["work_pool"]["name"] == WORK_POOL
+        assert not d["work_pool"].get("job_variables")  # the pool's template refuses them (infra.services)
 
 
 # --------------------------------------------------------------------- environment preflight
@@ -167,10 +169,9 @@ def wait_for_flow_run(url: str, flow_run_id: str, timeout: float = 420):
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     svc = Services.at(tmp_path_factory.mktemp("services"))
+    # no opt-in in the worker's environment: the run tests' deployments are opted in as stored (`deployed`)
     env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
-                 # the run tests write to their own tmp job.out_dir: the operator allows it for every deployment
-                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
-                             "POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"})
+                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
     _AUTH[env["PREFECT_API_URL"]] = env["PREFECT_API_AUTH_STRING"]
     try:
         yield svc, env
@@ -193,6 +194,16 @@ def deployed(services, client_env):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(svc.root)],
                          capture_output=True, text=True, cwd=REPO, env=client_env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # The run tests point model, data and outputs at the test's directories: the operator opts these deployments
+    # in on the API (the stored deployment's tags; the worker's environment has no opt-in).
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from flows.guard import OPT_IN_TAG
+
+    url = services[1]["PREFECT_API_URL"]
+    for name in OPTED_IN:
+        d = api(url, lambda c, n=name: c.read_deployment_by_name(n))
+        api(url, lambda c, d=d: c.update_deployment(d.id, DeploymentUpdate(tags=[*d.tags, OPT_IN_TAG])))
     return out
 
 
@@ -204,6 +215,13 @@ def test_services_are_up_with_state_files(services, client_env):
         assert svc.pid_file(name).is_file() and svc.log_file(name).is_file()
     assert http_ok(env["PREFECT_API_URL"] + "/health") and http_ok(env["MLFLOW_TRACKING_URI"] + "/health")
     assert (svc.prefect_home / "prefect.db").is_file()  # the server's own home, not ~/.prefect
+    # nothing in the state directory is readable by other users (MLflow has no authentication)
+    import stat
+
+    assert stat.S_IMODE(svc.root.stat().st_mode) == 0o700
+    files = [svc.root / "mlflow.db", svc.root / "ports.json", svc.prefect_home / "prefect.db",
+             *(f(n) for n in ("prefect-server", "prefect-worker", "mlflow") for f in (svc.pid_file, svc.log_file))]
+    assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {str(p): "0o600" for p in files}
     text = svc.env_file.read_text()
     assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
     assert f"export MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in text
@@ -425,6 +443,165 @@ def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(service
     assert not marker.exists()
 
 
+def create_run(url: str, name: str, parameters: dict | None = None, job_variables: dict | None = None):
+    """A flow run of deployment NAME created on the API as any caller can: (its id, None), or (None, the refusal)."""
+    import httpx
+
+    d = api(url, lambda c: c.read_deployment_by_name(name))
+    try:
+        run = api(url, lambda c: c.create_flow_run_from_deployment(d.id, parameters=parameters,
+                                                                    job_variables=job_variables))
+    except httpx.HTTPStatusError as exc:
+        return None, f"{exc.response.status_code} {exc.response.text}"
+    return str(run.id), None
+
+
+class Listener:
+    """A TCP listener on 127.0.0.1 that records whether anything connected (a caller's endpoint)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received.append(conn.recv(65536) or b"(connected)")
+                except OSError:
+                    self.received.append(b"(connected)")
+
+    def close(self):
+        self._stop = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.slow
+def test_a_flow_runs_job_variables_cannot_run_a_command_or_switch_the_opt_in(services, deployed, tmp_path):
+    """The audit's attack: `command=touch FILE` as a flow run's job variable ran the command on the worker, and
+    `env={POSTTRAIN_ALLOW_UNSAFE_OVERRIDES: 1}` switched the opt-in on. The pool's template has neither variable:
+    the API refuses such a run (or the guard does), nothing runs, the opt-in stays off."""
+    url = services[1]["PREFECT_API_URL"]
+    marker = tmp_path / "pwned"
+    out_dir = tmp_path / "elsewhere"
+    attacks = [({}, {"command": f"touch {marker}"}),
+               ({"overrides": [f"job.out_dir={out_dir}"]}, {"env": {"POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"}}),
+               ({"overrides": [f"job.out_dir={out_dir}"]}, {"env.POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"}),
+               ({}, {"working_dir": str(tmp_path)})]
+    for parameters, job_variables in attacks:
+        flow_run_id, refused = create_run(url, "grpo/dr-grpo-gsm8k", parameters, job_variables)
+        if flow_run_id is None:
+            assert refused.startswith("422"), refused
+            continue
+        run = wait_for_flow_run(url, flow_run_id, timeout=300)
+        assert run.state.type.value == "FAILED", (job_variables, run.state.message)
+        assert "not accepted" in (run.state.message or "") or "job variables" in (run.state.message or ""), \
+            run.state.message
+    assert not marker.exists() and not out_dir.exists()
+
+
+@pytest.mark.slow
+def test_import_paths_models_and_endpoints_are_refused_from_the_api(services, deployed):
+    """`data.custom_reward=timeit:timeit` executed each sampled completion; `tracking.mlflow_uri` and
+    `cluster.address` took the worker's credentials elsewhere. Outside the allowlist: refused, naming each key,
+    before anything connects."""
+    url = services[1]["PREFECT_API_URL"]
+    listener = Listener()
+    try:
+        there = f"127.0.0.1:{listener.port}"
+        refused = ["data.custom_reward=timeit:timeit", "rl.custom_objective=timeit:timeit",
+                   "model.name_or_path=/tmp/model", "rl.reference=/tmp/model", f"cluster.address=ray://{there}",
+                   f"tracking.mlflow_uri=http://{there}", f"tracking.checkpoint_uri=s3://bucket/{there}",
+                   "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd"]
+        flow_run_id, _ = create_run(url, "grpo/dr-grpo-gsm8k", {"overrides": [*refused, "rl.max_steps=3"]})
+        run = wait_for_flow_run(url, flow_run_id, timeout=300)
+        message = run.state.message or ""
+        assert run.state.type.value == "FAILED"
+        for item in refused:
+            assert f"override {item.partition('=')[0]}: not accepted" in message, (item, message)
+        assert "rl.max_steps" not in message  # a recipe knob is accepted
+        # the regression flow's own parameters: its MLflow store and output directory are the operator's
+        flow_run_id, _ = create_run(url, "regression/nightly-regression",
+                                    {"mlflow_uri": f"http://{there}", "out_dir": "/tmp/elsewhere",
+                                     "thresholds": "/etc/passwd", "overrides": ["model.name_or_path=/tmp/m"]})
+        run = wait_for_flow_run(url, flow_run_id, timeout=300)
+        message = run.state.message or ""
+        assert run.state.type.value == "FAILED"
+        for name in ("mlflow_uri: not accepted", "out_dir: not accepted", "thresholds='/etc/passwd'",
+                     "override model.name_or_path: not accepted"):
+            assert name in message, (name, message)
+        assert listener.received == []
+    finally:
+        listener.close()
+
+
+@pytest.fixture
+def project_artifacts(workdir, warm_model):
+    """The project's data and warm tiny model (what `dvc repro` leaves in the checkout the worker runs in), added
+    where missing; afterwards whatever the test added to the checkout (with the nightly run's outputs) is removed."""
+    import shutil
+
+    created = [p for p in (REPO / "data", REPO / "artifacts", REPO / "runs") if not p.exists()]
+    added = []
+    for src, dst in ((workdir / "data" / "arithmetic", REPO / "data" / "arithmetic"),
+                     (warm_model[0], REPO / "artifacts" / "tiny-model" / "warm")):
+        if not dst.exists():
+            shutil.copytree(src, dst)
+            added.append(dst)
+    had_runs = (REPO / "runs" / "regression").exists()
+    yield
+    for path in [*added, *created]:
+        shutil.rmtree(path, ignore_errors=True)
+    if not had_runs:
+        shutil.rmtree(REPO / "runs" / "regression", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_nightly_regression_deployment_completes_without_the_opt_in(services, deployed, project_artifacts):
+    """The scheduled run as the worker starts it, with no opt-in anywhere (the deployment is not tagged, the
+    worker's environment has none): its grpo subflow's overrides (job.out_dir, ...) are the regression flow's own,
+    not a caller's, so the guard does not judge them (it refused them, and the fixed run was reported crashed:
+    `arithmetic.run`). The run completes with its report in MLflow. A warm start built on another CPU than the
+    reference's differs bitwise (regression/reference_trajectory.json keeps one build per machine): then only
+    the trajectory checks may fail, never the run."""
+    from mlflow import MlflowClient
+
+    from flows.guard import OPT_IN_TAG
+    from flows.regression import EXPERIMENT, KIND_TAG
+
+    _, env = services
+    url = env["PREFECT_API_URL"]
+    assert OPT_IN_TAG not in api(url, lambda c: c.read_deployment_by_name("regression/nightly-regression")).tags
+    flow_run_id, refused = create_run(url, "regression/nightly-regression")
+    assert refused is None
+    run = wait_for_flow_run(url, flow_run_id, timeout=1200)
+    message = run.state.message or ""
+    assert "not accepted" not in message and "arithmetic.run" not in message, message
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    (report,) = client.search_runs([exp.experiment_id], filter_string=(
+        f"tags.`posttrain.prefect_flow_run_id` = '{flow_run_id}' and tags.`{KIND_TAG}` = 'regression'"))
+    failed = [name for name in report.data.tags["posttrain.regression.failed"].split(",") if name]
+    assert all(name.startswith("trajectory.") for name in failed), failed
+    assert (run.state.type.value == "COMPLETED") == (not failed), message
+    training = client.get_run(report.data.tags["posttrain.training_run_id"])
+    assert [m.step for m in client.get_metric_history(training.info.run_id, "train/loss")] == list(range(1, 21))
+
+
 @pytest.mark.slow
 def test_down_stops_exactly_the_service_processes(services):
     import psutil
@@ -478,21 +655,68 @@ def test_the_pull_step_refuses_a_directory_that_is_not_a_checkout(tmp_path, monk
 # ------------------------------------------------------------------ untrusted deployment parameters
 
 
-def test_deployment_parameters_run_project_recipes_only_and_no_unsafe_overrides(tmp_path):
-    from flows.guard import deployment_problems
+def test_deployment_parameters_run_project_recipes_only_and_overrides_from_an_allowlist(tmp_path):
+    from flows.guard import API_OVERRIDES, deployment_problems
+    from rl_core.config.loader import all_keys
 
-    ok = deployment_problems("recipes/arithmetic.py", ["rl.max_steps=3"], project=REPO, allow_unsafe=False)
+    ok = deployment_problems("recipes/arithmetic.py", ["rl.max_steps=3", " rl.optimizer.lr = 1e-5", "job.seed=1",
+                                                       "rollout.prompts_per_step=4"], project=REPO, allow_unsafe=False)
     assert ok == []
     evil = tmp_path / "evil.py"
     evil.write_text("import os; os.system('touch pwned')\n")
     for candidate in (str(evil), "recipes/../tests/conftest.py", "/etc/passwd", "recipes/missing.py"):
         problems = deployment_problems(candidate, [], project=REPO, allow_unsafe=False)
         assert len(problems) == 1 and "recipes under" in problems[0], candidate
-    unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "rl.max_steps=3"]
+    # code, models, data, endpoints (the worker's credentials go there), outputs and pruning: not from the API
+    unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "data.custom_reward=timeit:timeit",
+              "rl.custom_objective=timeit:timeit", "model.name_or_path=/x", "model.teacher=/x", "rl.reference=/x",
+              "cluster.address=ray://evil:10001", "tracking.mlflow_uri=http://evil", "tracking.checkpoint_uri=s3://b/p",
+              "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd", "data.val=/x", "rl={}",
+              "rl.max_steps=3"]
     problems = deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=False)
-    assert [p.split(":")[0] for p in problems] == ["override model.trust_remote_code", "override job.out_dir",
-                                                 "override job.overwrite"]
+    assert [p.split(":")[0] for p in problems] == [f"override {u.partition('=')[0].strip()}" for u in unsafe[:-1]]
     assert deployment_problems("recipes/arithmetic.py", unsafe, project=REPO, allow_unsafe=True) == []
+    assert deployment_problems("recipes/arithmetic.py", [1, "x"], project=REPO, allow_unsafe=True) == [
+        "override 1: not a key=value string", "override 'x': not a key=value string"]
+    assert API_OVERRIDES <= set(all_keys())  # every allowed key is a real key
+
+
+def test_the_regression_flows_own_parameters_are_checked():
+    from flows.guard import regression_problems
+
+    defaults = {"thresholds": "regression/thresholds.yaml", "reference": "regression/reference_trajectory.json",
+                "out_dir": "runs/regression", "mlflow_uri": None, "overrides": None}
+    assert regression_problems(defaults, project=REPO, allow_unsafe=False) == []
+    bad = {"thresholds": "/etc/passwd", "reference": "regression/../README.md", "out_dir": "/", "overrides":
+           ["model.name_or_path=/x", "rl.max_steps=2"], "mlflow_uri": "http://evil"}
+    problems = regression_problems(bad, project=REPO, allow_unsafe=False)
+    assert [p.split(":")[0].split("=")[0] for p in problems] == ["thresholds", "reference", "out_dir", "mlflow_uri",
+                                                                 "override model.name_or_path"]
+    assert len(regression_problems(bad, project=REPO, allow_unsafe=True)) == 2  # paths under regression/ only
+
+
+def test_the_work_pool_template_fixes_the_command_and_environment(monkeypatch):
+    """A flow run's job variables `command`, `env` (or `env.X`) and `working_dir`: with Prefect's default process
+    template they reach the flow-run process; with posttrain's they do not, and the API refuses them."""
+    import jsonschema
+    from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
+
+    from infra.services import process_pool_template
+
+    attack = {"command": "touch /tmp/pwned", "env": {"POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"}, "working_dir": "/tmp"}
+
+    def configured(template, values):
+        return asyncio.run(ProcessJobConfiguration.from_template_and_values(template, values))
+
+    default = configured(ProcessWorker.get_default_base_job_template(), attack)
+    assert default.command == "touch /tmp/pwned" and default.env["POSTTRAIN_ALLOW_UNSAFE_OVERRIDES"] == "1"
+    template = process_pool_template()
+    for values in (attack, {"env.POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"}):
+        ours = configured(template, values)
+        assert ours.command is None and ours.env == {} and ours.working_dir is None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"command": "x"}, template["variables"])
+    jsonschema.validate({"stream_output": False}, template["variables"])
 
 
 @pytest.mark.parametrize("user_value, expected", [(None, 180), ("45", 45)])

@@ -86,10 +86,21 @@ def test_rollout_and_train_stats_agree(faulty_run):
             assert r["train/advantage_std"] > 0.0
 
 
-def test_rollout_results_persist_under_the_run_directory(faulty_run):
+def test_rollout_cache_is_pruned_with_each_checkpoint(faulty_run):
+    """Each step's rollout is kept in the run directory until a checkpoint makes it unnecessary (one file per step
+    used to stay forever: 402 files after 400 steps); the final checkpoint (step 3) leaves none."""
     _, run_dir = faulty_run
-    cached = list((run_dir / "cache").iterdir())
-    assert len(cached) >= 3, "each step's rollout is persisted in the run directory"
+    assert (run_dir / "cache").is_dir() and list((run_dir / "cache").iterdir()) == []
+
+
+def test_prune_rollout_cache_keeps_later_steps_and_other_files(tmp_path):
+    from tasks.rollout import prune_rollout_cache
+
+    names = [f"rollout-{step:08d}-{'a' * 32}.safetensors" for step in range(1, 6)]
+    for name in [*names, f"rollout-{'b' * 32}.safetensors", "notes.txt"]:
+        (tmp_path / name).write_text("x")
+    assert prune_rollout_cache(tmp_path, 3) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", *names[3:]]
 
 
 def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_executed(in_workdir, tmp_path):
@@ -101,7 +112,7 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
     from rl_core.config import load_config
     from rl_core.models import load_policy
     from rl_core.rollout import HFEngine
-    from tasks.rollout import rollout_cache_key, rollout_task
+    from tasks.rollout import rollout_cache_file, rollout_task
 
     cfg = load_config(recipe("arithmetic"), FAST)
     role = RolloutRole.build(cfg)
@@ -124,7 +135,7 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
     cache.mkdir()
-    planted = cache / f"{rollout_cache_key(prompts, 2, sampling3, planted_ident)}.safetensors"
+    planted = cache / rollout_cache_file(prompts, 2, sampling3, planted_ident)
     planted.write_bytes(pickle.dumps(Exploit()))
 
     @flow

@@ -212,6 +212,8 @@ def remote_files(bucket: str, prefix: str) -> dict[int, set[str]]:
 
     out: dict[int, set[str]] = {}
     for obj in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+        if obj["Key"].count("/") == prefix.count("/") + 1:  # run.json, next to the step directories
+            continue
         step_dir, name = obj["Key"][len(prefix) + 1:].split("/")
         out.setdefault(int(step_dir.removeprefix("step_")), set()).add(name)
     return out
@@ -227,11 +229,12 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     first = run_flow(*s3, "rl.max_steps=2")
     local = {p.name: sorted(f.name for f in p.iterdir()) for p in (run_dir / "checkpoints").iterdir()}
     assert sorted(local) == ["step_00000001", "step_00000002"]
-    remote = remote_files(bucket, "run1/s3run")  # <checkpoint_uri>/<job.name>: per job
+    prefix = f"run1/s3run/{json.loads((run_dir / 'run_state.json').read_text())['run_id']}"  # per run
+    remote = remote_files(bucket, prefix)
     assert sorted(remote) == [1, 2]
     for step in (1, 2):  # every local file, manifest included, is in S3
         assert remote[step] == set(local[f"step_{step:08d}"]) and "manifest.json" in remote[step]
-        body = boto3.client("s3").get_object(Bucket=bucket, Key=f"run1/s3run/step_{step:08d}/manifest.json")["Body"]
+        body = boto3.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/step_{step:08d}/manifest.json")["Body"]
         assert json.loads(body.read())["step"] == step
     before = read_metrics(run_dir)
 
@@ -244,7 +247,7 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     attempt2 = provenance(client, first["mlflow_run_id"], 2, tmp_path / "prov")
     assert attempt2["resumed_from"].endswith("step_00000002")
     # keep_checkpoints=2, remotely and locally: step 1 pruned, step 3 uploaded with its manifest
-    remote = remote_files(bucket, "run1/s3run")
+    remote = remote_files(bucket, prefix)
     assert sorted(remote) == [2, 3] and "manifest.json" in remote[3]
     assert checkpoint_steps(run_dir) == [2, 3]
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
@@ -425,10 +428,11 @@ def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_
     monkeypatch.chdir(tmp_path)
     shared = [f"tracking.checkpoint_uri=s3://{bucket}/team", "tracking.keep_checkpoints=1"]
     a, b = small_config(*shared, "job.name=alpha"), small_config(*shared, "job.name=beta")
-    assert checkpoint_prefix(a) == f"s3://{bucket}/team/alpha"
+    assert checkpoint_prefix(a, "0123456789abcdef") == f"s3://{bucket}/team/alpha/0123456789abcdef"
 
     def store(cfg) -> CheckpointStore:
-        return CheckpointStore(Path(cfg.run_dir) / "checkpoints", keep=1, remote_uri=checkpoint_prefix(cfg))
+        return CheckpointStore(Path(cfg.run_dir) / "checkpoints", keep=1,
+                               remote_uri=checkpoint_prefix(cfg, "0123456789abcdef"))
 
     save_checkpoint(store(a), a, 7, run_id="alpha-run")
     save_checkpoint(store(b), b, 3, run_id="beta-run")  # keep_checkpoints=1 prunes only beta's older steps
@@ -437,6 +441,43 @@ def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_
     assert checkpoint_step(store(a).latest_valid()) == 7
     assert checkpoint_step(store(b).latest_valid()) == 3
     assert plan_resume(b, store(b)).run_state == {"mlflow_run_id": "beta-run"}
+
+
+def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_other(bucket, tmp_path, monkeypatch):
+    """The audit's collision: one job.name and one tracking.checkpoint_uri, two job.out_dirs, both running (their
+    run locks are per directory). Each run's steps live under its own run id: the second's pruning (keep=2) leaves
+    the first's steps, and the first, after losing its disk, resumes from its own newest step, not the other's."""
+    from flows.runner import TrainingRun
+    from infra.storage import checkpoint_step
+
+    monkeypatch.chdir(tmp_path)
+    shared = [f"tracking.checkpoint_uri=s3://{bucket}/team", "tracking.keep_checkpoints=2", "job.name=same"]
+    a, b = (small_config(*shared, f"job.out_dir={tmp_path / d}") for d in ("a", "b"))
+
+    def save(run, cfg, steps, mlflow_run_id):
+        for step in steps:
+            save_checkpoint(run.store, cfg, step, run_id=mlflow_run_id)
+            run.store.flush()
+
+    with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as run_a, \
+            TrainingRun.prepare(b, recipe("arithmetic"), [], print) as run_b:
+        assert run_a.store.remote_uri != run_b.store.remote_uri
+        save(run_a, a, (100, 200), "mlflow-a")
+        save(run_b, b, (300, 400, 500), "mlflow-b")
+        assert run_a.store.list_remote() == [100, 200] and run_b.store.list_remote() == [400, 500]
+        first_prefix = run_a.store.remote_uri
+    shutil.rmtree(tmp_path / "a")  # the first run's disk is lost: it resumes from S3
+    with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as again:
+        assert again.store.remote_uri == first_prefix
+        assert checkpoint_step(again.plan.checkpoint) == 200 and again.plan.run_state == {"mlflow_run_id": "mlflow-a"}
+    # an endpoint that lost run.json (moto restarted empty, then the uploads caught up): the newest checkpoint's
+    # meta.json names the run directory too
+    import boto3
+
+    boto3.client("s3").delete_object(Bucket=bucket, Key=f"{first_prefix.removeprefix(f's3://{bucket}/')}/run.json")
+    shutil.rmtree(tmp_path / "a")
+    with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as again:
+        assert again.store.remote_uri == first_prefix and checkpoint_step(again.plan.checkpoint) == 200
 
 
 def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(tmp_path, monkeypatch):

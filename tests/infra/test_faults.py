@@ -81,7 +81,8 @@ def test_training_continues_through_a_30s_s3_outage_and_the_upload_catches_up(cw
         # training went on without S3: the steps after the outage began were trained and logged while it lasted
         assert seen["steps_while_down"] == [3, 4, 5, 6]
         assert finished >= seen["up"]  # the run waited for its uploads before reporting done
-        store = CheckpointStore(tmp_path / "fresh", remote_uri=f"s3://{bucket}/ckpt/outage")
+        run_id = json.loads((run_dir / "run_state.json").read_text())["run_id"]  # <uri>/<job.name>/<run id>
+        store = CheckpointStore(tmp_path / "fresh", remote_uri=f"s3://{bucket}/ckpt/outage/{run_id}")
         assert store.list_remote()[-1] == 6  # the last checkpoint reached S3 after the endpoint came back
         restored = store.latest_valid()
         local = CheckpointStore(run_dir / "checkpoints").path_for(6)

@@ -193,6 +193,39 @@ def test_bad_arithmetic_rows_are_named_by_file_line_and_field(tmp_path, content,
         load_examples(str(path), "arithmetic")
 
 
+@pytest.mark.parametrize("line, needle", [
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "2"}', r":2: nested 100001 levels deep"),
+    ('{"prompt": "1+1=", "answer": NaN}', r":2: key 'answer': NaN is not a number JSON allows"),
+    ('{"prompt": "1+1=", "answer": -Infinity}', r":2: key 'answer': -Infinity is not a number JSON allows"),
+    ('{"prompt": "1+1=", "answer": ' + "7" * 5000 + "}", r":2: key 'answer': a number of 5000 digits"),
+    ('{"prompt": "1+1=", "answer": 1e999}', r":2: key 'answer': 1e999 overflows to infinity"),
+    ('{"prompt": "1+1=", "answer": "2", "answer": "3"}', r":2: key 'answer' appears twice"),
+], ids=["deep", "nan", "infinity", "huge", "overflow", "duplicate"])
+def test_bad_json_values_are_refused_naming_file_line_and_key(tmp_path, line, needle):
+    """A 100k-deep line raised an uncaught RecursionError; NaN/Infinity answers became "nan"/"inf"; a 5000-digit
+    answer's error named no file or line; a duplicate key silently kept the last value."""
+    from rl_core.data.preferences import load_preference_pairs
+
+    path = tmp_path / "split.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + needle):
+        load_examples(str(path), "arithmetic")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n' + line.replace('"answer"', '"chosen"')
+                     .replace('"prompt": "1+1=",', '"prompt": "1+1=", "rejected": "3",', 1) + "\n")
+    with pytest.raises(ValueError, match=re.escape(str(pairs)) + needle.replace("answer", "chosen")):
+        load_preference_pairs(pairs)
+
+
+def test_a_directory_given_as_a_data_file_is_named_as_one(tmp_path):
+    """It was reported as a file that "does not exist"."""
+    from rl_core.data.preferences import load_preference_pairs
+
+    for load in (lambda p: load_examples(str(p), "arithmetic"), load_preference_pairs):
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: is a directory, not a JSONL file")):
+            load(tmp_path)
+
+
 def test_gsm8k_null_question_is_named(tmp_path):
     path = tmp_path / "split.jsonl"
     path.write_text('{"question": "q?", "answer": "#### 1"}\n{"question": null, "answer": "#### 2"}\n')

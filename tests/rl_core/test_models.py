@@ -118,3 +118,109 @@ def test_chat_template_renders_generation_prompt(tiny_dir):
         [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
     )
     assert text.startswith("<bos>") and "What is 2+3?" in text and text.endswith("Assistant: ")
+
+
+# ---------------------------------------------------------------- artifacts: whole or rebuilt
+
+
+def _truncate(path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "missing tokenizer", "bad config"])
+def test_a_damaged_tiny_model_is_detected_by_content_and_rebuilt(tmp_path, monkeypatch, damage):
+    """With config.json present and model.safetensors truncated the model counted as complete and every later run
+    failed in SafetensorError; now the content is checked and the quickstart build replaces it."""
+    from infra.artifacts import TINY_INIT, ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.data.arithmetic import make_arithmetic_data
+    from rl_core.models import model_problem
+    from tests.conftest import recipe
+
+    monkeypatch.chdir(tmp_path)
+    make_arithmetic_data("data/arithmetic", seed=0)
+    build_tiny_model(TINY_INIT, seed=0)
+    good = (TINY_INIT / "model.safetensors").read_bytes()
+    if damage == "truncated weights":
+        _truncate(TINY_INIT / "model.safetensors", len(good) - 1000)
+    elif damage == "missing tokenizer":
+        (TINY_INIT / "tokenizer.json").unlink()
+    else:
+        _truncate(TINY_INIT / "config.json", 10)
+    assert model_problem(TINY_INIT) is not None
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={TINY_INIT}"])
+    messages: list[str] = []
+    assert ensure_quickstart_artifacts(cfg, announce=messages.append) == ["tiny_model"]
+    assert any("rebuilding" in m and str(TINY_INIT) in m for m in messages), messages
+    assert model_problem(TINY_INIT) is None and (TINY_INIT / "model.safetensors").read_bytes() == good
+    assert not [p for p in TINY_INIT.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_torn_quickstart_data_file_is_rebuilt(tmp_path, monkeypatch):
+    from infra.artifacts import ARITHMETIC_DIR, ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.data.arithmetic import make_arithmetic_data
+    from tests.conftest import recipe
+
+    monkeypatch.chdir(tmp_path)
+    make_arithmetic_data(ARITHMETIC_DIR, seed=0)
+    good = (ARITHMETIC_DIR / "train.jsonl").read_text()
+    _truncate(ARITHMETIC_DIR / "train.jsonl", len(good) // 2 + 7)  # cut mid-line
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={tmp_path / 'mine'}"])
+    messages: list[str] = []
+    assert ensure_quickstart_artifacts(cfg, announce=messages.append) == ["arithmetic_data"]
+    assert any("train.jsonl:" in m and "rebuilding" in m for m in messages), messages
+
+
+def test_a_damaged_model_directory_given_by_the_user_is_refused_naming_the_file(tmp_path):
+    from rl_core.config import load_config
+    from rl_core.config.environment import environment_problems
+    from tests.conftest import recipe
+
+    model = build_tiny_model(tmp_path / "mine", seed=0)
+    _truncate(model / "model.safetensors", 100)
+    (problem,) = environment_problems(load_config(recipe("arithmetic"), [f"model.name_or_path={model}"]))
+    assert str(model / "model.safetensors") in problem and "damaged" in problem and "posttrain init-model" in problem
+
+
+def test_two_first_runs_build_each_artifact_once_and_never_see_half_of_it(tmp_path, monkeypatch):
+    """Two first runs in one directory at once: the build lock makes the second wait and find the model whole."""
+    import threading
+
+    from infra.artifacts import TINY_INIT, ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.models import model_problem
+    from tests.conftest import recipe
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(recipe("arithmetic"), [f"model.name_or_path={TINY_INIT}"])
+    results: list[list[str]] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_quickstart_artifacts(cfg, lambda _: None)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [[], ["arithmetic_data", "tiny_model"]]
+    assert model_problem(TINY_INIT) is None
+
+
+def test_artifacts_and_data_files_are_written_atomically(tmp_path, monkeypatch):
+    """A crash mid-write leaves the old file or directory whole (the new one is written beside it, then renamed)."""
+    from rl_core.atomic import atomic_directory
+    from rl_core.data.arithmetic import write_jsonl
+
+    path = write_jsonl([{"a": 1}], tmp_path / "d" / "x.jsonl")
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "model") as tmp:
+        (tmp / "half").write_text("x")
+        raise RuntimeError("killed")
+    assert not (tmp_path / "model").exists() and [p.name for p in tmp_path.iterdir()] == ["d"]
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    def killed(fd):
+        raise RuntimeError("killed before the rename")
+
+    monkeypatch.setattr("rl_core.atomic.os.fsync", killed)
+    with pytest.raises(RuntimeError):
+        write_jsonl([{"a": 2}], path)
+    assert path.read_text() == '{"a": 1}\n' and [p.name for p in path.parent.iterdir()] == ["x.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "model"] and (model / "config.json").is_file()

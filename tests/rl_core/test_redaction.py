@@ -192,3 +192,37 @@ def test_terminating_a_run_prints_the_tracking_uri_scrubbed(capsys):
     out = capsys.readouterr().out
     assert "View run nightly at: https://***@mlflow.example/#/experiments/1/runs/abc" in out
     assert "TOKEN0123456789" not in out
+
+
+URI_KEYS = ("data.train", "data.val", "model.name_or_path", "model.teacher", "rl.reference", "cluster.address")
+
+
+def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp_path):
+    """`posttrain validate` printed `data.train=https://user:pass@...` and `model.name_or_path=https://user:token@...`
+    as given; `posttrain run-params` printed a credentialed URI before refusing it."""
+    import subprocess
+
+    overrides = [f"{key}=https://user{i}:{SECRET}{i}@host{i}.example/x" for i, key in enumerate(URI_KEYS)]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", "recipes/arithmetic.py", "--", *overrides],
+                         capture_output=True, text=True, cwd=ROOT, check=False, env={**__import__("os").environ,
+                                                                                      "HF_HUB_OFFLINE": "1"})
+    text = out.stdout + out.stderr
+    assert "https://***@host0.example/x" in text, text[-2000:]
+    assert SECRET not in text and not any(f"user{i}" in text for i in range(len(URI_KEYS))), text[-3000:]
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"run": {"overrides": [
+        f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/run", *overrides]}}))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run-params", "recipes/arithmetic.py", "--params",
+                          str(params)], capture_output=True, text=True, cwd=ROOT, check=False, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "s3://***@bucket/run" in text, text[-2000:]
+    assert SECRET not in text and "AKIAEXAMPLE" not in text and "user0" not in text, text[-3000:]
+
+
+def test_every_config_error_is_redacted_whoever_builds_it():
+    """Preflight and environment problems quote values back (a model or data URI): a ConfigError scrubs them all,
+    so the CLI, the flow's logs and the Prefect API's state message never carry the credential."""
+    error = ConfigError([f"model.name_or_path='https://user:{SECRET}@hub.example/m': not found",
+                         "data.train='s3://AKIAEXAMPLE:x/y@bucket/train.jsonl?X-Amz-Signature=abcdef0123': no such file"])
+    assert SECRET not in str(error) and "AKIAEXAMPLE" not in str(error) and "abcdef0123" not in str(error)
+    assert "https://***@hub.example/m" in error.problems[0] and "s3://***@bucket/train.jsonl" in error.problems[1]
