@@ -67,9 +67,8 @@ class _TokenLogprobs(torch.autograd.Function):
     """`log_softmax(logits / T)[target]` and the entropy of `softmax(logits / T)`, `[K, V]` -> `[K]`, `[K]` float32.
 
     Forward and backward walk the rows in chunks of `chunk` rows, so the float32 temporaries are
-    `[chunk, V]`; autograd keeps only the logits (already alive) and the `[K]` log-normalisers. One
-    exponential pass per chunk: `e = exp(x - max)`, `lse = max + log Σe`, `H = lse - Σ e·x / Σ e`.
-    The entropy is a diagnostic: it carries no gradient.
+    `[chunk, V]` (`_chunk_logprobs`, `_chunk_logit_grad`); autograd keeps only the logits (already alive)
+    and the `[K]` log-normalisers. The entropy is a diagnostic: it carries no gradient.
     """
 
     @staticmethod
@@ -79,14 +78,7 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(0)
         for s in range(0, k, chunk):
-            x = _scaled(logits[s:s + chunk], temperature)
-            top = x.amax(-1, keepdim=True)
-            e = torch.sub(x, top).exp_()
-            total = e.sum(-1)
-            lse[s:s + chunk] = top.squeeze(-1) + total.log()
-            logp[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-            if with_entropy:
-                entropy[s:s + chunk] = lse[s:s + chunk] - e.mul_(x).sum(-1) / total
+            _chunk_logprobs(_scaled(logits[s:s + chunk], temperature), targets[s:s + chunk], s, lse, logp, entropy)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -99,15 +91,34 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         in_place = grad.dtype == torch.float32  # write the float32 result straight into the gradient
         for s in range(0, logits.shape[0], chunk):
-            g = grad_logp[s:s + chunk, None].float()
-            x = _scaled(logits[s:s + chunk], t)
-            d = torch.sub(x, lse[s:s + chunk, None], out=grad[s:s + chunk] if in_place else None)
-            d.exp_().mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g)  # (onehot - softmax) · g
-            if t != 1.0:
-                d.div_(t)
+            d = _chunk_logit_grad(_scaled(logits[s:s + chunk], t), lse[s:s + chunk], targets[s:s + chunk],
+                                  grad_logp[s:s + chunk], t, out=grad[s:s + chunk] if in_place else None)
             if not in_place:
                 grad[s:s + chunk] = d
         return grad, None, None, None, None
+
+
+def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, start: int, lse: torch.Tensor, logp: torch.Tensor,
+                    entropy: torch.Tensor) -> None:
+    """One chunk, `x = logits / T` `[c, V]` float32 (not written to): its log-normalisers, the targets' log-probs
+    and (when `entropy` is not empty) entropies, written at `start` of the `[K]` outputs. One exponential
+    pass: `e = exp(x - max)`, `lse = max + log Σe`, `H = lse - Σ e·x / Σ e`."""
+    end = start + x.shape[0]
+    top = x.amax(-1, keepdim=True)
+    e = torch.sub(x, top).exp_()
+    total = e.sum(-1)
+    lse[start:end] = top.squeeze(-1) + total.log()
+    logp[start:end] = x.gather(-1, targets[:, None]).squeeze(-1) - lse[start:end]
+    if entropy.numel():
+        entropy[start:end] = lse[start:end] - e.mul_(x).sum(-1) / total
+
+
+def _chunk_logit_grad(x: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
+                      temperature: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """∂(Σ g · logp)/∂logits of one chunk: `(onehot(target) - softmax(x)) · g / T`, `[c, V]` float32 (into `out`)."""
+    g = grad_logp[:, None].float()
+    d = torch.sub(x, lse[:, None], out=out).exp_().mul_(-g).scatter_add_(-1, targets[:, None], g)
+    return d.div_(temperature) if temperature != 1.0 else d
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -207,13 +218,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, k, chunk):
                 x = _scaled(torch.nn.functional.linear(hidden[s:s + chunk].to(dtype), w, b), temperature)
-                top = x.amax(-1, keepdim=True)
-                e = torch.sub(x, top).exp_()
-                total = e.sum(-1)
-                lse[s:s + chunk] = top.squeeze(-1) + total.log()
-                logp[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-                if with_entropy:
-                    entropy[s:s + chunk] = lse[s:s + chunk] - e.mul_(x).sum(-1) / total
+                _chunk_logprobs(x, targets[s:s + chunk], s, lse, logp, entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         ctx.mark_non_differentiable(entropy)
@@ -230,13 +235,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 h = hidden[s:s + chunk]
-                g = grad_logp[s:s + chunk, None].float()
-                x = torch.nn.functional.linear(h.to(dtype), w, b).float()
-                if t != 1.0:
-                    x = x / t
-                d = x.sub_(lse[s:s + chunk, None]).exp_().mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g)
-                if t != 1.0:
-                    d.div_(t)  # d = ∂loss/∂logits of the chunk, (onehot - softmax) · g / T
+                x = _scaled(torch.nn.functional.linear(h.to(dtype), w, b), t)
+                d = _chunk_logit_grad(x, lse[s:s + chunk], targets[s:s + chunk], grad_logp[s:s + chunk], t, out=x)
                 grad_hidden[s:s + chunk] = (d.to(dtype) @ w).to(hidden.dtype)
                 grad_weight.addmm_(d.t(), h.float())
                 if grad_bias is not None:
