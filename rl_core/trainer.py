@@ -6,12 +6,15 @@ One `train_step(batch, micro_batch_size, mini_batch_size=None)` trains on one co
    `certified_deterministic_forward`, an ahead pass computes π_old for the whole batch once, without
    grad, before the first update (same micro-batch layout as training); with `n_mini = 1` π_old is
    sg[ℓ] of the training forward. The cache is invalidated when the batch is done.
-2. For each mini-batch (one optimizer step): for each micro-batch (chunk), `loss, metrics =
+2. For each mini-batch (one optimizer step): for each micro-batch (chunk: `micro_batch_size` rows,
+   or whole rows grouped by length under `micro_batch_max_tokens`), `loss, metrics =
    objective.fn(model, chunk)`; backpropagate the chunk numerator (`loss × weight` for TOKEN_SUM,
-   `loss` for MEAN with weight 1 per chunk) and add the weight up.
+   `loss` for MEAN with weight 1 per chunk) and add the weight up. Loss, weights and metrics stay
+   on the device as tensors.
 3. At the optimizer boundary: sum gradients, weights and metric sums across data-parallel ranks
    (the `dp_reducer` hook), divide gradients once by the global weight, clip (reporting the norm
-   before clipping), AdamW step, scheduler step.
+   before clipping), read loss, weights, metrics and the norm in one device-to-host copy (refusing
+   a non-finite loss or weight before anything is applied), AdamW step, scheduler step.
 
 Precision: parameters, gradients and AdamW state are whatever the model holds (float32 master
 weights in posttrain); with `compute_dtype=torch.bfloat16` every forward (training, π_old, the
@@ -20,9 +23,9 @@ to float32 weights and gradients are reduced in float32.
 
 Sharding: a model wrapped with torch FSDP2 (`fully_shard`) reduce-scatters its own gradients in
 backward; the trainer sets FSDP's divide factor to 1 so that they arrive as the same cross-rank sum
-of numerators, and reduces only the weights and metric sums itself. Every rank then runs the
-backward of every chunk (a weight-0 chunk backpropagates zero), since FSDP's collectives run in
-forward and backward. `state_dict()` holds full (gathered) tensors in either mode, keyed the same
+of numerators, and reduces only the weights and metric sums itself. Every chunk runs its backward
+(a weight-0 chunk backpropagates zero), and under a token budget a rank with fewer chunks adds
+weight-0 padding chunks, since FSDP's collectives run in forward and backward on every rank. `state_dict()` holds full (gathered) tensors in either mode, keyed the same
 way, so a checkpoint of one mode resumes in the other.
 
 Splitting a step into any number of micro-batches or ranks therefore gives the unsplit loss and
