@@ -31,7 +31,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_model):
-    """1 vs 2 separate HF engine actors, and 2 colocated ones: bitwise-identical completions and log-probs."""
+    """1 vs 2 separate HF engine actors, and 2 colocated ones: bitwise-identical completions, log-probs within 1e-5."""
     from infra.cluster import Cluster
     from infra.roles import RolloutRole
     from rl_core.config import load_config
@@ -53,8 +53,12 @@ def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_mod
     assert len({tuple(r) for r in ref.input_ids[:4].tolist()}) > 1
     for name in ("two", "colocated"):
         got = outs[name]
-        for field in ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index"):
+        for field in ("input_ids", "attention_mask", "response_mask", "prompt_index"):
             assert torch.equal(getattr(got, field), getattr(ref, field)), (name, field)
+        # the same tokens; their log-probs come from matmuls over batches of another size, whose float32 rounding
+        # depends on the CPU's kernels (bitwise equal on some machines, not on others)
+        assert torch.allclose(got.sampling_logp, ref.sampling_logp, rtol=0, atol=1e-5), name
+        assert (got.sampling_logp == 0).equal(ref.sampling_logp == 0), name
         assert got.finish_reason == ref.finish_reason
 
 
