@@ -118,12 +118,9 @@ def prompt_rows(cfg, n_train: int, steps: int) -> list[list[int]]:
 def scorer(cfg, tokenizer, val):
     """The one held-out scoring both systems get: posttrain's evaluation with posttrain's settings."""
     from rl_core.evaluation import evaluate_accuracy
-    from rl_core.rewards import configured_reward
 
     def score(model) -> float:
-        return evaluate_accuracy(model, tokenizer, val, task=cfg.data.task, reward_mode=cfg.data.reward_mode,
-                                 prompt_template=cfg.data.prompt_template, max_tokens=cfg.rollout.max_tokens,
-                                 reward_fn=configured_reward(cfg.data))["accuracy"]
+        return evaluate_accuracy(model, tokenizer, val, data=cfg.data, max_tokens=cfg.rollout.max_tokens)["accuracy"]
 
     return score
 
@@ -161,7 +158,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
     from trl import GRPOConfig, GRPOTrainer
 
     from flows.runner import due  # posttrain's evaluation cadence, applied to TRL's steps
-    from rl_core.rewards import configured_reward
+    from rl_core.rewards import reward_functions
 
     if threads:
         torch.set_num_threads(threads)
@@ -171,12 +168,12 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
     # prompts_per_step unique prompts, each repeated rollout.n times
     order = [i for step_rows in rows for i in step_rows]
     dataset = Dataset.from_list([{"prompt": train[i].prompt, "answer": train[i].answer} for i in order])
-    reward = configured_reward(cfg.data)
+    (reward,) = reward_functions(cfg.data)  # the task's one reward, TRL-style already
     seen: list[str] = []
 
     def exact_match(prompts, completions, answer, **_):
         seen.extend(prompts[:: ro.n])
-        return [float(reward(c, a)) for c, a in zip(completions, answer)]
+        return reward.fn(prompts=prompts, completions=completions, answer=answer)
 
     args = GRPOConfig(
         output_dir=str(workdir / "trl"), report_to=[], save_strategy="no", disable_tqdm=True, log_level="warning",

@@ -26,6 +26,7 @@ from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
+from infra.rewards import RewardPool
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig, load_checked
 from rl_core.config.environment import check_memory
@@ -38,6 +39,7 @@ from rl_core.data.preferences import (
     validate_preference_pairs,
 )
 from rl_core.models import load_tokenizer
+from rl_core.tasks import get_task
 from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task
 from tasks.rollout import sync_task
@@ -53,19 +55,17 @@ def load_pairs(source: str, tokenizer, cfg: PosttrainConfig, key: str, limit: in
         df = df.iloc[:limit].reset_index(drop=True)
     try:
         return validate_preference_pairs(df, tokenizer=tokenizer, max_response_tokens=cfg.rollout.max_tokens,
-                                         task=cfg.data.task, template=cfg.data.prompt_template)
+                                         task=cfg.data.task, template=cfg.data.prompt_template, data=cfg.data)
     except ValueError as exc:
         raise ValueError(f"{key}={source!r}: {exc}") from None
 
 
 def accuracy_examples(df, task: str) -> list[Example]:
-    """Held-out prompts with their chosen response as the reference answer (GSM8K: only where it has `#### N`)."""
+    """Held-out prompts with their chosen response as the reference answer, where the task's reward can judge
+    it (GSM8K: a chosen response with `#### N`)."""
     examples = [Example(str(p), str(c)) for p, c in zip(df["prompt"], df["chosen"])]
-    if task == "gsm8k":
-        from rl_core.rewards.gsm8k import extract_reference
-
-        examples = [e for e in examples if extract_reference(e.answer) is not None]
-    return examples
+    scorable = get_task(task).scorable
+    return [e for e in examples if scorable(e)]
 
 
 @flow(name="dpo", log_prints=True)
@@ -90,7 +90,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
     max_val = cfg.rl.validation.max_prompts
     train_df = load_pairs(cfg.data.train, tokenizer, cfg, "data.train")
     val_df = load_pairs(cfg.data.val, tokenizer, cfg, "data.val", limit=max_val)
-    layout = {"task": cfg.data.task, "template": cfg.data.prompt_template}
+    layout = {"task": cfg.data.task, "template": cfg.data.prompt_template, "data": cfg.data}
     train_pairs = pairs_to_trajectory(train_df, tokenizer, **layout)
     val_pairs = pairs_to_trajectory(val_df, tokenizer, **layout)
     val_examples = accuracy_examples(val_df, cfg.data.task)
@@ -103,7 +103,8 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
 
     step = run.start_step
-    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster:
+    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster, \
+            RewardPool(cfg) as rewards:
         t = time.perf_counter()
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))
@@ -121,7 +122,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
             out = evaluate_pairs_task.with_options(**retry)(cluster, val_pairs)
             if val_examples:
                 out.update(evaluate_task.with_options(**retry)(cluster.engines, tokenizer, val_examples, cfg.data,
-                                                               cfg.rollout.max_tokens))
+                                                               cfg.rollout.max_tokens, rewards))
             return out
 
         run.finish_pending_evaluation(evaluate, logger.info)

@@ -8,7 +8,7 @@ subflows that a checked flow starts itself:
   the flow).
 - `overrides` is an allowlist, `API_OVERRIDES`: recipe knobs (steps, learning rate, seeds, batch
   sizes, sampling, objective coefficients, evaluation cadence, resources). Everything else comes
-  from the recipe or the operator only: import paths (`rl.custom_objective`, `data.custom_reward`),
+  from the recipe or the operator only: import paths (`rl.custom_objective`, `data.rewards`, `data.task`),
   models (`model.*`, `rl.reference`), data paths, the Ray address, tracking and checkpoint URIs
   (the worker's credentials go to them), output paths and names, pruning.
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
@@ -45,7 +45,7 @@ OPT_IN_ENV = "POSTTRAIN_ALLOW_UNSAFE_OVERRIDES"
 FLOW_RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"  # set by the worker for the flow run it starts
 
 # The overrides a caller of the API may give (exact dotted keys). Not listed, so from the recipe or the operator
-# only: model.*, data.train/val/custom_reward, rl.reference, rl.custom_objective, cluster.address, tracking.*
+# only: model.*, data.task/train/val/dataset_config/rewards/reward_workers, rl.reference, rl.custom_objective, cluster.address, tracking.*
 # except the experiment name, job.name/out_dir/overwrite.
 API_OVERRIDES = frozenset({
     "job.algorithm", "job.seed", "job.task_retries", "job.retry_delay_s", "job.max_restarts",
@@ -60,7 +60,7 @@ API_OVERRIDES = frozenset({
     "rl.optimizer.max_grad_norm", "rl.validation.every_steps", "rl.validation.before_training",
     "rl.validation.max_prompts", "rl.distillation_mode", "rl.opd_kl_coef", "rl.opd_discount",
     "rl.opd_task_reward_weight", "rl.dpo_beta",
-    "data.task", "data.prompt_template", "data.reward_mode",
+    "data.prompt_template", "data.reward_mode", "data.system_prompt", "data.instruction", "data.reward_timeout_s",
     "cluster.num_workers", "cluster.cpus_per_worker", "cluster.gpus_per_worker", "cluster.placement",
     "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy", "cluster.placement_timeout_s",
     "cluster.sharding", "cluster.gpu_memory_gib",

@@ -26,6 +26,7 @@ from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
+from infra.rewards import RewardPool
 from infra.roles import RolloutRole
 from infra.teacher import TeacherRole
 from infra.tracking import RunTracker
@@ -68,6 +69,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         startup.mark("tracking")  # the MLflow run
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
         teacher = placed.enter_context(TeacherRole(cfg)) if with_teacher else None
+        rewards_pool = placed.enter_context(RewardPool(cfg))
         startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines
         version = run.restore(cluster, role.sampler, logger.info)  # a resume's restore, the first weight sync
@@ -77,7 +79,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
 
         def evaluate() -> dict:
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
-                                                       quote(cfg.data), cfg.rollout.max_tokens)
+                                                       quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool))
 
         def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
@@ -110,9 +112,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     # step+1's rollout samples with this version while this step trains (the gate bounds the lag)
                     ahead = draw(step + 1, version)
                 with timer.phase("reward"):
-                    answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
-                    rewards = reward(quote(role.reward_fn), quote(completions.decode_responses(role.tokenizer)),
-                                     quote(answers))
+                    examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+                    rewards, reward_means = reward(quote(rewards_pool), quote(examples),
+                                                   quote(completions.decode_responses(role.tokenizer)))
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
                                               (step - 1) * len(rewards))
@@ -133,6 +135,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 step_s = timer.elapsed()
                 train_s = max(m["perf/train_compute_s"] for m in per_rank)
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
+                          **reward_means,
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version, "rollout/policy_staleness": float(staleness),

@@ -96,7 +96,7 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
 def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
     built: list[str] = []
     params = None
-    needs_data = cfg.data.task == "arithmetic" and (
+    needs_data = (
         (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not _data_complete(cfg.data.train, announce))
         or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not _data_complete(cfg.data.val, announce))
         or (_is(cfg.model.name_or_path, TINY_WARM) and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce))
@@ -144,7 +144,7 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         announce(f"teacher warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
                  f"{metrics['val_accuracy']:.3f}")
         built.append("teacher_warm_start")
-    if cfg.data.task == "arithmetic" and any(
+    if any(
             _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not _data_complete(source, announce)
             for source, split in ((cfg.data.train, "train"), (cfg.data.val, "val"))):
         if not _data_complete(ARITHMETIC_DIR / "val.jsonl", announce):

@@ -1,4 +1,4 @@
-"""The driver-side rollout role: tokenizer, datasets, reward and prompt sampler (no model weights).
+"""The driver-side rollout role: tokenizer, the task's datasets and the prompt sampler (no model weights).
 
 Built once per flow run from the config; the flow hands its parts to the phase tasks. The rollout
 engines themselves are Ray actors (`infra.cluster.Cluster.engines`): the driver only encodes and
@@ -7,25 +7,24 @@ shards prompts, gathers completions and scores them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rl_core.config import PosttrainConfig
 from rl_core.config.loader import ConfigError
-from rl_core.data import Example, PromptSampler, encode_prompts, load_examples
+from rl_core.data import Example, PromptSampler, encode_for
 from rl_core.models import load_tokenizer
-from rl_core.rewards import reward_fn_from_config
 from rl_core.rollout import sampling_params_from_config
+from rl_core.tasks import Task, get_task
 
 
 @dataclass
 class RolloutRole:
     cfg: PosttrainConfig
     tokenizer: Any
+    task: Task
     train: list[Example]
     val: list[Example]
-    reward_fn: Callable[[str, str], float]
     sampler: PromptSampler
     prompt_limit: int  # the longest encoded prompt of both splits, in tokens
 
@@ -34,22 +33,31 @@ class RolloutRole:
         """Tokenizer, data and sampler. Bad data fails here with a ConfigError naming the key, before the flow
         touches the run directory."""
         tokenizer = load_tokenizer(cfg.model)
-        train = _split(cfg, "data.train", cfg.data.train)
-        val = _split(cfg, "data.val", cfg.data.val)
+        try:
+            task = get_task(cfg.data.task)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+        train = _split(cfg, task, "data.train", cfg.data.train)
+        val = _split(cfg, task, "data.val", cfg.data.val)
         if cfg.rl.validation.max_prompts is not None:
             val = val[: cfg.rl.validation.max_prompts]
         sampler = PromptSampler(len(train), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
-        lengths = encode_prompts(tokenizer, train + val, cfg.data.task, cfg.data.prompt_template)
+        try:
+            lengths = encode_for(cfg.data, tokenizer, train + val)
+        except ValueError as exc:  # e.g. a chat template the messages do not fit
+            raise ConfigError([f"data: {exc}"]) from None
         limit = max(len(ids) for ids in lengths)
         context = model_context(cfg)
         if context is not None and limit + cfg.rollout.max_tokens > context:
             longest = max(range(len(lengths)), key=lambda i: len(lengths[i]))
             split, row = ("data.train", longest) if longest < len(train) else ("data.val", longest - len(train))
-            raise ConfigError([(f"{split} row {row + 1}: its prompt is {limit} tokens, and with rollout.max_tokens="
+            source = (train + val)[longest].row
+            where = f"row {row + 1}" + (f" ({source})" if source else "")
+            raise ConfigError([(f"{split} {where}: its prompt is {limit} tokens, and with rollout.max_tokens="
                                f"{cfg.rollout.max_tokens} a completion would need {limit + cfg.rollout.max_tokens} "
                                f"positions, more than the model's {context}; shorten or drop long prompts, or lower "
                                "rollout.max_tokens")])
-        return cls(cfg, tokenizer, train, val, reward_fn_from_config(cfg.data), sampler, limit)
+        return cls(cfg, tokenizer, task, train, val, sampler, limit)
 
     @property
     def max_model_len(self) -> int:
@@ -57,18 +65,17 @@ class RolloutRole:
         return self.prompt_limit + self.cfg.rollout.max_tokens
 
     def prompts(self, rows: list[int]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, [self.train[i] for i in rows], self.cfg.data.task,
-                              self.cfg.data.prompt_template)
+        return encode_for(self.cfg.data, self.tokenizer, [self.train[i] for i in rows])
 
     def sampling(self, step: int):
         """Sampling parameters of one step: a per-step seed derived from the run's sampling seed."""
         return sampling_params_from_config(self.cfg.rollout, seed=self.cfg.sampling_seed * 1_000_003 + step)
 
 
-def _split(cfg: PosttrainConfig, key: str, source: str) -> list[Example]:
-    """The examples of one data split, or a ConfigError naming the key (bad file, no examples)."""
+def _split(cfg: PosttrainConfig, task: Task, key: str, source: str) -> list[Example]:
+    """The examples of one data split, or a ConfigError naming the key (bad file or row, no examples)."""
     try:
-        examples = load_examples(source, cfg.data.task)
+        examples = task.load(source, cfg.data)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError([f"{key}={source!r}: {exc}"]) from None
     if not examples:

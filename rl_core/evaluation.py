@@ -6,9 +6,13 @@ same number for 0/1 rewards, kept apart for graded rewards).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rl_core.data import Example, encode_prompts
-from rl_core.rewards import get_reward_fn
+from rl_core.rewards import RewardInputs, reward_functions, reward_inputs, score
 from rl_core.rollout.base import SamplingParams
+
+Scorer = Callable[[RewardInputs], tuple[list[float], dict[str, float]]]
 
 
 def evaluate_accuracy(
@@ -17,8 +21,8 @@ def evaluate_accuracy(
     examples: list[Example],
     *,
     task: str = "arithmetic",
-    reward_fn=None,
-    reward_mode: str = "strict",
+    data=None,
+    scorer: Scorer | None = None,
     prompt_template: str = "plain",
     max_tokens: int = 8,
     batch_size: int = 128,
@@ -27,7 +31,9 @@ def evaluate_accuracy(
 ) -> dict:
     """Greedy-decode every example (batched) and score it.
 
-    `reward_fn(completion, answer)` defaults to the task's reward (`get_reward_fn(task, reward_mode)`).
+    `data` (the `data` config section) gives the task, template, system prompt and instruction in place of
+    `task` / `prompt_template`. `scorer(RewardInputs) -> (rewards, per-function means)` defaults to the
+    configured rewards run here (`data.rewards`, or the task's own); the flows pass the reward pool's.
     `engine` (a `RolloutEngine`) replaces the default HF engine over `model`, e.g. vLLM on GPU.
     Returns `{"accuracy", "mean_reward", "n", "samples"}`; `samples` holds the first `num_samples`
     `{"prompt", "completion", "answer", "reward"}` rows.
@@ -39,7 +45,16 @@ def evaluate_accuracy(
     examples = [
         ex if isinstance(ex, Example) else Example(str(ex["prompt"]), str(ex["answer"])) for ex in examples
     ]
-    reward_fn = reward_fn or get_reward_fn(task, reward_mode)
+    if data is not None:
+        task, prompt_template = data.task, data.prompt_template
+    if scorer is None:
+        from rl_core.config.schema import DataConfig
+
+        functions = reward_functions(data if data is not None else DataConfig(task=task))
+
+        def scorer(inputs):
+            return score(functions, inputs)
+
     if engine is None:
         engine = HFEngine(model, tokenizer)
     greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
@@ -47,13 +62,13 @@ def evaluate_accuracy(
     samples: list[dict] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template), 1, greedy)
+        completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
         texts = completions.decode_responses(tokenizer)
-        for ex, text in zip(chunk, texts):
-            r = float(reward_fn(text, ex.answer))
-            rewards.append(r)
+        chunk_rewards, _ = scorer(reward_inputs(chunk, texts))
+        for ex, text, r in zip(chunk, texts, chunk_rewards, strict=True):
+            rewards.append(float(r))
             if len(samples) < num_samples:
-                samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": r})
+                samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": float(r)})
     n = len(rewards)
     return {
         "accuracy": sum(1.0 for r in rewards if r == 1.0) / n,

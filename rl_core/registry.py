@@ -4,7 +4,7 @@ Everything that depends on the algorithm reads it from here: the config schema (
 preflight (the knobs an algorithm fixes or never reads), the flows (which step loop runs it), the
 cluster (which builder makes the objective) and the CLI. Adding an algorithm is one `AlgorithmSpec`.
 
-User code: `rl.custom_objective` and `data.custom_reward` name a function by import path
+User code: `rl.custom_objective`, `data.rewards` and `data.task` name a function or task by import path
 (`package.module:function`), imported and checked (`load_callable`) when the config is checked, so a
 wrong path or signature fails before anything is placed, naming the key. See docs/objectives.md.
 """
@@ -102,11 +102,8 @@ class ImportPathError(ValueError):
     """A `module:function` path that does not import, or a function with the wrong signature."""
 
 
-def load_callable(path: str, key: str, params: tuple[str, ...]) -> Callable[..., Any]:
-    """Import `module:function` for config key `key` and check it can be called with `params` positionally.
-
-    Raises ImportPathError naming the key, the path and what to fix.
-    """
+def load_object(path: str, key: str) -> Any:
+    """Import `module:attr` for config key `key`; ImportPathError naming the key, the path and what to fix."""
     module_name, sep, attr = str(path).partition(":")
     if not sep or not module_name or not attr:
         raise ImportPathError(f"{key}={path!r}: expected 'package.module:function'")
@@ -115,25 +112,40 @@ def load_callable(path: str, key: str, params: tuple[str, ...]) -> Callable[...,
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix; say which
         raise ImportPathError(f"{key}={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
                               "install it or put its directory on PYTHONPATH (Ray workers need it too)") from None
-    fn: Any = module
+    obj: Any = module
     for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
+        obj = getattr(obj, part, None)
+        if obj is None:
             raise ImportPathError(f"{key}={path!r}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def load_callable(path: str, key: str, params: tuple[str, ...], *, by_keyword: bool = False) -> Callable[..., Any]:
+    """Import `module:function` for config key `key` and check it can be called with `params` (positionally, or
+    as keywords with `by_keyword`).
+
+    Raises ImportPathError naming the key, the path and what to fix.
+    """
+    attr = str(path).partition(":")[2]
+    fn = load_object(path, key)
     if not callable(fn):
         raise ImportPathError(f"{key}={path!r}: {attr!r} is a {type(fn).__name__}, not a function")
     try:
-        inspect.signature(fn).bind(*params)
+        if by_keyword:  # the other arguments (dataset columns) are known only when the data is loaded
+            inspect.signature(fn).bind_partial(**dict.fromkeys(params))
+        else:
+            inspect.signature(fn).bind(*params)
     except TypeError as exc:
+        call = ", ".join(f"{p}=..." for p in params) if by_keyword else ", ".join(params)
         raise ImportPathError(f"{key}={path!r}: {attr}{inspect.signature(fn)} cannot be called as "
-                              f"{attr}({', '.join(params)}) ({exc})") from None
+                              f"{attr}({call}) ({exc})") from None
     except ValueError:  # a builtin without a signature: accept, it is checked when called
         pass
     return fn
 
 
 OBJECTIVE_PARAMS = ("rl", "context")
-REWARD_PARAMS = ("completion", "answer")
+REWARD_PARAMS = ("completions",)  # by keyword, as TRL calls reward_funcs; prompts and columns when it takes them
 
 
 def objective_builder(cfg: Any) -> Callable[[Any, Any], Any]:
@@ -160,13 +172,21 @@ def build_objective(cfg: Any, context: Any) -> Any:
 
 
 def user_code_problems(cfg: Any) -> list[str]:
-    """Import and signature problems of the config's user code (`rl.custom_objective`, `data.custom_reward`)."""
+    """Import and signature problems of the config's user code (`rl.custom_objective`, `data.rewards`,
+    `data.task` by import path)."""
     problems = []
-    for key, path, params in (("rl.custom_objective", cfg.rl.custom_objective, OBJECTIVE_PARAMS),
-                              ("data.custom_reward", cfg.data.custom_reward, REWARD_PARAMS)):
+    checks = [("rl.custom_objective", cfg.rl.custom_objective, OBJECTIVE_PARAMS, False)]
+    checks += [(f"data.rewards[{i}].path", entry.path, REWARD_PARAMS, True) for i, entry in enumerate(cfg.data.rewards)]
+    for key, path, params, by_keyword in checks:
         if path:
             try:
-                load_callable(path, key, params)
+                load_callable(path, key, params, by_keyword=by_keyword)
             except ImportPathError as exc:
                 problems.append(str(exc))
+    from rl_core.tasks import get_task
+
+    try:
+        get_task(cfg.data.task)
+    except ValueError as exc:
+        problems.append(str(exc))
     return problems

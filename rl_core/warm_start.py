@@ -26,6 +26,7 @@ import torch
 from rl_core.atomic import atomic_directory
 from rl_core.data import PromptSampler, format_prompt, load_examples
 from rl_core.evaluation import evaluate_accuracy
+from rl_core.tasks import get_task
 
 DEFAULT_STEPS = 800
 DEFAULT_LR = 1e-3
@@ -44,9 +45,7 @@ def encode_supervised_batch(
     seqs, starts = [], []
     for ex in examples:
         prompt = tokenizer(format_prompt(ex, tokenizer, task, "plain"))["input_ids"]
-        answer = tokenizer(ex.answer if task != "gsm8k" else " " + ex.answer, add_special_tokens=False)[
-            "input_ids"
-        ]
+        answer = tokenizer(get_task(task).supervised_target(ex), add_special_tokens=False)["input_ids"]
         seqs.append(list(prompt) + list(answer) + [tokenizer.eos_token_id])
         starts.append(len(prompt))
     T = max(len(s) for s in seqs)

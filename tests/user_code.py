@@ -1,4 +1,4 @@
-"""User code the tests plug in by import path (`data.custom_reward`) and wrong user code they must refuse, as a
+"""User code the tests plug in by import path (`data.rewards`, `data.task`) and wrong user code they must refuse, as a
 user's would be: outside the package. The example objective the tests train is `examples/custom_objective.py`.
 """
 
@@ -7,10 +7,29 @@ from __future__ import annotations
 import torch
 
 
-def answer_length_reward(completion: str, answer: str) -> float:
+def answer_length_reward(completions, answer, **_):
     """A reward a test can recompute from the data to within 1e-3: the answer's length / 10, plus 1e-3 for a
     completion of odd length (so a group's rewards differ and its advantages are not all 0)."""
-    return len(answer) / 10 + 1e-3 * (len(completion) % 2)
+    return [len(a) / 10 + 1e-3 * (len(c) % 2) for c, a in zip(completions, answer)]
+
+
+def length_reward(completions, **_):
+    """len(text) / 10 of each completion (text, or the assistant message of a chat completion)."""
+    return [len(c if isinstance(c, str) else c[-1]["content"]) / 10 for c in completions]
+
+
+def unit_reward(completions, unit, **_):
+    """1.0 when the completion names the row's `unit` column, 0.0 when not, None for a row without a unit."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [None if u is None else float(u in t) for t, u in zip(texts, unit)]
+
+
+def sleepy_reward(completions, **_):
+    """Never returns in time: the pool's timeout must name it."""
+    import time
+
+    time.sleep(3600)
+    return [0.0] * len(completions)
 
 
 # ------------------------------------------------------------------------------------------ wrong ones
@@ -19,7 +38,7 @@ def objective_with_one_argument(rl):
     raise AssertionError("never called: the signature check refuses it")
 
 
-def reward_with_three_arguments(completion, answer, extra):
+def reward_without_completions(prompts, answer):
     raise AssertionError("never called: the signature check refuses it")
 
 

@@ -214,17 +214,21 @@ def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
 
 def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
     """Why the data split at `source` cannot be read here, or None (hub dataset ids are not probed)."""
-    if cfg.data.task not in ("arithmetic", "gsm8k"):
-        return None  # other tasks' splits may be built on demand by their flow
-    if cfg.data.task == "arithmetic" and any(_same_path(source, q) for q in QUICKSTART_DATA):
+    from rl_core.tasks import get_task
+
+    try:
+        task = get_task(cfg.data.task)
+    except ValueError:
+        return None  # named by preflight's user-code check
+    if any(_same_path(source, q) for q in QUICKSTART_DATA):
         return None  # built by the flow when missing
-    path = Path(source.partition(":")[0] if cfg.data.task == "gsm8k" and not Path(source).exists() else source)
-    local = looks_local(source) or path.suffix in (".jsonl", ".json")
+    path = Path(source.rpartition(":")[0] if ":" in source and not Path(source).exists() else source)
+    local = looks_local(source) or path.suffix in (".jsonl", ".json", ".parquet")
     if not local or path.expanduser().exists():
         return None
-    build = ("`dvc repro pipelines/gsm8k/dvc.yaml` or `posttrain make-data gsm8k`" if cfg.data.task == "gsm8k"
-             else "`posttrain make-data arithmetic --out data/arithmetic`")
-    return f"{key}={source!r}: no such file; build it with {build}, or point {key} at an existing split"
+    build = f"build it with {task.build_hint}, or point {key} at an existing split" if task.build_hint else \
+        f"point {key} at an existing file or directory, or a hub dataset id"
+    return f"{key}={source!r}: no such file; {build}"
 
 
 def gpu_count_problem(cfg: PosttrainConfig, have: int, vllm_on_gpu: bool = False) -> str | None:

@@ -178,8 +178,7 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     if algo == "dpo" and rl.micro_batch_max_tokens is not None:
         err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a chunk "
             "(Reduction.MEAN), so its chunks must hold equal numbers of pairs; use rl.micro_batch_per_replica")
-    if cfg.data.task != "gsm8k" and cfg.data.reward_mode != "strict":
-        err(f"data.reward_mode={cfg.data.reward_mode!r}: only read by data.task=gsm8k")
+    rep.errors.extend(data_problems(cfg))
 
     # -- group size and batch shape
     if spec.group_relative and ro.n < 2 and not opd_direct:
@@ -290,3 +289,31 @@ def load_checked(recipe: str, overrides: list[str] | tuple[str, ...] = (), *, ha
         _handed_over.clear()
         _handed_over[key] = cfg.model_copy(deep=True)
     return cfg
+
+
+def data_problems(cfg: PosttrainConfig) -> list[str]:
+    """Keys of the data section that the task or the rewards never read, and reward names that collide."""
+    from rl_core.tasks import get_task
+
+    d, out = cfg.data, []
+    try:
+        task = get_task(d.task)
+    except ValueError:
+        return out  # named by user_code_problems
+    if d.reward_mode != "strict" and ("reward_mode" not in task.reads or d.rewards):
+        reader = "data.rewards replaces the task's reward" if d.rewards else f"data.task={d.task!r} does not read it"
+        out.append(f"data.reward_mode={d.reward_mode!r}: only the GSM8K task's own reward reads it ({reader})")
+    if not d.rewards:
+        try:
+            task.default_rewards(d)
+        except ValueError as exc:
+            out.append(str(exc))
+    names = [e.name or e.path.rpartition(":")[2].rpartition(".")[2] for e in d.rewards]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            out.append(f"data.rewards[{i}]: a second reward named {name!r} (their metrics would mix); give it a "
+                       "name (data.rewards[i].name)")
+    if d.rewards and not any(e.weight for e in d.rewards):
+        out.append("data.rewards: every weight is 0, so every reward would be 0; give one a weight")
+    return out
+

@@ -111,13 +111,27 @@ class RLConfig(_Section):
     custom_objective: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", description="Your own objective: 'package.module:build_objective', called as build_objective(rl, context) -> Objective in place of job.algorithm's (which still picks the step loop); see docs/objectives.md.")
 
 
+IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+
+
+class RewardEntry(_Section):
+    path: str = Field(pattern=IMPORT_PATH, description="Import path 'package.module:function' of a TRL-style reward function(prompts, completions, **columns) -> list[float | None].")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function in the completion's reward (sum of weight x value over the functions that apply).")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in the metrics (rollout/rewards/<name>/mean); None: the function's name.")
+
+
 class DataConfig(_Section):
-    task: Literal["arithmetic", "gsm8k"] = Field("arithmetic", description="Dataset family; selects the loader, prompt template and reward.")
-    train: str = Field("data/arithmetic/train.jsonl", min_length=1, description="Train split: a local JSONL path, or a hub dataset id.")
-    val: str = Field("data/arithmetic/val.jsonl", min_length=1, description="Held-out split: a local JSONL path, or a hub dataset id.")
+    task: str = Field("arithmetic", pattern=r"^[A-Za-z_]\w*$|" + IMPORT_PATH[1:], description="The task: how data is loaded, prompts formatted and scored. Built in: arithmetic, gsm8k, prompts (your JSONL/Parquet/datasets prompts); or yours by import path 'package.module:TASK' (docs/data.md).")
+    train: str = Field("data/arithmetic/train.jsonl", min_length=1, description="Train split: a local file or directory, or a hub dataset id with an optional ':split'.")
+    val: str = Field("data/arithmetic/val.jsonl", min_length=1, description="Held-out split: a local file or directory, or a hub dataset id with an optional ':split'.")
+    dataset_config: str | None = Field(None, min_length=1, description="The `datasets` configuration name of a hub dataset (None: the dataset's default; GSM8K: 'main').")
     prompt_template: Literal["plain", "chat"] = Field("plain", description="plain for base models; chat applies the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, min_length=1, description="A system message before every prompt (chat: a system turn; plain: a first line).")
+    instruction: str | None = Field(None, min_length=1, description="Text appended to every user prompt; None: the task's own (GSM8K's asks for a final '#### <number>' line in chat).")
     reward_mode: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction: last '#### N' (strict) or last number (flexible).")
-    custom_reward: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", description="Your own reward: 'package.module:reward', called as reward(completion, answer) -> float in place of data.task's (training and held-out scoring); see docs/objectives.md.")
+    rewards: list[RewardEntry] = Field(default_factory=list, description="Your reward functions with weights, TRL-style ({path, weight, name}); empty: the task's own reward (docs/data.md).")
+    reward_workers: int = Field(1, ge=0, description="Ray actors that run the reward functions, each scoring a share of the batch; 0 runs them in the driver process, without the timeout.")
+    reward_timeout_s: float = Field(60.0, gt=0, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it.")
 
 
 class ClusterConfig(_Section):

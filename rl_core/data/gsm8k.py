@@ -2,7 +2,7 @@
 
 `prepare_gsm8k(source, out_dir)` writes `out_dir/train.jsonl` and `out_dir/test.jsonl` in the
 official format. `source` is a directory holding `train.jsonl` and `test.jsonl`, or a hub
-dataset id (e.g. `openai/gsm8k`), which needs the optional `datasets` package and a reachable hub.
+dataset id (e.g. `openai/gsm8k`, loaded with the `datasets` library; it needs a reachable hub).
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ def plain_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
-def chat_messages(question: str) -> list[dict]:
-    """Chat prompt for instruction-tuned models (rendered with the tokenizer's chat template)."""
-    return [{"role": "user", "content": f"{question.strip()}\n{GSM8K_INSTRUCTION}"}]
-
-
 def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
     """Records `{"question", "answer"}` of an official-format JSONL file."""
     records = []
@@ -35,12 +30,12 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
         if "question" not in rec or "answer" not in rec:
             raise ValueError(f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}")
         records.append({"question": text_field(rec, "question", path, lineno),
-                        "answer": text_field(rec, "answer", path, lineno, numbers=True)})
+                        "answer": text_field(rec, "answer", path, lineno, numbers=True), "row": f"{path}:{lineno}"})
     return records
 
 
-def load_gsm8k_split(source: str | Path, split: str) -> list[dict]:
-    """One split (`train` | `test`) from a local directory / JSONL file or a hub dataset id."""
+def load_gsm8k_split(source: str | Path, split: str, config: str = "main") -> list[dict]:
+    """One split (`train` | `test`) from a local directory / JSONL file or a hub dataset id (its `config`)."""
     if split not in SPLITS:
         raise ValueError(f"GSM8K split={split!r} is not one of {SPLITS}")
     path = Path(source)
@@ -48,22 +43,18 @@ def load_gsm8k_split(source: str | Path, split: str) -> list[dict]:
         return read_gsm8k_jsonl(path / f"{split}.jsonl")
     if path.is_file():
         return read_gsm8k_jsonl(path)
-    return _load_from_hub(str(source), split)
+    return _load_from_hub(str(source), split, config)
 
 
-def _load_from_hub(name: str, split: str) -> list[dict]:
+def _load_from_hub(name: str, split: str, config: str) -> list[dict]:
+    import datasets
+
     try:
-        import datasets  # optional: only for hub sources
-    except ImportError as exc:
-        raise RuntimeError(
-            f"GSM8K source {name!r} is not a local path, and loading it from the hub needs the "
-            "'datasets' package (pip install datasets); or pass a directory with train.jsonl/test.jsonl"
-        ) from exc
-    try:
-        ds = datasets.load_dataset(name, "main", split=split)
+        ds = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, unknown id, ...
         raise RuntimeError(f"could not load GSM8K {name!r} split {split!r} from the hub: {exc}") from exc
-    return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+    return [{"question": r["question"], "answer": r["answer"], "row": f"{name} ({split}) row {i}"}
+            for i, r in enumerate(ds, 1)]
 
 
 def prepare_gsm8k(source: str | Path, out_dir: str | Path) -> dict:
@@ -74,6 +65,7 @@ def prepare_gsm8k(source: str | Path, out_dir: str | Path) -> dict:
         records = load_gsm8k_split(source, split)
         if not records:
             raise ValueError(f"GSM8K {split} split from {source!r} is empty")
-        result[split] = str(write_jsonl(records, out / f"{split}.jsonl"))
+        official = [{"question": r["question"], "answer": r["answer"]} for r in records]
+        result[split] = str(write_jsonl(official, out / f"{split}.jsonl"))
         result[f"n_{split}"] = len(records)
     return result

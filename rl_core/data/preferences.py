@@ -57,9 +57,9 @@ def _as_frame(pairs: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
 
 
 def pair_token_lengths(df: pd.DataFrame, tokenizer, *, task: str = "arithmetic",
-                       template: str = "plain") -> pd.DataFrame:
+                       template: str = "plain", data=None) -> pd.DataFrame:
     """`prompt_tokens`, `chosen_tokens`, `rejected_tokens` as `pairs_to_trajectory` lays them out (responses + EOS)."""
-    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template)
+    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template, data)
     return pd.DataFrame({
         "prompt_tokens": np.array([len(p) for p in prompts], dtype=np.int64),
         "chosen_tokens": np.array([len(r) for r in _encode_responses(tokenizer, df["chosen"])], dtype=np.int64),
@@ -69,7 +69,7 @@ def pair_token_lengths(df: pd.DataFrame, tokenizer, *, task: str = "arithmetic",
 
 def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer=None,
                               max_prompt_tokens: int | None = None, max_response_tokens: int | None = None,
-                              task: str = "arithmetic", template: str = "plain") -> pd.DataFrame:
+                              task: str = "arithmetic", template: str = "plain", data=None) -> pd.DataFrame:
     """The pair gate: returns the validated frame (with `pair_id`, and token-length columns when a tokenizer is given).
 
     Raises `PreferencePairsError` naming each failing check (`non_empty`, `chosen!=rejected`,
@@ -80,7 +80,7 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
     if (max_prompt_tokens is not None or max_response_tokens is not None) and tokenizer is None:
         raise ValueError("token-length limits need the tokenizer that will encode the pairs")
     if tokenizer is not None:
-        lengths = pair_token_lengths(df, tokenizer, task=task, template=template)
+        lengths = pair_token_lengths(df, tokenizer, task=task, template=template, data=data)
         for col in lengths:
             df[col] = lengths[col]
     return validate_pair_table(df, max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
@@ -203,10 +203,10 @@ def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed
 # ------------------------------------------------------------------------------------ batch layout
 
 
-def _encode_prompts(tokenizer, prompts: Sequence[str], task: str, template: str) -> list[list[int]]:
+def _encode_prompts(tokenizer, prompts: Sequence[str], task: str, template: str, data=None) -> list[list[int]]:
     from rl_core.data import Example, encode_prompts
 
-    return encode_prompts(tokenizer, [Example(str(p), "") for p in prompts], task, template)
+    return encode_prompts(tokenizer, [Example(str(p), "") for p in prompts], task, template, data)
 
 
 def _encode_responses(tokenizer, responses: Iterable[str]) -> list[list[int]]:
@@ -217,18 +217,18 @@ def _encode_responses(tokenizer, responses: Iterable[str]) -> list[list[int]]:
 
 
 def pairs_to_trajectory(pairs: pd.DataFrame | Iterable[dict], tokenizer, *, task: str = "arithmetic",
-                        template: str = "plain"):
+                        template: str = "plain", data=None):
     """Tensorise pairs into the DPO batch layout (module docstring): a `Trajectory` of `2P` rows.
 
-    Prompts are encoded exactly as the rollout encodes them (`encode_prompts` with `task` and
-    `template`), responses as `tokenizer(text, add_special_tokens=False) + [EOS]`.
+    Prompts are encoded exactly as the rollout encodes them (`encode_prompts` with `task`, `template` and
+    the `data` config section's system prompt and instruction), responses as `tokenizer(text, add_special_tokens=False) + [EOS]`.
     """
     from rl_core.trajectory import Trajectory
 
     df = _as_frame(pairs)
     if len(df) == 0:
         raise ValueError("pairs_to_trajectory: no pairs")
-    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template)
+    prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template, data)
     chosen = _encode_responses(tokenizer, df["chosen"])
     rejected = _encode_responses(tokenizer, df["rejected"])
     rows_prompt = [p for p in prompts for _ in range(2)]

@@ -1,57 +1,183 @@
-"""Reward functions: plain Python `reward(completion_text, answer) -> float`, selected by config.
+"""Reward functions, as TRL writes them: `fn(prompts, completions, **columns) -> list[float | None]`.
 
-`get_reward_fn(task, reward_mode)` returns the function for `data.task` ('arithmetic' | 'gsm8k')
-and `data.reward_mode` ('strict' | 'flexible'; only GSM8K reads it); `data.custom_reward` names
-your own function by import path instead (docs/objectives.md).
+One call scores a batch: `prompts[i]` is the i-th completion's prompt as the dataset has it (text, or its
+messages for a chat-format row), `completions[i]` its completion (text, or `[{"role": "assistant",
+"content": text}]` for a chat-format row) and every other dataset column arrives as a keyword argument
+holding one value per completion (`answer=[...]`). A function that does not take `**kwargs` receives only
+the arguments it names (it must take `completions`). It returns one float per completion, or None where it does not apply.
+
+`data.rewards` lists the functions with weights; unset, the task's own rewards score (weight 1). A
+completion's reward is `Σ weight_f · r_f` over the functions that apply to it; a completion no function
+applies to, an exception, a wrong-length result or a non-finite value is refused, naming the function and
+the row. `per_completion` turns a `(completion, answer) -> float` function into one of these.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 import math
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from rl_core import faults
-from rl_core.rewards.arithmetic import arithmetic_reward
-from rl_core.rewards.gsm8k import gsm8k_reward
-
-RewardFn = Callable[[str, str], float]
-TASKS = ("arithmetic", "gsm8k")
+RewardFn = Callable[..., Sequence[float | None]]
 
 
-def get_reward_fn(task: str, reward_mode: str = "strict") -> RewardFn:
-    """The reward function of `task`; for GSM8K bound to `reward_mode`."""
-    if task == "arithmetic":
-        return arithmetic_reward
-    if task == "gsm8k":
-        if reward_mode not in ("strict", "flexible"):
-            raise ValueError(f"data.reward_mode={reward_mode!r} is not one of 'strict', 'flexible'")
-        return functools.partial(gsm8k_reward, mode=reward_mode)
-    raise ValueError(f"data.task={task!r} has no reward; known tasks: {', '.join(TASKS)}")
+class RewardError(ValueError):
+    """A reward function failed or returned something that is not a reward; names the function and row."""
 
 
-def configured_reward(data_cfg) -> RewardFn:
-    """`data.custom_reward` (a `module:function` path) when set, else `get_reward_fn(data.task, data.reward_mode)`."""
-    if data_cfg.custom_reward:
-        from rl_core.registry import REWARD_PARAMS, load_callable
+def per_completion(fn: Callable[[str, str], float]) -> RewardFn:
+    """`fn(completion, answer) -> float` as a batched reward function."""
 
-        return load_callable(data_cfg.custom_reward, "data.custom_reward", REWARD_PARAMS)
-    return get_reward_fn(data_cfg.task, data_cfg.reward_mode)
+    def batched(prompts, completions, answer, **_):
+        return [float(fn(_text(c), a)) for c, a in zip(completions, answer, strict=True)]
 
-
-def reward_fn_from_config(data_cfg) -> RewardFn:
-    """The training reward: `configured_reward(data_cfg)`, with the fault-injection test hook when it is armed."""
-    fn = configured_reward(data_cfg)
-    if not os.environ.get(faults.ENV):
-        return fn
-
-    def reward_with_faults(completion: str, answer: str) -> float:
-        faults.maybe_fail("reward")
-        return math.nan if faults.should_fail("reward_nan") else fn(completion, answer)
-
-    return reward_with_faults
+    # the name and docs, not functools.wraps: its __wrapped__ would give the batched function fn's signature
+    batched.__name__ = batched.__qualname__ = getattr(fn, "__name__", "reward")
+    batched.__doc__ = fn.__doc__
+    return batched
 
 
-__all__ = ["RewardFn", "arithmetic_reward", "configured_reward", "get_reward_fn", "gsm8k_reward",
-           "reward_fn_from_config"]
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward: its name (in metrics: `rollout/rewards/<name>/mean`), weight, function and config key."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+    key: str = "data.task"
+
+
+@dataclass
+class RewardInputs:
+    """What the reward functions receive for one batch, and where each completion's prompt came from."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    columns: dict[str, list[Any]]
+    rows: list[str]
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def part(self, start: int, stop: int) -> RewardInputs:
+        return RewardInputs(self.prompts[start:stop], self.completions[start:stop],
+                            {k: v[start:stop] for k, v in self.columns.items()}, self.rows[start:stop])
+
+
+def reward_inputs(examples: Sequence[Any], texts: Sequence[str]) -> RewardInputs:
+    """The inputs of `texts[i]`, the completion of `examples[i]` (a `rl_core.tasks.Example`)."""
+    prompts, completions, rows = [], [], []
+    columns: dict[str, list[Any]] = {}
+    names = list(dict.fromkeys(k for ex in examples for k in ex.reward_columns()))
+    for i, (ex, text) in enumerate(zip(examples, texts, strict=True)):
+        chat = ex.messages is not None
+        prompts.append([dict(m) for m in ex.messages] if chat else ex.prompt)
+        completions.append([{"role": "assistant", "content": text}] if chat else text)
+        rows.append(ex.row or f"prompt {i}")
+        values = ex.reward_columns()
+        for name in names:
+            columns.setdefault(name, []).append(values.get(name))
+    return RewardInputs(prompts, completions, columns, rows)
+
+
+def _text(completion: Any) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: pass everything
+        return columns
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return columns
+    return {k: v for k, v in columns.items() if k in params}
+
+
+def call_reward(f: RewardFunction, inputs: RewardInputs, offset: int = 0) -> list[float | None]:
+    """`f` on the batch, checked: one finite float or None per completion, else RewardError naming the row."""
+    n = len(inputs)
+    try:
+        out = f.fn(**_accepted(f.fn, {"prompts": inputs.prompts, "completions": inputs.completions,
+                                      **inputs.columns}))
+    except Exception as exc:  # noqa: BLE001 - the user's function: say which one failed, on what
+        raise RewardError(f"reward {f.name!r} ({f.key}) raised {type(exc).__name__}: {exc} (scoring {n} completions, "
+                          f"the first from {inputs.rows[0] if n else '-'}); fix the function or the data") from None
+    try:
+        values = list(out)
+    except TypeError:
+        raise RewardError(f"reward {f.name!r} ({f.key}) returned a {type(out).__name__}, not a list of {n} "
+                          "floats (one per completion)") from None
+    if len(values) != n:
+        raise RewardError(f"reward {f.name!r} ({f.key}) returned {len(values)} values for {n} completions; return "
+                          "one float (or None) per completion")
+    checked: list[float | None] = []
+    for i, value in enumerate(values):
+        if value is None:
+            checked.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+            raise RewardError(f"reward {f.name!r} ({f.key}) returned {value!r:.40} for completion {offset + i} "
+                              f"({inputs.rows[i]}); return a float or None")
+        number = float(value)
+        if not math.isfinite(number):
+            raise RewardError(f"reward {f.name!r} ({f.key}) returned {number} for completion {offset + i} "
+                              f"({inputs.rows[i]}); a reward is a finite float (None: not applicable)")
+        checked.append(number)
+    return checked
+
+
+def combine(functions: Sequence[RewardFunction], per_function: Sequence[Sequence[float | None]],
+            rows: Sequence[str]) -> list[float]:
+    """`Σ_f weight_f · r_f` per completion over the functions that apply; RewardError for a row none applies to."""
+    totals = []
+    for i, row in enumerate(rows):
+        applicable = [(f.weight, values[i]) for f, values in zip(functions, per_function, strict=True)
+                      if values[i] is not None]
+        if not applicable:
+            names = ", ".join(repr(f.name) for f in functions)
+            raise RewardError(f"completion {i} ({row}): every reward function returned None ({names}); at least "
+                              "one must score each completion")
+        totals.append(sum(w * v for w, v in applicable))
+    return totals
+
+
+def function_means(functions: Sequence[RewardFunction],
+                   per_function: Sequence[Sequence[float | None]]) -> dict[str, float]:
+    """`rollout/rewards/<name>/mean` over the completions each function applied to (NaN when none)."""
+    out = {}
+    for f, values in zip(functions, per_function, strict=True):
+        scored = [v for v in values if v is not None]
+        out[f"rollout/rewards/{f.name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+    return out
+
+
+def score(functions: Sequence[RewardFunction], inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
+    """Every function on the whole batch in this process: `(rewards, per-function means)`."""
+    per_function = [call_reward(f, inputs) for f in functions]
+    return combine(functions, per_function, inputs.rows), function_means(functions, per_function)
+
+
+def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
+    """`data.rewards` (imported and checked), or the task's own rewards when it is empty."""
+    from rl_core.registry import REWARD_PARAMS, load_callable
+
+    if not data.rewards:
+        if task is None:
+            from rl_core.tasks import get_task
+
+            task = get_task(data.task)
+        return [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.default_rewards(data)]
+    out = []
+    for i, entry in enumerate(data.rewards):
+        key = f"data.rewards[{i}]"
+        fn = load_callable(entry.path, f"{key}.path", REWARD_PARAMS, by_keyword=True)
+        name = entry.name or entry.path.rpartition(":")[2].rpartition(".")[2]
+        out.append(RewardFunction(name, fn, float(entry.weight), key))
+    return out
+
+
+__all__ = ["RewardError", "RewardFn", "RewardFunction", "RewardInputs", "call_reward", "combine",
+           "function_means", "per_completion", "reward_functions", "reward_inputs", "score"]

@@ -64,6 +64,7 @@ def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_
     from infra.roles import RolloutRole
     from rl_core.annotate import annotate
     from rl_core.config import load_config
+    from rl_core.rewards import reward_functions, reward_inputs, score
 
     overrides = [*CLIPPED, f"model.name_or_path={warm_model[0]}", "rl.max_steps=3", "rl.save_every=0",
                  "rl.async_steps=0", "job.name=sync"]
@@ -83,8 +84,8 @@ def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_
         for step in range(1, 4):
             rows = role.sampler.next_batch()
             completions = engine.generate(role.prompts(rows), cfg.rollout.n, role.sampling(step), prompt_offset=0)
-            answers = [role.train[rows[i]].answer for i in completions.prompt_index.tolist()]
-            rewards = [float(role.reward_fn(t, a)) for t, a in zip(completions.decode_responses(tokenizer), answers)]
+            examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+            rewards, _ = score(reward_functions(cfg.data), reward_inputs(examples, completions.decode_responses(tokenizer)))
             batch = annotate(completions, rewards, rows, rl=cfg.rl, first_sample_id=(step - 1) * len(rewards)).batch
             losses.append(trainer.train_step(batch, cfg.rl.micro_batch_per_replica,
                                              cfg.rl.mini_batch_per_replica)["train/loss"])

@@ -516,14 +516,14 @@ def test_a_flow_runs_job_variables_cannot_run_a_command_or_switch_the_opt_in(ser
 
 @pytest.mark.slow
 def test_import_paths_models_and_endpoints_are_refused_from_the_api(services, deployed):
-    """`data.custom_reward=timeit:timeit` executed each sampled completion; `tracking.mlflow_uri` and
+    """`data.rewards=[{path: timeit:timeit}]` would execute on each batch, `data.task=timeit:Timer` on load; `tracking.mlflow_uri` and
     `cluster.address` took the worker's credentials elsewhere. Outside the allowlist: refused, naming each key,
     before anything connects."""
     url = services[1]["PREFECT_API_URL"]
     listener = Listener()
     try:
         there = f"127.0.0.1:{listener.port}"
-        refused = ["data.custom_reward=timeit:timeit", "rl.custom_objective=timeit:timeit",
+        refused = ["data.rewards=[{path: 'timeit:timeit'}]", "data.task=timeit:Timer", "rl.custom_objective=timeit:timeit",
                    "model.name_or_path=/tmp/model", "rl.reference=/tmp/model", f"cluster.address=ray://{there}",
                    f"tracking.mlflow_uri=http://{there}", f"tracking.checkpoint_uri=s3://bucket/{there}",
                    "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd"]
@@ -668,7 +668,8 @@ def test_deployment_parameters_run_project_recipes_only_and_overrides_from_an_al
         problems = deployment_problems(candidate, [], project=REPO, allow_unsafe=False)
         assert len(problems) == 1 and "recipes under" in problems[0], candidate
     # code, models, data, endpoints (the worker's credentials go there), outputs and pruning: not from the API
-    unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "data.custom_reward=timeit:timeit",
+    unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "data.task=timeit:Timer",
+              "data.rewards=[{path: 'timeit:timeit'}]",
               "rl.custom_objective=timeit:timeit", "model.name_or_path=/x", "model.teacher=/x", "rl.reference=/x",
               "cluster.address=ray://evil:10001", "tracking.mlflow_uri=http://evil", "tracking.checkpoint_uri=s3://b/p",
               "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd", "data.val=/x", "rl={}",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -83,11 +82,10 @@ def test_prepare_gsm8k_from_local_dir(tmp_path):
     assert examples == [Example(test[0]["question"], test[0]["answer"])]
 
 
-def test_gsm8k_hub_source_without_datasets_is_a_clear_error(tmp_path):
-    if importlib.util.find_spec("datasets") is not None:
-        pytest.skip("'datasets' is installed; this checks the error without it")
-    with pytest.raises(RuntimeError, match="datasets"):
-        prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+def test_gsm8k_hub_source_that_cannot_load_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing can be downloaded here; the error names what was asked
+    with pytest.raises(RuntimeError, match=r"could not load GSM8K 'no-such-org/gsm8k' split 'test'"):
+        load_examples("no-such-org/gsm8k:test", "gsm8k")
 
 
 def test_prompt_templates(tmp_path):
@@ -254,7 +252,7 @@ def test_rollout_role_names_the_key_of_an_empty_split_and_a_prompt_beyond_the_co
         RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={empty}"]))
     long = tmp_path / "long.jsonl"
     long.write_text('{"prompt": "1+1=", "answer": "2"}\n' + json.dumps({"prompt": "9" * 2040, "answer": "1"}) + "\n")
-    with pytest.raises(ConfigError, match=r"data\.train row 2: its prompt is 2041 tokens.*more than the model's 2048"):
+    with pytest.raises(ConfigError, match=r"data\.train row 2 \(.*long\.jsonl:2\): its prompt is 2041 tokens.*more than the model.s 2048"):
         RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={long}", "rollout.max_tokens=16"]))
     role = RolloutRole.build(load_config("recipes/arithmetic.py", [*base, f"data.train={good}"]))
     assert role.prompt_limit == 5  # <bos> + 4 characters

@@ -1,4 +1,4 @@
-"""User code by import path: the algorithm registry, `rl.custom_objective` and `data.custom_reward`.
+"""User code by import path: the algorithm registry, `rl.custom_objective` and `data.rewards`.
 
 The toy objective and the reward live in `tests/user_code.py`, outside the package, as a user's would.
 """
@@ -95,8 +95,9 @@ def test_surrogates_are_registered_functions_and_the_schema_offers_exactly_those
     ("rl.custom_objective=no_such_package.losses:build", "cannot import module 'no_such_package.losses'"),
     ("rl.custom_objective=tests.user_code:objective_with_one_argument", "cannot be called as objective_with_one_argument(rl, context)"),
     ("rl.custom_objective=tests.user_code:NOT_A_FUNCTION", "is a int, not a function"),
-    ("data.custom_reward=tests.user_code:reward_with_three_arguments", "cannot be called as reward_with_three_arguments(completion, answer)"),
-    ("data.custom_reward=tests/user_code.py", "data.custom_reward"),
+    ("data.rewards=[{path: 'tests.user_code:reward_without_completions'}]", "cannot be called as reward_without_completions(completions=...)"),
+    ("data.rewards=[{path: 'tests/user_code.py'}]", "data.rewards"),
+    ("data.task=tests.user_code:NOT_A_FUNCTION", "int is not a rl_core.tasks.Task"),
 ])
 def test_a_wrong_path_or_signature_is_refused_naming_the_key(override, expected):
     key = override.split("=")[0]
@@ -132,7 +133,7 @@ def test_a_custom_objective_and_reward_train_three_steps_through_the_flow(cwd):
 
     grpo(ARITH, [*FAST, "job.name=custom", "rl.max_steps=3", "rl.validation.every_steps=0",
                  "rl.validation.before_training=false", f"rl.custom_objective={OBJECTIVE}",
-                 f"data.custom_reward={REWARD}"])
+                 f"data.rewards=[{{path: '{REWARD}'}}]"])
     run_dir = cwd / "runs" / "custom"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     answers = [json.loads(line)["answer"] for line in (cwd / "data" / "arithmetic" / "train.jsonl").read_text().splitlines()]

@@ -1,0 +1,129 @@
+"""The reward role: the reward functions run in a pool of Ray actors, off the driver process.
+
+`RewardPool` (enter it inside `Cluster`, which joins or starts Ray) places `data.reward_workers` actors;
+each imports the configured functions (`rl_core.rewards.reward_functions`: `data.rewards`, or the task's
+own). A batch is cut into one contiguous share per actor and every function is called once per share,
+all shares at once. Each actor runs its calls in order, so its k-th call must be back within
+k · `data.reward_timeout_s` of the batch's start; one that is not is named in the error, and the pool's
+actors are replaced before the next batch (a retry of the reward phase starts on fresh actors). With
+`data.reward_workers=0` the functions run in the driver process, without a timeout.
+
+The actors reserve no CPU: scoring runs between the rollout and the train phase, when the trainer's and
+engines' CPUs are idle.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Self
+
+import ray
+
+from rl_core.config import PosttrainConfig
+from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
+from rl_core.rewards import reward_functions as configured_functions
+
+
+class RewardWorker:
+    """The configured reward functions in one Ray actor."""
+
+    def __init__(self, cfg_data: dict):
+        from rl_core.config import config_from_dict
+
+        self.functions = configured_functions(config_from_dict(cfg_data).data)
+
+    def ready(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+    def call(self, index: int, inputs: RewardInputs, offset: int) -> list[float | None]:
+        return call_reward(self.functions[index], inputs, offset)
+
+
+class RewardPool(AbstractContextManager):
+    """`score(inputs) -> (rewards, per-function means)` on `data.reward_workers` actors (or in this process)."""
+
+    def __init__(self, cfg: PosttrainConfig):
+        self.cfg = cfg
+        self.functions: list[RewardFunction] = configured_functions(cfg.data)
+        self.actors: list[Any] = []
+
+    def __enter__(self) -> Self:
+        self._place()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._kill()
+
+    def _place(self) -> None:
+        from infra.cluster import PlacementError, describe_resources
+        from infra.policy_worker import worker_config
+
+        n, timeout = self.cfg.data.reward_workers, self.cfg.cluster.placement_timeout_s
+        if n == 0 or self.actors:
+            return
+        actor = ray.remote(RewardWorker).options(num_cpus=0, max_restarts=0)
+        self.actors = [actor.remote(worker_config(self.cfg)) for _ in range(n)]
+        try:
+            ray.get([a.ready.remote() for a in self.actors], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._kill()
+            raise PlacementError(f"Ray could not start the {n} reward workers (data.reward_workers) within "
+                                 f"cluster.placement_timeout_s={timeout:g}; available now: "
+                                 f"{describe_resources(ray.available_resources())}") from None
+        except ray.exceptions.RayActorError as exc:
+            self._kill()
+            raise RewardError(f"a reward worker failed to start (importing data.rewards / data.task): "
+                              f"{exc}") from None
+
+    def _kill(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+
+    def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
+        if self.cfg.data.reward_workers == 0:
+            per_function = [call_reward(f, inputs) for f in self.functions]
+        else:
+            per_function = self._score_on_actors(inputs)
+        return combine(self.functions, per_function, inputs.rows), function_means(self.functions, per_function)
+
+    def _score_on_actors(self, inputs: RewardInputs) -> list[list[float | None]]:
+        self._place()  # again after a timeout or a failure killed the pool
+        n = len(inputs)
+        bounds = [round(i * n / len(self.actors)) for i in range(len(self.actors) + 1)]
+        shares = [(actor, bounds[i], bounds[i + 1]) for i, actor in enumerate(self.actors) if bounds[i + 1] > bounds[i]]
+        calls = {}  # ref -> (function index, share index, position in the actor's queue)
+        for s, (actor, start, stop) in enumerate(shares):
+            part = ray.put(inputs.part(start, stop))
+            for f in range(len(self.functions)):
+                calls[actor.call.remote(f, part, start)] = (f, s, f + 1)
+        timeout, began = self.cfg.data.reward_timeout_s, time.monotonic()
+        for k in range(1, len(self.functions) + 1):  # the k-th call of every actor: back by k timeouts
+            kth = [ref for ref, c in calls.items() if c[2] == k]
+            _, pending = ray.wait(kth, num_returns=len(kth), timeout=max(began + k * timeout - time.monotonic(), 0))
+            if pending:
+                f, s, _ = calls[pending[0]]
+                start, stop = shares[s][1], shares[s][2]
+                self._kill()
+                fn = self.functions[f]
+                raise RewardError(f"reward {fn.name!r} ({fn.key}) did not return within data.reward_timeout_s="
+                                  f"{timeout:g} s on completions {start}..{stop - 1} (the first from "
+                                  f"{inputs.rows[start]}); make it faster, or raise data.reward_timeout_s")
+        per_function: list[list[float | None]] = [[None] * n for _ in self.functions]
+        for ref, (f, s, _) in calls.items():
+            try:
+                values = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+                raise (cause if isinstance(cause, RewardError) else RewardError(str(cause))) from None
+            except ray.exceptions.RayActorError as exc:
+                self._kill()
+                raise RewardError(f"a reward worker died while scoring ({exc}); the reward functions crashed "
+                                  "its process") from None
+            start = shares[s][1]
+            per_function[f][start:start + len(values)] = values
+        return per_function
+
+
+__all__ = ["RewardPool", "RewardWorker"]

@@ -1,0 +1,50 @@
+"""The reward pool: TRL-style functions in Ray actors, each scoring a share of the batch; the same rewards as
+in the driver, a timeout that names the slow function, a failure that names the function and row, and a pool
+that serves the next batch after either."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rl_core.config import load_config
+from rl_core.rewards import RewardError, reward_functions, reward_inputs, score
+from rl_core.tasks import Example
+
+REWARDS = ("data.rewards=[{path: 'tests.user_code:length_reward', weight: 0.5}, "
+           "{path: 'tests.user_code:unit_reward', weight: 2.0, name: units}]")
+
+
+def _batch(n: int):
+    examples = [Example(f"{i}+1=", str(i + 1), None, {"answer": str(i + 1), "unit": None if i % 3 else "cm"},
+                        f"f.jsonl:{i + 1}") for i in range(n)]
+    texts = [("cm " if i % 2 else "") + "x" * (i % 5) for i in range(n)]
+    return reward_inputs(examples, texts)
+
+
+def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functions():
+    from infra.rewards import RewardPool
+
+    cfg = load_config("recipes/arithmetic.py", [REWARDS, "data.reward_workers=3", "data.reward_timeout_s=2"])
+    inputs = _batch(11)  # 11 completions in shares of 4, 3, 4
+    with RewardPool(cfg) as pool:
+        assert len(pool.actors) == 3
+        assert pool.score(inputs) == score(reward_functions(cfg.data), inputs)
+
+        slow = cfg.model_copy(deep=True)
+        slow.data.rewards[1].path = "tests.user_code:sleepy_reward"
+        with RewardPool(slow) as sleepy:
+            began = time.monotonic()
+            with pytest.raises(RewardError, match=r"reward 'units' \(data.rewards\[1\]\) did not return within "
+                                                  r"data.reward_timeout_s=2 s on completions 0\.\.3 \(the first from f\.jsonl:1\)"):
+                sleepy.score(inputs)
+            # length_reward answers at once, units sleeps: the second call of each actor is due by 2 timeouts
+            assert time.monotonic() - began < 2 * 2 + 3
+            assert sleepy.actors == []  # killed: the next batch starts on fresh actors
+
+        rows = _batch(4)
+        rows.columns["unit"] = ["cm", "cm", "cm", 5]  # unit_reward: `5 in text` raises TypeError on row 4
+        with pytest.raises(RewardError, match=r"reward 'units' \(data.rewards\[1\]\) raised TypeError"):
+            pool.score(rows)
+        assert pool.score(inputs) == score(reward_functions(cfg.data), inputs)  # the pool still serves
