@@ -93,7 +93,7 @@ def test_vllm_serves_the_synced_adapter_like_the_peft_model(setup):
 def test_a_new_version_replaces_the_old_adapter(setup):
     from rl_core import lora
 
-    base, policy, tokenizer, engine = setup
+    _base, policy, tokenizer, engine = setup
     old = engine.lora_request
     nontrivial_adapter(policy, seed=2)
     engine.update_weights(lora.adapter_state(policy, torch.float32), 2)
