@@ -44,8 +44,11 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
     """The configured engine: HF in `model.compute_dtype`, vLLM in `engine_dtype`.
 
     HF over `model` (the trainer's own float32 model, colocated and unsharded: it then samples under
-    autocast) or over a fresh copy of the policy held in the compute dtype; vLLM from the policy's path.
+    autocast; with LoRA the PEFT model itself) or over a fresh copy of the policy held in the compute dtype
+    (with LoRA it receives the merged weights); vLLM from the policy's path, with `model.lora.r > 0` serving
+    the adapters it receives as LoRA requests.
     """
+    from rl_core.lora import adapter_config_dict
     from rl_core.models import load_policy, load_tokenizer, resolve_model_path
     from rl_core.rollout import make_engine
 
@@ -56,8 +59,10 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
             tokenizer = tokenizer or loaded_tokenizer
         return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, dtype=compute)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed,
-                       model_path=resolve_model_path(cfg.model.name_or_path), dtype=engine_dtype(cfg, device.type == "cuda"),
+    path = resolve_model_path(cfg.model.name_or_path)
+    lora_config = adapter_config_dict(cfg.model.lora, path) if cfg.model.lora.r > 0 else None
+    return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed, lora_config=lora_config,
+                       model_path=path, dtype=engine_dtype(cfg, device.type == "cuda"),
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code)
 

@@ -110,10 +110,24 @@ class PolicyWorker:
             state = self.trainer.model.state_dict()
             self.engine.set_policy_version(version)
         else:  # every rank gathers (sharded) and casts to the engine's dtype, one tensor at a time
-            state = self.trainer.full_model_state(self._wire_dtype())
+            state = self._lora_state(self._wire_dtype())
+            state = self.trainer.full_model_state(self._wire_dtype()) if state is None else state
             self.engine.update_weights(state, version)
         return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout),
                 "seconds": time.perf_counter() - t, "bytes": 0}
+
+    def _lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """With LoRA, what the engines take: the adapters (vLLM loads them as a LoRA request) or the merged
+        weights (an HF engine of its own); None without LoRA or for a colocated HF engine, which samples from
+        the trainer's PEFT model itself."""
+        from rl_core import lora
+
+        model = self.trainer.model
+        if not lora.is_lora(model) or getattr(self.engine, "model", None) is model:
+            return None
+        if self.cfg.rollout.backend == "vllm":
+            return lora.adapter_state(model, dtype)
+        return lora.merged_state(model, dtype)
 
     def _wire_dtype(self) -> torch.dtype:
         from rl_core.models import torch_dtype
@@ -131,7 +145,8 @@ class PolicyWorker:
         from infra.distributed import wire_layout
 
         if self.layout is None:
-            self.layout = wire_layout(self.trainer.model.state_dict(), self._engine_dtype())
+            state = self._lora_state()
+            self.layout = wire_layout(self.trainer.model.state_dict() if state is None else state, self._engine_dtype())
         return self.layout
 
     def open_weight_group(self, world_size: int) -> tuple[str, int]:
@@ -152,8 +167,10 @@ class PolicyWorker:
         from infra.distributed import send_state
 
         t = time.perf_counter()
-        state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
-            else self.trainer.model.state_dict()
+        state = self._lora_state()
+        if state is None:
+            state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
+                else self.trainer.model.state_dict()
         if self.rank != 0:
             return None
         digest, sent = send_state(self.weight_group, state, self.weight_layout(), self.device)
@@ -196,12 +213,16 @@ class PolicyWorker:
 
         The reference is loaded for this call and dropped afterwards; the scores are cached by the flow.
         """
+        from rl_core import lora
         from rl_core.algorithms.dpo import with_reference_logps
         from rl_core.models import load_policy
 
         model_cfg = self.cfg.model if self.cfg.rl.reference is None else \
             self.cfg.model.model_copy(update={"name_or_path": self.cfg.rl.reference})
-        reference, _ = load_policy(model_cfg, device=self.device, dtype=self.cfg.model.compute_dtype)
+        if lora.is_lora(self.trainer.model) and self.cfg.rl.reference is None:  # the base, adapter disabled
+            reference = lora.ReferenceView(self.trainer.model)
+        else:
+            reference, _ = load_policy(model_cfg, device=self.device, dtype=self.cfg.model.compute_dtype)
         with self.trainer.autocast():
             scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rl.temperature,
                                           micro_batch_size=micro_batch_size)
@@ -220,12 +241,18 @@ class PolicyWorker:
     def save_pretrained(self, path: str) -> str | None:
         """Rank 0 saves the policy (float32) and its tokenizer as a transformers directory (safetensors).
 
-        Sharded, every rank calls this: the full weights are gathered first.
+        Sharded, every rank calls this: the full weights are gathered first. With LoRA the directory holds the
+        merged model, and `adapter/` the adapter in PEFT's format (`rl_core.lora`).
         """
+        from rl_core import lora
+
         state = self.trainer.full_model_state() if self.trainer.sharded else None
         if self.rank != 0:
             return None
-        if state is None:
+        if lora.is_lora(self.trainer.model):
+            lora.save_merged(self.trainer.model, path)
+            lora.save_adapter(self.trainer.model, str(Path(path) / "adapter"))
+        elif state is None:
             self.trainer.model.save_pretrained(path, safe_serialization=True)
         else:
             self.trainer.model.save_pretrained(path, state_dict=_to_cpu(state), safe_serialization=True)
@@ -254,6 +281,7 @@ def _to_cpu(obj: Any) -> Any:
 
 def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.device | None = None):
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
+    from rl_core import lora
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.models import load_policy, torch_dtype
     from rl_core.trainer import LLMTrainer
@@ -263,6 +291,8 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA with FSDP)
+        model = lora.wrap(model, cfg.model.lora)
     if cfg.cluster.sharding == "fsdp" and cfg.cluster.num_workers > 1:
         from infra.distributed import shard_policy
 
@@ -271,8 +301,11 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:
         ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})
-        reference, _ = load_policy(ref_cfg, device=device, dtype=cfg.model.compute_dtype)  # frozen: compute dtype
-        reference.eval().requires_grad_(False)
+        if lora.is_lora(model) and cfg.rl.reference is None:  # the initial policy: the base, adapter disabled
+            reference = lora.ReferenceView(model)
+        else:
+            reference, _ = load_policy(ref_cfg, device=device, dtype=cfg.model.compute_dtype)  # frozen: compute dtype
+            reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
                          compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps)

@@ -43,6 +43,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from rl_core import lora
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
     Objective,
@@ -324,6 +325,9 @@ class LLMTrainer:
     def state_dict(self) -> dict:
         """Everything an exact resume needs: model, optimizer, scheduler, RNG states, counters.
 
+        With LoRA (`rl_core.lora`) the model entry holds only the adapters, and `base_model` names the
+        frozen base model they were trained on (refused on load when it differs).
+
         Model and optimizer tensors are full (unsharded) in both modes, and the optimizer state is
         keyed by parameter index as `torch.optim` does. Sharded: every rank must call it (it gathers);
         rank 0 gets the tensors, on CPU, the other ranks empty model/optimizer entries.
@@ -340,8 +344,9 @@ class LLMTrainer:
             optim_state = _optimizer_by_index(get_optimizer_state_dict(self.model, self.optimizer, options=opts),
                                               self._param_names())
         else:
-            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+            model_state, optim_state = lora.trained_state(self.model), self.optimizer.state_dict()
         return {
+            **lora.identity_entry(self.model),  # LoRA: the base model the adapters were trained on
             "model": model_state,
             "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
@@ -367,7 +372,8 @@ class LLMTrainer:
             set_optimizer_state_dict(self.model, self.optimizer,
                                      _optimizer_by_name(state["optimizer"], self._param_names()), options=opts)
         else:
-            self.model.load_state_dict(state["model"])
+            lora.check_base(self.model, state)
+            lora.load_trained_state(self.model, state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])

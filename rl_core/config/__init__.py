@@ -21,6 +21,7 @@ from rl_core.config.schema import (
     ClusterConfig,
     DataConfig,
     JobConfig,
+    LoRAConfig,
     ModelConfig,
     OptimizerConfig,
     PosttrainConfig,
@@ -31,7 +32,7 @@ from rl_core.config.schema import (
 )
 
 __all__ = [
-    "ClusterConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "PosttrainConfig",
+    "ClusterConfig", "ConfigError", "DataConfig", "JobConfig", "LoRAConfig", "ModelConfig", "OptimizerConfig", "PosttrainConfig",
     "PreflightReport", "RLConfig", "RolloutConfig", "TrackingConfig", "ValidationConfig", "check", "config_from_dict",
     "config_hash", "flatten", "load_checked", "load_config", "num_mini_batches", "per_replica_batch", "preflight", "to_yaml",
     "write_resolved",

@@ -30,6 +30,7 @@ from typing import Any
 
 from rl_core.config.preflight import num_engines, per_replica_batch, rows_per_prompt
 from rl_core.config.schema import PosttrainConfig
+from rl_core.lora import adapter_counts
 
 GIB = 1024**3
 MIB = 1024**2
@@ -83,6 +84,7 @@ class ModelShape:
     state_elements: int | None = None
     largest_tensor: int | None = None
     architecture: str = ""
+    linears: tuple[tuple[str, int, int], ...] = ()  # (name, d_in, d_out) of every Linear but the LM head (LoRA)
 
     @property
     def matmul(self) -> int:
@@ -129,6 +131,9 @@ def shape_from_config(config, trust_remote_code: bool = False) -> ModelShape:
                 if id(p) not in seen:
                     seen.add(id(p))
                     matmul += p.numel()
+    head = model.get_output_embeddings()
+    linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and m is not head)
     layer_names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     text = _text_config(config)
@@ -148,6 +153,7 @@ def shape_from_config(config, trust_remote_code: bool = False) -> ModelShape:
         state_elements=sum(t.numel() for t in model.state_dict().values()),
         largest_tensor=max(p.numel() for p in params),
         architecture=type(model).__name__,
+        linears=linears,
     )
 
 
@@ -582,12 +588,16 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     role = RolePlan("trainer", "trainer rank", n, cl.gpus_per_worker, tuple(phases))
     P, T = s.n_params, s.n_param_tensors
     shard = f", 1/{n} shard (FSDP)" if fsdp else ""
+    A, TA = adapter_counts(s.linears, cfg.model.lora)  # LoRA: the trained parameters are the adapters'
+    G, TG = (A, TA) if A else (P, T)  # what has gradients and AdamW state
+    what = f" (LoRA r={cfg.model.lora.r}: adapters only, {params_text(A)})" if A else ""
 
-    role.add(f"parameters: float32 master weights{shard}", math.ceil(4 * P / div))
-    role.add(f"gradients: float32{shard}", math.ceil(4 * P / div), (FORWARD, STEP),
+    role.add(f"parameters: float32 master weights{shard}" + (f" + LoRA adapters ({params_text(A)})" if A else ""),
+             math.ceil(4 * (P + A) / div))
+    role.add(f"gradients: float32{shard}{what}", math.ceil(4 * G / div), (FORWARD, STEP),
              "released after each step")
-    role.add(f"AdamW state: exp_avg + exp_avg_sq float32{shard}, step 4 B x {T} tensors",
-             math.ceil(8 * P / div) + 4 * T)
+    role.add(f"AdamW state: exp_avg + exp_avg_sq float32{shard}, step 4 B x {TG} tensors{what}",
+             math.ceil(8 * G / div) + 4 * TG)
     if on_gpu:
         role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
     if c == 2 and not fsdp:
@@ -605,24 +615,31 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states, head-weight gradient",
              logits_bytes(s, read, c, True), (FORWARD,))
     if not fsdp and n > 1:
-        role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * P), (STEP,))
+        role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * G), (STEP,))
     if on_gpu:  # torch's foreach AdamW (the default on CUDA) allocates sqrt(exp_avg_sq) for all params
-        role.add(f"AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * P / div), (STEP,))
+        role.add(f"AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * G / div), (STEP,))
 
-    # -- the frozen reference
-    if algo in GROUP_FAMILY and cfg.rl.kl_beta > 0:
+    # -- the frozen reference (LoRA without rl.reference: the base with the adapter disabled, no copy)
+    own_reference = not (A and cfg.rl.reference is None)
+    if own_reference and algo in GROUP_FAMILY and cfg.rl.kl_beta > 0:
         role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, None,
                  "every rank holds it whole")
     if algo == "dpo":
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
-        role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, (REFERENCE,),
-                 "rank 0 scores every pair once, then frees it")
+        if own_reference:
+            role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, (REFERENCE,),
+                     "rank 0 scores every pair once, then frees it")
         role.add(f"reference scoring: fused LM head, {chunk} rows + one layer",
                  logits_bytes(ref, chunk * cfg.rollout.max_tokens, c, False)
                  + nograd_forward_bytes(ref, chunk, seq, c, c, mask=False), (REFERENCE,))
 
-    # -- weight sync
+    # -- weight sync (LoRA: vLLM takes the adapters, HF engines the merged weights)
     state_c = s.state * c
+    if A and not colocated and cfg.rollout.backend == "vllm":
+        state_c = A * c
+    elif A and (not colocated or fsdp):
+        role.add(f"LoRA merged weights: full state in {cfg.model.compute_dtype}", state_c, (SYNC,),
+                 "W + (alpha/r) B A of every adapted weight, sent to the HF engines")
     if fsdp:  # LLMTrainer.full_model_state: every rank gathers, casting one float32 tensor at a time
         role.add(f"weight-sync gather: full state in {cfg.model.compute_dtype} (+ one float32 tensor"
                  f"{'' if colocated else ', + the broadcast bucket'})",
@@ -676,8 +693,9 @@ def _separate_engine(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes
         else:
             role.add(f"vLLM weights: {cfg.model.compute_dtype}", s.n_params * c, None,
                      "the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE) is not planned")
-        role.add(f"received weights: full state in {cfg.model.compute_dtype}", s.state * c, (SYNC,),
-                 "views of the broadcast buckets, loaded by vLLM")
+        A = adapter_counts(s.linears, cfg.model.lora)[0]
+        role.add(f"received weights: {'LoRA adapters' if A else 'full state'} in {cfg.model.compute_dtype}",
+                 (A or s.state) * c, (SYNC,), "views of the broadcast buckets, loaded by vLLM")
     else:
         rows = generation_rows(cfg, count)
         role.add(f"weights: {cfg.model.compute_dtype}", s.n_params * c)

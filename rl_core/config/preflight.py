@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from rl_core.config.schema import PosttrainConfig, RLConfig
+from rl_core.lora import lora_problems
 from rl_core.primitives.policy_gradient import clip_settings_problem
 from rl_core.registry import ALGORITHMS, algorithm, names, user_code_problems
 
@@ -217,6 +218,8 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
             "whole GPU per rank (two ranks on one GPU cannot form an NCCL group); use a whole number")
     if cl.placement == "separate" and cl.gpus_per_engine > 1 and cl.gpus_per_engine != int(cl.gpus_per_engine):
         err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
+
+    rep.errors.extend(lora_problems(cfg))  # model.lora with sharding / vLLM (rl_core/lora.py)
 
     # -- honoured but inert or risky
     if cl.sharding == "fsdp" and cl.num_workers == 1:

@@ -44,12 +44,27 @@ class JobConfig(_Section):
     max_restarts: int = Field(2, ge=0, le=100, description="Automatic restarts of a run whose Ray actor (trainer rank, engine, teacher) died: each resumes from the newest checkpoint; then the flow fails.")
 
 
+class LoRAConfig(_Section):
+    r: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning), r > 0 trains only low-rank adapters on the frozen base model (docs/lora.md).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: an adapter adds (alpha / r) * B @ A to its weight.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during training (0 <= dropout < 1).")
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description="Linear layers that get an adapter: 'all-linear' (every Linear but the LM head) or module-name suffixes, e.g. ['q_proj', 'v_proj'].")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, value):
+        if isinstance(value, list) and (not value or any(not name for name in value)):
+            raise ValueError("model.lora.target_modules needs at least one non-empty module name, or 'all-linear'")
+        return value
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field("artifacts/tiny-model/warm", min_length=1, description="Hub id or local directory of the policy (and its tokenizer).")
     compute_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the trainer's forward/backward (bfloat16: under autocast) and of the rollout engines; parameters, gradients and AdamW state stay float32.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~30% more compute).")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub; off unless you trust the repository.")
     teacher: str | None = Field(None, description="OPD only: the frozen teacher (hub id or local directory), sharing the policy's tokenizer.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (PEFT) instead of full fine-tuning; r=0 is off.")
 
 
 class RolloutConfig(_Section):

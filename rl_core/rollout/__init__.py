@@ -33,6 +33,7 @@ def sampling_params_from_config(
 def make_engine(
     rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto",
     max_model_len: int | None = None, sleep_mode: bool = False, trust_remote_code: bool = False,
+    lora_config: dict | None = None,
 ) -> RolloutEngine:
     """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
 
@@ -40,7 +41,9 @@ def make_engine(
     the model's own parameter dtype. vllm: loads its own copy of the weights from `model_path`
     (the `model.name_or_path` the policy was loaded from; required) and takes later weights through
     `update_weights`; `model` is not used by it (pass None). `max_model_len`: the longest prompt
-    plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated).
+    plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated);
+    `lora_config` (vllm, `model.lora.r > 0`): the adapters' `adapter_config.json`, and `update_weights`
+    then takes the adapters' tensors.
     """
     backend = rollout_cfg.backend
     if backend == "hf":
@@ -61,6 +64,7 @@ def make_engine(
             seed=seed,
             sleep_mode=sleep_mode,
             trust_remote_code=trust_remote_code,
+            lora_config=lora_config,
         )
     raise ValueError(f"rollout.backend={backend!r} is not one of 'hf', 'vllm'")
 

@@ -23,11 +23,20 @@ Mapping from the config / `SamplingParams`:
   where vLLM repacks linear weights, as on GPU), then the prefix cache is reset so no KV computed
   with old weights is reused (stale rollout weights: the flow also logs the sampling-vs-trainer
   log-prob gap every step).
+- LoRA (`lora_config`, the adapters' `adapter_config.json`): the engine starts with `enable_lora=True`
+  and `max_lora_rank` the smallest rank vLLM offers that holds `r`; `update_weights` then takes the
+  adapters' tensors (PEFT's saved names), writes them as a PEFT adapter directory of their own
+  (`adapter_model.safetensors` + `adapter_config.json`, `target_modules` read off the tensor names),
+  loads it as a new `LoRARequest` that every later request uses, and removes the previous one (from
+  vLLM and from disk). The base weights are never reloaded.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -73,6 +82,7 @@ class VLLMEngine(RolloutEngine):
         policy_version: int = 0,
         sleep_mode: bool = False,
         trust_remote_code: bool = False,
+        lora_config: dict | None = None,
         **llm_kwargs,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -107,6 +117,14 @@ class VLLMEngine(RolloutEngine):
             kwargs["max_model_len"] = int(max_model_len)
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        self.lora_config = dict(lora_config) if lora_config else None
+        self.lora_request = None
+        self._lora_ids = 0
+        if self.lora_config:
+            from rl_core.lora import vllm_rank
+
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_rank(int(self.lora_config["r"])), max_loras=1)
+            self._lora_root = tempfile.mkdtemp(prefix="posttrain-vllm-lora-")
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -123,10 +141,36 @@ class VLLMEngine(RolloutEngine):
         return self._version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's weights (HF names) in place, then drop the prefix cache."""
+        """Load the trainer's weights (HF names) in place, then drop the prefix cache. With LoRA, `state_dict`
+        is the adapters (PEFT's names), loaded as a new LoRA request."""
         self.wake()
+        if self.lora_config:
+            self._load_adapter(state_dict, version)
+            return
         weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self._version = int(version)
+
+    def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._lora_ids += 1
+        path = os.path.join(self._lora_root, f"v{int(version)}-{self._lora_ids}")
+        os.makedirs(path)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+                  os.path.join(path, "adapter_model.safetensors"))
+        config = dict(self.lora_config)
+        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state_dict})
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{int(version)}", self._lora_ids, path)
+        engine = self.llm.llm_engine
+        engine.add_lora(self.lora_request)
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         self.llm.reset_prefix_cache()
         self._version = int(version)
 
@@ -165,7 +209,7 @@ class VLLMEngine(RolloutEngine):
                 skip_special_tokens=False,
             ))
         started = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         self.last_generate_s = time.perf_counter() - started
         responses, logps = [], []
         for request in outputs:  # in request order
