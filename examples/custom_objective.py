@@ -2,7 +2,7 @@
 
     PYTHONPATH=. posttrain run recipes/arithmetic.py -- \
         rl.custom_objective=examples.custom_objective:build_objective \
-        data.custom_reward=examples.custom_objective:digit_reward rl.max_steps=25
+        "data.rewards=[{path: 'examples.custom_objective:digit_reward'}]" rl.max_steps=25
 
 The objective: the on-policy policy gradient of the quickstart (−A·ℓ, A the group advantage the
 annotator computed over the whole batch) with the advantages clipped to ±ADVANTAGE_CLIP, reduced per
@@ -54,10 +54,12 @@ def build_objective(rl, context) -> Objective:
     )
 
 
-def digit_reward(completion: str, answer: str) -> float:
-    """1.0 for the exact answer; otherwise half a point spread over the answer's digits matched in place."""
-    text = completion.strip().split()[0] if completion.strip() else ""
-    if text == answer:
-        return 1.0
-    matched = sum(a == b for a, b in zip(text, answer))
-    return 0.5 * matched / max(len(answer), 1)
+def digit_reward(completions, answer, **_):
+    """A TRL-style reward: 1.0 for the exact answer; otherwise half a point spread over the answer's digits
+    matched in place."""
+    out = []
+    for completion, want in zip(completions, answer):
+        text = completion.strip().split()[0] if completion.strip() else ""
+        matched = sum(a == b for a, b in zip(text, want))
+        out.append(1.0 if text == want else 0.5 * matched / max(len(want), 1))
+    return out

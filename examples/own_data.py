@@ -7,8 +7,10 @@ The data: chat-format JSONL rows, one per problem,
 written by `make_rows` (`posttrain`'s DVC stage `own_data` runs `python -m examples.own_data --out
 data/own-data`). Every column but `messages` reaches the reward functions as a keyword argument.
 
-The rewards, TRL-style: `exact_answer` reads the `answer` column, `within_length` the `max_chars` column;
-the recipe weighs them 1.0 and 0.2. `verl_style` shows a verl `compute_score` wrapped in one line.
+The rewards, TRL-style: `answer_digits` reads the `answer` column (partial credit per digit in place),
+`within_length` the `max_chars` column; the recipe weighs them 0.8 and 0.2, so a reward of 1.0 is a
+completion that is exactly the answer (the held-out `val/accuracy`). `exact_answer` is the all-or-nothing
+version. `verl_style` shows a verl `compute_score` wrapped in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ def _text(completion) -> str:
 def exact_answer(completions, answer, **_):
     """1.0 when the completion is exactly the answer (whitespace aside), else 0.0."""
     return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def answer_digits(completions, answer, **_):
+    """Partial credit: the fraction of the answer's digits the completion has in place (1.0: exactly the answer)."""
+    out = []
+    for c, a in zip(completions, answer):
+        got, want = _text(c).strip(), str(a).strip()
+        same = sum(x == y for x, y in zip(got, want))
+        out.append(same / max(len(got), len(want)) if got else 0.0)
+    return out
 
 
 def within_length(completions, max_chars, **_):
