@@ -27,7 +27,8 @@ DPO_KNOBS = ("dpo_beta",)
 # Knobs of the policy-gradient surrogates and group advantages, which DPO (offline pairs) never reads.
 POLICY_GRADIENT_KNOBS = ("grpo_surrogate", "importance_sampling_level", "epsilon_low", "epsilon_high",
                          "lower_bound_ratio", "loss_type", "unbiased_advantage", "advantage_eps", "kl_beta",
-                         "kl_estimator", "shared_prefix_min_tokens", "certified_deterministic_forward")
+                         "kl_estimator", "shared_prefix_min_tokens", "certified_deterministic_forward",
+                         "certified_forward_atol")
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,8 @@ def build_objective(rl, context: ObjectiveContext) -> Objective:
     cache = None
     if clipped:
         cache = OldLogpCache(LogprobScorer(rl.temperature),
-                             certified_deterministic_forward=rl.certified_deterministic_forward)
+                             certified_deterministic_forward=rl.certified_deterministic_forward,
+                             accelerator_atol=rl.certified_forward_atol)
     return Objective(
         fn=GRPOLoss(settings, cache),
         reduction=Reduction.TOKEN_SUM,

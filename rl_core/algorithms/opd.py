@@ -333,7 +333,8 @@ def build_objective(rl, context: ObjectiveContext) -> Objective:
         temperature=rl.temperature,
     )
     cache = OldLogpCache(LogprobScorer(rl.temperature),
-                         certified_deterministic_forward=rl.certified_deterministic_forward)
+                         certified_deterministic_forward=rl.certified_deterministic_forward,
+                             accelerator_atol=rl.certified_forward_atol)
     return Objective(
         fn=OPDLoss(settings, cache),
         reduction=Reduction.TOKEN_SUM,

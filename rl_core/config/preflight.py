@@ -122,7 +122,7 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     # -- knobs the selected objective never reads
     if not clipped:
         for knob in ("importance_sampling_level", "epsilon_low", "epsilon_high", "lower_bound_ratio",
-                     "certified_deterministic_forward"):
+                     "certified_deterministic_forward", "certified_forward_atol"):
             if _non_default(rl, knob):
                 err(f"rl.{knob}={getattr(rl, knob)!r}: not read by rl.grpo_surrogate=legacy_pg (no ratio, no clip, no "
                     f"pi_old); remove it or use rl.grpo_surrogate=clipped")
@@ -180,6 +180,10 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a chunk "
             "(Reduction.MEAN), so its chunks must hold equal numbers of pairs; use rl.micro_batch_per_replica")
     rep.errors.extend(data_problems(cfg))
+
+    if _non_default(rl, "certified_forward_atol") and not rl.certified_deterministic_forward:
+        err(f"rl.certified_forward_atol={rl.certified_forward_atol:g}: read only with "
+            "rl.certified_deterministic_forward=true; set that, or remove this")
 
     # -- group size and batch shape
     if spec.group_relative and ro.n < 2 and not opd_direct:

@@ -136,13 +136,16 @@ class OldLogpCache:
       `invalidate()`  when the batch is done; any later lookup raises.
     A second fill without `invalidate()` raises (one fill per collected batch). While `certify` is
     on (the trainer's first mini-batch under `certified_deterministic_forward`), `lookup` checks that
-    the training forward equals the stored values bit for bit.
+    the training forward equals the stored values: bit for bit on CPU, where the kernels are
+    deterministic; within `accelerator_atol` on an accelerator, whose kernels may reduce in a different
+    order between two identical forwards.
     """
 
     def __init__(self, scorer: Callable[[torch.nn.Module, Any], torch.Tensor], *,
-                 certified_deterministic_forward: bool = False):
+                 certified_deterministic_forward: bool = False, accelerator_atol: float = 0.0):
         self.scorer = scorer
         self.certified_deterministic_forward = certified_deterministic_forward
+        self.accelerator_atol = float(accelerator_atol)
         self.certify = False
         self.fills = 0
         self.lookups = 0
@@ -213,14 +216,21 @@ class OldLogpCache:
                                     f"{tuple(current_logp.shape)}")
         if self.certify:
             cur = current_logp.detach()
-            if not torch.equal(cur, old.to(cur.dtype)):
-                diff = (cur - old).abs()
+            atol = self.certify_atol(cur.device)
+            diff = (cur - old.to(cur.dtype)).abs()
+            if not (torch.equal(cur, old.to(cur.dtype)) if atol == 0 else bool((diff <= atol).all())):
+                bound = "bit for bit" if atol == 0 else f"within rl.certified_forward_atol={atol:g}"
                 raise NondeterministicForwardError(
-                    f"rl.certified_deterministic_forward: the pi_old pass and the training forward differ on the first "
-                    f"mini-batch at {int((diff > 0).sum())} position(s), max |diff| = {float(diff.max()):.3e}; the "
-                    "forward is not deterministic (dropout, nondeterministic kernels, or a changed micro-batch layout)")
+                    f"rl.certified_deterministic_forward: the pi_old pass and the training forward differ ({bound}) on "
+                    f"the first mini-batch at {int((diff > atol).sum())} position(s), max |diff| = "
+                    f"{float(diff.max()):.3e}; the forward is not deterministic (dropout, nondeterministic kernels, or a "
+                    "changed micro-batch layout)")
             self.certified_rows += len(ids)
         return old
+
+    def certify_atol(self, device: torch.device) -> float:
+        """The certificate's tolerance on `device`: 0 (bitwise) on CPU, `accelerator_atol` elsewhere."""
+        return 0.0 if torch.device(device).type == "cpu" else self.accelerator_atol
 
 
 @dataclass

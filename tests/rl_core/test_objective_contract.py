@@ -266,6 +266,21 @@ def test_certified_deterministic_forward_passes_and_fails_loudly():
     LLMTrainer(tiny_model(dropout=0.5), build_objective(RLConfig(), CTX), OPT).train_step(make_batch(), 4, 4)
 
 
+def test_the_certificate_is_bitwise_on_cpu_and_within_the_configured_tolerance_on_an_accelerator():
+    cache = build_objective(RLConfig(certified_deterministic_forward=True, certified_forward_atol=1e-3),
+                            CTX).old_logp_cache
+    assert cache.certify_atol(torch.device("cpu")) == 0.0
+    assert cache.certify_atol(torch.device("cuda", 1)) == 1e-3  # a device object: no GPU needed to ask
+    ids = torch.arange(2)
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -0.25]])
+    cache.fill(ids, old, 0)
+    cache.certify = True
+    assert torch.equal(cache.lookup(ids, 0, old.clone()), old)
+    nudged = old + torch.tensor([[0.0, 1e-6], [0.0, 0.0]])  # well inside the accelerator tolerance
+    with pytest.raises(NondeterministicForwardError, match=r"bit for bit.*at 1 position\(s\), max \|diff\| = 9\.5"):
+        cache.lookup(ids, 0, nudged)  # on CPU the certificate stays bitwise
+
+
 # ------------------------------------------------------------------------------ data preconditions
 
 
