@@ -4,7 +4,10 @@
   reports `(ip, port)`; the other ranks connect to it. Nothing goes through a shared file, so the
   ranks may sit on different machines.
 - Gloo binds to the interface that carries the node IP (127.0.0.1 -> `lo`), unless the user set
-  `GLOO_SOCKET_IFNAME`.
+  `GLOO_SOCKET_IFNAME`, whatever the trainers' backend: NCCL groups and an in-process vLLM create gloo
+  groups too, and gloo left to itself binds to whatever the host name resolves to (127.0.1.1 on many
+  Debian-family hosts), which the other nodes cannot reach. NCCL's own interface is
+  `NCCL_SOCKET_IFNAME`, the user's to set on multi-homed nodes (README, "What must be shared").
 - `WeightGroup`: a process group of its own (not torch's default group, which the trainer ranks
   already use and which an in-process vLLM may create) between trainer rank 0 (rank 0 of the group)
   and the rollout engines: gloo on CPU, NCCL on GPU.
@@ -79,8 +82,7 @@ def connect_store(host: str, port: int, world_size: int, timeout: timedelta = DE
 
 def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size: int, ip: str) -> None:
     """torch's default process group (the trainer ranks' data-parallel group) over a TCP store."""
-    if backend == "gloo":
-        bind_gloo_to(ip)
+    bind_gloo_to(ip)  # every backend: the gloo groups NCCL setups and vLLM create bind there too
     dist.init_process_group(backend, store=dist.PrefixStore("dp", store), rank=rank, world_size=world_size,
                             timeout=DEFAULT_TIMEOUT)
 
