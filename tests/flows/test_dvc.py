@@ -29,6 +29,9 @@ QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start",
               "evaluate")
 UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
 GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
+OWN_DATA_STAGE = "pipelines/own_data/dvc.yaml:own_data"
+# The pipelines outside the default target, by the output that shows one was built.
+OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -250,8 +253,9 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
     }
 
     assert UP_TO_DATE in _dvc(clone, env, "status", "dvc.yaml")
-    # `dvc status` of the whole repository lists only the GSM8K pipeline, unless its test built it
-    assert set(_status(clone, env)) == (set() if (clone / "data/gsm8k").exists() else {GSM8K_STAGE})
+    # `dvc status` of the whole repository lists only the pipelines outside the default target, unless a test
+    # built them
+    assert set(_status(clone, env)) == {stage for stage, out in OPTIONAL.items() if not (clone / out).exists()}
     # every output is git-ignored: git sees only the edited params and the new lock file
     porcelain = set(_git(clone, "status", "--porcelain").splitlines())
     assert porcelain <= {" M params.yaml", "M  params.yaml", "?? dvc.lock", "A  dvc.lock"}, porcelain
@@ -285,8 +289,9 @@ def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
 
 
 @pytest.mark.slow
-def test_the_gsm8k_pipeline_builds_from_a_local_jsonl_directory(pipeline):
-    """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL."""
+def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
+    """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, and the
+    own-data example's pipeline (its rows load as the example's task reads them)."""
     root, clone, env, _ = pipeline
     source = root / "gsm8k-source"
     source.mkdir()
@@ -307,6 +312,16 @@ def test_the_gsm8k_pipeline_builds_from_a_local_jsonl_directory(pipeline):
     assert f"Running stage '{GSM8K_STAGE}'" in output and "Running stage 'train'" not in output
     for split, records in splits.items():
         assert _read_jsonl(clone / "data/gsm8k" / f"{split}.jsonl") == records
+
+    output = _dvc(clone, env, "repro", "pipelines/own_data/dvc.yaml")
+    assert f"Running stage '{OWN_DATA_STAGE}'" in output and "Running stage 'train'" not in output
+    from rl_core.config.schema import DataConfig
+    from rl_core.data import load_examples
+
+    chat = DataConfig(task="prompts", prompt_template="chat")
+    train, val = (load_examples(clone / "data/own-data" / f"{s}.jsonl", "prompts", chat) for s in ("train", "val"))
+    assert (len(train), len(val)) == (2000, 200) and not {e.prompt for e in train} & {e.prompt for e in val}
+    assert all(int(e.columns["max_chars"]) == len(e.answer) for e in val)
     assert _status(clone, env) == {}  # now the whole repository is up to date
 
 
