@@ -248,21 +248,22 @@ def activation_bytes(shape: ModelShape, rows: int, seq: int, c: int, checkpointi
     return tokens * (shape.num_layers * layer + once)
 
 
-def logits_bytes(shape: ModelShape, read_tokens: int, c: int, backward: bool) -> int:
+def logits_bytes(shape: ModelShape, read_tokens: int, c: int, backward: bool, head_trained: bool = True) -> int:
     """The LM head's working set for `read_tokens` positions whose log-prob is read (the fused head of
     `rl_core.primitives.logprobs`): no `[tokens, V]` tensor, only chunks of `CHUNK_ELEMENTS` float32.
 
     Forward: two float32 chunks (the chunk's logits and their exponentials); kept for backward: the
     gathered hidden states (float32) and three float32 numbers per read token (log-prob, entropy,
-    log-normaliser). Backward: the head weight's float32 gradient accumulator (`V·h`). bf16: the head
-    weight cast to bf16 (`2·V·h`) while the head runs.
+    log-normaliser). Backward: the head weight's float32 gradient accumulator (`V·h`), when the head is
+    trained (not under LoRA, whose adapters leave the head frozen). bf16: the head weight cast to bf16
+    (`2·V·h`) while the head runs.
     """
     from rl_core.primitives.logprobs import CHUNK_ELEMENTS
 
     vh = shape.vocab_size * shape.hidden_size
     chunk = min(CHUNK_ELEMENTS // shape.vocab_size, read_tokens) * shape.vocab_size
     kept = read_tokens * (4 * shape.hidden_size + 12)
-    return 2 * 4 * chunk + kept + (4 * vh if backward else 0) + (2 * vh if c == 2 else 0)
+    return 2 * 4 * chunk + kept + (4 * vh if backward and head_trained else 0) + (2 * vh if c == 2 else 0)
 
 
 def nograd_forward_bytes(shape: ModelShape, rows: int, seq: int, c: int, residual: int, mask: bool = True) -> int:
@@ -612,8 +613,10 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     tokens, read = micro_batch_tokens(cfg, rows, seq)
     role.add(f"activations: {tokens} tokens{', checkpointed per layer' if ckpt else ''}",
              activation_bytes(s, 1, tokens, c, ckpt), (FORWARD,))
-    role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states, head-weight gradient",
-             logits_bytes(s, read, c, True), (FORWARD,))
+    head_trained = cfg.model.lora.r == 0  # LoRA adapts the Linears below the head; the head stays frozen
+    role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states"
+             f"{', head-weight gradient' if head_trained else ' (frozen under LoRA: no weight gradient)'}",
+             logits_bytes(s, read, c, True, head_trained), (FORWARD,))
     if not fsdp and n > 1:
         role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * G), (STEP,))
     if on_gpu:  # torch's foreach AdamW (the default on CUDA) allocates sqrt(exp_avg_sq) for all params

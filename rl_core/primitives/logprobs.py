@@ -203,7 +203,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     Each chunk's logits are computed, reduced to log-prob, log-normaliser and entropy, and dropped;
     backward recomputes them chunk by chunk. No `[K, V]` tensor exists, only `[chunk, V]` float32
     temporaries. The matmuls run in the autocast dtype when autocast is on (as the head would), the
-    softmax in float32; the weight's gradient is accumulated in float32.
+    softmax in float32; the weight's gradient is accumulated in float32, when the weight requires one.
     """
 
     @staticmethod
@@ -229,20 +229,23 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        # a frozen head (LoRA, or a scorer's no-grad model) gets no float32 weight-gradient accumulator
+        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 h = hidden[s:s + chunk]
                 x = _scaled(torch.nn.functional.linear(h.to(dtype), w, b), t)
                 d = _chunk_logit_grad(x, lse[s:s + chunk], targets[s:s + chunk], grad_logp[s:s + chunk], t, out=x)
                 grad_hidden[s:s + chunk] = (d.to(dtype) @ w).to(hidden.dtype)
-                grad_weight.addmm_(d.t(), h.float())
-                if grad_bias is not None:
+                if need_w:
+                    grad_weight.addmm_(d.t(), h.float())
+                if need_b:
                     grad_bias += d.sum(0)
-        return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
-                None, None, None, None)
+        return (grad_hidden, grad_weight.to(weight.dtype) if need_w else None,
+                grad_bias.to(bias.dtype) if need_b else None, None, None, None, None)
 
 
 # Config attributes of models whose forward transforms the logits after the LM head (softcapping, scaling):

@@ -55,4 +55,7 @@ def test_3b_plan_with_lora_r16_counts_gradients_and_adamw_of_the_adapters_only(t
     assert not any(i.name.startswith("reference model") for i in lo.items)
     assert full.item("reference model").bytes == 2 * P
     assert trainer("model.lora.r=16", f"rl.reference={tmp_path}").item("reference model").bytes == 2 * P
+    # the head is not adapted: under LoRA the fused head keeps no float32 weight-gradient accumulator
+    V = QWEN_3B["vocab_size"]
+    assert full.item("LM head").bytes - lo.item("LM head").bytes == 4 * V * h
     assert lo.peak < full.peak

@@ -104,6 +104,25 @@ def test_unpadded_layouts_equal_the_padded_forward(make_model, layout):
     assert not ent.requires_grad
 
 
+def test_a_frozen_head_gets_no_weight_gradient_and_the_rest_the_same_gradients():
+    """LoRA freezes the LM head: the fused head then skips its float32 weight-gradient accumulator, and every
+    trained parameter's gradient is still the padded reference's."""
+    batch = make_batch()
+    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
+    ref_model, model = llama(), llama()
+    for m in (ref_model, model):
+        m.lm_head.weight.requires_grad_(False)
+    (padded_reference(ref_model, batch, 0.7)[0] * weights).sum().backward()
+    lp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7,
+                                 loss_mask=batch.loss_mask)
+    (lp * weights).sum().backward()
+    assert model.lm_head.weight.grad is None
+    trained = [(a, b) for a, b in zip(model.parameters(), ref_model.parameters()) if a.requires_grad]
+    assert len(trained) == len(list(model.parameters())) - 1
+    assert max(float((a.grad - b.grad).abs().max()) for a, b in trained) <= 1e-5
+    assert max(float(b.grad.abs().max()) for _, b in trained) > 1e-3  # not vacuous
+
+
 def test_default_read_positions_are_every_real_token_after_the_first():
     batch, model = make_batch(), qwen()
     lp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=1.0)
