@@ -68,11 +68,11 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         run.start(tracker)
         startup.mark("tracking")  # the MLflow run
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
-        teacher = placed.enter_context(TeacherRole(cfg)) if with_teacher else None
+        teacher = placed.enter_context(TeacherRole(cfg, cluster.trainer_group)) if with_teacher else None
         rewards_pool = placed.enter_context(RewardPool(cfg))
         startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines
-        version = run.restore(cluster, role.sampler, logger.info)  # a resume's restore, the first weight sync
+        version = run.restore(cluster, role.sampler, logger.info, teacher)  # a resume's restore, the first weight sync
 
         def log(record: dict) -> None:
             run.log(record, bar)

@@ -2,8 +2,9 @@
 
 Each step runs `rollout -> reward -> annotate -> teacher -> distill -> validate -> train -> sync`,
 then `evaluate` and `checkpoint` on cadence. The student (the policy workers, synced to the rollout
-engine) samples; the teacher (`infra.teacher.TeacherWorker`, its own Ray actor, never synced) scores
-the sampled tokens at the loss temperature; the scores travel as `batch.teacher_logp`, checked by the
+engine) samples; the teacher (`cluster.teacher_replicas` `infra.teacher.TeacherWorker` actors beside the
+trainer ranks, never synced) scores the sampled tokens at the loss temperature, each replica a contiguous
+share of the rows in parallel; the scores travel as `batch.teacher_logp`, checked by the
 gate; `distill` turns them into per-token advantages (`rl.distillation_mode=advantage`) or leaves
 the batch for the direct reverse-KL loss. The annotations table keeps the task reward's group
 advantage (logged, and a training signal only with `rl.opd_task_reward_weight > 0`).

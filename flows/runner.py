@@ -231,15 +231,19 @@ class TrainingRun:
                                        "config_hash": self.cfg_hash})
         return self.run_id
 
-    def record_placement(self, cluster: Any) -> dict:
-        """Write `placement.json`: the node, IP, pid and device of every trainer rank and rollout engine."""
+    def record_placement(self, cluster: Any, teachers: Any = None) -> dict:
+        """Write `placement.json`: the node, IP, pid and device of every trainer rank and rollout engine, and of
+        every OPD teacher replica (`teachers`: the teacher role)."""
         where = cluster.node_map()
+        if teachers is not None:
+            where["teachers"] = teachers.node_map()
         (self.run_dir / "placement.json").write_text(json.dumps(where, indent=1) + "\n")
         return where
 
-    def restore(self, cluster: Any, sampler: Any, announce: Callable[..., None]) -> int:
+    def restore(self, cluster: Any, sampler: Any, announce: Callable[..., None], teachers: Any = None) -> int:
         """Load the checkpoint (if any) into the workers and the sampler, then bring the rollout engines to the
-        trainers' weights (a checked sync, also on a fresh start); the policy version."""
+        trainers' weights (a checked sync, also on a fresh start); the policy version. Records the placement
+        (`teachers`: the OPD teacher role, recorded with it)."""
         version = 0
         if self.plan.checkpoint is not None:
             announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
@@ -249,7 +253,7 @@ class TrainingRun:
             version = int(parts["driver"]["policy_version"])
             self.evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
             self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
-        self.record_placement(cluster)
+        self.record_placement(cluster, teachers)
         cluster.sync_weights(version)
         return version
 

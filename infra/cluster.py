@@ -46,6 +46,7 @@ from infra.engines import EnginePool, RolloutWorker, num_engines
 from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray
 from rl_core.config import PosttrainConfig
+from rl_core.config.preflight import trainer_gpus
 
 log = logging.getLogger("posttrain.cluster")
 
@@ -67,7 +68,8 @@ def bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 
 def worker_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
-    """The trainer ranks' placement-group bundles: one per rank."""
+    """The trainer ranks' placement-group bundles: one per rank (OPD: its teacher replicas share it,
+    infra/teacher.py)."""
     return [bundle(cfg.cluster.cpus_per_worker, cfg.cluster.gpus_per_worker)] * cfg.cluster.num_workers
 
 
@@ -93,9 +95,10 @@ def _launch(cls: type, pg: Any, count: int, cpus: float, gpus: float, args: Call
 
 
 def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
-    """The trainer ranks' actors in placement group `pg`."""
+    """The trainer ranks' actors in placement group `pg`, each asking for its bundle's GPUs less its OPD teachers'
+    share (`trainer_gpus`)."""
     c = cfg.cluster
-    return _launch(PolicyWorker, pg, c.num_workers, c.cpus_per_worker, c.gpus_per_worker,
+    return _launch(PolicyWorker, pg, c.num_workers, c.cpus_per_worker, trainer_gpus(cfg),
                    lambda r: (worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker))
 
 
@@ -184,6 +187,7 @@ class Cluster(AbstractContextManager):
         self.workers: list[Any] = []
         self.engine_actors: list[Any] = []
         self.placement_groups: list[Any] = []
+        self.trainer_group: Any = None  # the trainer ranks' placement group (the OPD teachers join its bundles)
         self.engines: EnginePool | None = None
         self.started_ray = False
         self._weight_world = 0
@@ -227,6 +231,7 @@ class Cluster(AbstractContextManager):
         pg = self._placement_group(worker_bundles(self.cfg), c.placement_strategy, f"{c.num_workers} trainer rank(s)",
                                    early[0] if early else None)
         self.workers = early[1] if early else launch_workers(self.worker_cfg, self.cfg, pg)
+        self.trainer_group = pg
         host, port = ray.get(self.workers[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
         return [w.setup.remote(host, port, self.max_model_len) for w in self.workers]
 
@@ -271,7 +276,7 @@ class Cluster(AbstractContextManager):
         for pg in self.placement_groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
-        self.placement_groups = []
+        self.placement_groups, self.trainer_group = [], None
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         self.started_ray = False

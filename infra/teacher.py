@@ -1,14 +1,18 @@
-"""The OPD teacher role: a frozen model in its own Ray actor, scoring the student's sampled tokens.
+"""The OPD teacher role: frozen teacher replicas in their own Ray actors, on the trainer ranks' nodes and GPUs.
 
 `TeacherWorker` receives the resolved config as data (like `PolicyWorker`), loads `model.teacher`
 in the policy's compute dtype (`model.compute_dtype`) on its device, freezes it and answers `score(batch) -> teacher_logp [B, T]`
 with `rl_core.algorithms.opd.teacher_logprobs` at the loss temperature (`rl.temperature`), in chunks
 of `rl.micro_batch_per_replica` rows. There is no weight-sync edge to it: its weights never change.
 
-`TeacherRole` places the actor on the Ray cluster a `Cluster` joined or started (enter it inside
-the `Cluster` context) and kills it on exit. On a GPU cluster the teacher takes
-`cluster.gpus_per_worker` GPUs; on CPU it reserves no CPU (it runs between the workers' train steps).
-Placement waits at most `cluster.placement_timeout_s`, then fails naming what Ray could not place.
+`TeacherRole` places `cluster.teacher_replicas` of them (default: one per trainer rank) in the trainer ranks'
+placement group, replica i in rank i % `cluster.num_workers`'s bundle: on that rank's node, and on GPU on that
+rank's GPU (Ray counts `TEACHER_GPU_SHARE` of it per replica and the rank asks for the rest; the memory plan
+counts the teacher copies on the rank). It reserves no CPU: the teachers score while the trainer ranks wait for
+the batch. `score` cuts the batch into one contiguous row shard per replica, scores them in parallel and
+reassembles them in order (`rl_core.algorithms.opd.score_in_shards`). Enter it inside the `Cluster` context;
+it kills its actors on exit. Placement waits at most `cluster.placement_timeout_s`, then fails naming what Ray
+could not place.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from typing import Any, Self
 
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
+from rl_core.config.preflight import TEACHER_GPU_SHARE, teacher_replicas
 
 
 class TeacherWorker:
-    """The frozen teacher model. Created as a Ray actor by `TeacherRole`."""
+    """One frozen teacher replica. Created as a Ray actor by `TeacherRole`."""
 
     def __init__(self, cfg_data: dict, threads: int, gpus: float):
         from infra.engines import actor_device, enable_tf32
@@ -44,6 +51,11 @@ class TeacherWorker:
     def ready(self) -> str:
         return str(self.cfg.model.teacher)
 
+    def info(self) -> dict[str, Any]:
+        from infra.engines import node_info
+
+        return node_info(self.device)
+
     def score(self, batch: Any) -> torch.Tensor:
         """`teacher_logp [B, T]` float32 (0 off the loss mask) of the batch's sampled tokens, on CPU."""
         from rl_core.algorithms.opd import teacher_logprobs
@@ -54,41 +66,60 @@ class TeacherWorker:
 
 
 class TeacherRole(AbstractContextManager):
-    """Places one `TeacherWorker` actor (Ray must be initialised: enter it inside `Cluster`)."""
+    """Places the `TeacherWorker` replicas in the trainer ranks' placement group `trainer_group`
+    (`Cluster.trainer_group`; Ray must be initialised: enter it inside `Cluster`)."""
 
-    def __init__(self, cfg: PosttrainConfig):
+    def __init__(self, cfg: PosttrainConfig, trainer_group: Any):
         self.cfg = cfg
-        self.actor: Any = None
+        self.trainer_group = trainer_group
+        self.actors: list[Any] = []
 
     def __enter__(self) -> Self:
         from infra.cluster import PlacementError, describe_resources
         from infra.policy_worker import worker_config
 
         c = self.cfg.cluster
-        on_gpu = c.gpus_per_worker > 0
-        actor = ray.remote(TeacherWorker).options(num_cpus=c.cpus_per_worker if on_gpu else 0,
-                                                  num_gpus=c.gpus_per_worker if on_gpu else 0)
+        replicas = teacher_replicas(self.cfg)
+        if replicas < 1:
+            raise ValueError(f"job.algorithm={self.cfg.job.algorithm!r} has no teacher role")
+        if self.trainer_group is None:
+            raise ValueError("the teacher replicas join the trainer ranks' placement group: enter TeacherRole "
+                             "inside a Cluster and pass its trainer_group")
+        gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
+        cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
+        actor = ray.remote(TeacherWorker)
         try:
-            self.actor = actor.remote(worker_config(self.cfg), max(int(c.cpus_per_worker), 1),
-                                      c.gpus_per_worker if on_gpu else 0.0)
+            for i in range(replicas):
+                bundle = PlacementGroupSchedulingStrategy(self.trainer_group,
+                                                          placement_group_bundle_index=i % c.num_workers)
+                self.actors.append(actor.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=bundle)
+                                   .remote(cfg_data, threads, gpus))
             try:
-                ray.get(self.actor.ready.remote(), timeout=c.placement_timeout_s)
+                ray.get([a.ready.remote() for a in self.actors], timeout=c.placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise PlacementError(
-                    f"Ray could not place the OPD teacher ({c.cpus_per_worker if on_gpu else 0:g} CPU, "
-                    f"{c.gpus_per_worker if on_gpu else 0:g} GPU) within cluster.placement_timeout_s="
+                    f"Ray could not place the {replicas} OPD teacher replica(s) (cluster.teacher_replicas; 0 CPU, "
+                    f"{gpus:g} GPU each, in the trainer ranks' bundles) within cluster.placement_timeout_s="
                     f"{c.placement_timeout_s:g}; available now: {describe_resources(ray.available_resources())}. "
-                    "The teacher needs GPUs beyond the trainer ranks' and engines'") from None
+                    "A teacher shares its trainer rank's bundle: the rank must leave it that share") from None
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def score(self, batch: Any) -> torch.Tensor:
-        return ray.get(self.actor.score.remote(batch))
+        """`teacher_logp [B, T]`: one contiguous row shard per replica, scored in parallel, in row order."""
+        def score_all(shards: list[Any]) -> list[torch.Tensor]:
+            return ray.get([a.score.remote(s) for a, s in zip(self.actors, shards)])
+
+        return score_in_shards(batch, len(self.actors), score_all)
+
+    def node_map(self) -> list[dict[str, Any]]:
+        """Where each replica runs: node id, ip, pid and device."""
+        return ray.get([a.info.remote() for a in self.actors])
 
     def __exit__(self, *exc: object) -> None:
-        if self.actor is not None:
+        for actor in self.actors:
             with contextlib.suppress(Exception):  # already dead, or Ray already stopped
-                ray.kill(self.actor, no_restart=True)
-            self.actor = None
+                ray.kill(actor, no_restart=True)
+        self.actors = []

@@ -1,7 +1,9 @@
 """On-policy distillation on GSM8K: Qwen2.5-7B-Instruct teaches Qwen2.5-1.5B-Instruct (GPU, vLLM rollouts).
 
-The two share the Qwen2.5 tokenizer (the teacher scores the student's token ids). The teacher is a
-frozen Ray actor on its own GPU (`cluster.gpus_per_worker`), so the cluster needs num_workers + 1 GPUs.
+The two share the Qwen2.5 tokenizer (the teacher scores the student's token ids). The teacher is
+frozen and spread over the ranks: a copy beside each trainer rank on its GPU (`cluster.teacher_replicas`,
+default one per rank), each scoring a quarter of the batch, so the cluster needs num_workers GPUs; the
+memory plan counts ~15 GiB of bf16 teacher weights on each.
 The task reward's group advantage is mixed in with a small weight.
 
     posttrain run recipes/opd_gsm8k.py -- rl.max_steps=100

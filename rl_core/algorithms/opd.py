@@ -47,6 +47,7 @@ in the task reward. Task reward and group advantage are not training signals in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,39 @@ def teacher_logprobs(teacher: torch.nn.Module, batch, *, temperature: float,
     `batch.replace(teacher_logp=...)`.
     """
     return frozen_token_logprobs(teacher, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+
+
+def row_shards(rows: int, parts: int) -> list[tuple[int, int]]:
+    """`[start, stop)` of `parts` contiguous row shards of `rows` rows, in order, sizes differing by at most one
+    (the first `rows % parts` one larger); fewer, never empty, when `rows < parts`."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: must be >= 1 (cluster.teacher_replicas)")
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for i in range(min(parts, rows)):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def score_in_shards(batch, parts: int, score: Callable[[list[Any]], list[torch.Tensor]]) -> torch.Tensor:
+    """`teacher_logp [B, T]` of `batch` scored as `row_shards(B, parts)` by `score(shards) -> [logp [b_i, T]]`
+    (e.g. one teacher replica per shard, in parallel), reassembled in row order.
+
+    Each row's log-probs depend on that row alone, so this equals scoring the whole batch at once
+    (`teacher_logprobs`), up to the floating-point effect of the rows a forward runs with.
+    """
+    bounds = row_shards(batch.batch_size, parts)
+    shards = [batch.select(list(range(start, stop))) for start, stop in bounds]  # copies: each ships only its rows
+    parts_logp = score(shards)
+    if len(parts_logp) != len(shards):
+        raise ValueError(f"the teacher returned {len(parts_logp)} shard(s) of log-probs for {len(shards)} shard(s)")
+    for (start, stop), shard, logp in zip(bounds, shards, parts_logp):
+        if tuple(logp.shape) != (stop - start, shard.seq_len):
+            raise ValueError(f"the teacher's log-probs of rows {start}:{stop} have shape {tuple(logp.shape)}; "
+                             f"expected {(stop - start, shard.seq_len)}")
+    return torch.cat(parts_logp, 0) if parts_logp else torch.zeros(0, batch.seq_len)
 
 
 def check_teacher_logp(batch) -> None:

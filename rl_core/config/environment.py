@@ -8,10 +8,11 @@ directory, the Hugging Face cache, or a quick (seconds) reachability check of th
 download. `check()` calls it once the config itself is clean, so a GPU recipe on a laptop fails
 in seconds, before Ray, placement or model construction, with the override that fixes it.
 
-Every GPU role is counted (`gpu_roles`, a pure function of the config): the trainer ranks, the
-separate rollout engines and the OPD teacher. When a role uses GPUs and the GPU memory is known
-(`cluster.gpu_memory_gib`, else this machine's GPU 0) and the model's config is on this machine, the
-memory plan (rl_core/config/memory.py, docs/gpu.md) must fit: its problems name the knobs that fix it.
+Every GPU role is counted (`gpu_roles`, a pure function of the config): the trainer ranks and the
+separate rollout engines (the OPD teacher replicas share the trainer ranks' GPUs). When a role uses
+GPUs and the GPU memory is known (`cluster.gpu_memory_gib`, else this machine's GPU 0) and the
+model's config is on this machine, the memory plan (rl_core/config/memory.py, docs/gpu.md) must
+fit: its problems name the knobs that fix it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def gpu_memory(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None) ->
 
 
 def gpu_roles(cfg: PosttrainConfig) -> list[tuple[str, float]]:
-    """Every role that reserves GPUs, as `(what, GPUs)`: trainer ranks, separate rollout engines, the OPD teacher.
+    """Every role that reserves GPUs, as `(what, GPUs)`: trainer ranks and separate rollout engines. The OPD teacher
+    replicas reserve none of their own: they share the trainer ranks' GPUs (infra/teacher.py).
 
     Pure: the config alone decides (what Ray is asked for by infra/cluster.py and infra/teacher.py).
     """
@@ -102,8 +104,6 @@ def gpu_roles(cfg: PosttrainConfig) -> list[tuple[str, float]]:
         engines = num_engines(cfg)
         what = f"rollout engines: {engines} (rollout.num_engines) x cluster.gpus_per_engine={c.gpus_per_engine:g}"
         roles.append((what, engines * c.gpus_per_engine))
-    if cfg.job.algorithm == "opd" and c.gpus_per_worker > 0:
-        roles.append((f"OPD teacher: cluster.gpus_per_worker={c.gpus_per_worker:g}", c.gpus_per_worker))
     return roles
 
 
@@ -117,9 +117,7 @@ def _gpu_count_fix(cfg: PosttrainConfig, have: int) -> str:
     others = sum(g for what, g in gpu_roles(cfg) if not what.startswith("trainer ranks"))
     fixes = []
     if c.gpus_per_worker > 0 and (workers := int((have - others) // c.gpus_per_worker)) >= 1:
-        teacher = (f" (the OPD teacher takes {c.gpus_per_worker:g} GPU of its own)"
-                   if cfg.job.algorithm == "opd" else "")
-        fixes.append(f"set cluster.num_workers={workers}{teacher}")
+        fixes.append(f"set cluster.num_workers={workers}")
     if c.placement == "separate" and c.gpus_per_engine > 0:
         fixes.append("run fewer or smaller separate engines (rollout.num_engines, cluster.gpus_per_engine) or "
                      "cluster.placement=colocated")

@@ -5,10 +5,10 @@ phase of a step, from the model's dimensions (`ModelShape`) and the config alone
 
 - trainer rank (`cluster.num_workers` of them): float32 parameters, gradients and AdamW state
   (divided by the ranks under `cluster.sharding=fsdp`), the compute-dtype weight copies, the
-  activations and logits of one micro-batch, the frozen reference, the weight-sync buffers and,
-  colocated, the rollout engine;
-- separate rollout engine (`cluster.placement=separate`): its weights and KV cache or vLLM's reservation;
-- OPD teacher: its frozen weights and one scoring chunk.
+  activations and logits of one micro-batch, the frozen reference, the weight-sync buffers,
+  colocated, the rollout engine and, OPD, the teacher replicas on the rank's GPU (their own processes:
+  frozen weights, CUDA runtime and one scoring chunk each, `teachers_per_rank` of them);
+- separate rollout engine (`cluster.placement=separate`): its weights and KV cache or vLLM's reservation.
 
 Phases: forward/backward (F), optimizer step (S), weight sync (W), generation (G), DPO's one-off
 reference scoring (R), the OPD teacher's scoring (T). Gradients are released after each step, so
@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_core.config.preflight import num_engines, per_replica_batch, rows_per_prompt
+from rl_core.config.preflight import (
+    num_engines,
+    per_replica_batch,
+    rows_per_prompt,
+    teacher_replicas,
+    teachers_per_rank,
+)
 from rl_core.config.schema import PosttrainConfig
 from rl_core.lora import adapter_counts
 
@@ -300,7 +306,7 @@ class Item:
 
 @dataclass
 class RolePlan:
-    key: str  # "trainer" | "engine" | "teacher"
+    key: str  # "trainer" | "engine"
     title: str
     processes: int
     gpus: float  # per process; 0 = on CPU (host memory, never enforced)
@@ -512,7 +518,7 @@ def _fitting_utilization(plan: MemoryPlan, role: RolePlan, avail: int) -> float 
     if role.vllm_reservation is None or not plan.gpu_bytes:
         return None
     totals = role.phase_bytes()
-    worst_other = max(totals[ph] - role.vllm_reservation for ph in (SYNC, GENERATE) if ph in totals)
+    worst_other = max(totals[ph] - role.vllm_reservation for ph in (SYNC, GENERATE, SCORE) if ph in totals)
     util = math.floor((avail - worst_other) / plan.gpu_bytes * 20) / 20
     if util >= plan.cfg.rollout.gpu_memory_utilization or util * plan.gpu_bytes <= role.vllm_weights * 1.25:
         return None
@@ -545,10 +551,8 @@ def _knobs(plan: MemoryPlan, role: RolePlan, avail: int) -> list[dict[str, Any]]
             out.append({"rollout.gpu_memory_utilization": u})
         if ro.backend == "hf":
             out.append({"rollout.num_engines": num_engines(cfg) * 2})
-    elif role.key == "teacher":
-        rows = cfg.rl.micro_batch_per_replica or cfg.rollout.prompts_per_step * cfg.rollout.n
-        if (m := _smaller_micro_batch(cfg, rows)) is not None:
-            out.append({"rl.micro_batch_per_replica": m})
+    if role.key == "trainer" and teachers_per_rank(cfg) > 1:
+        out.append({"cluster.teacher_replicas": cl.num_workers})
     return out
 
 
@@ -565,10 +569,10 @@ def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, 
     `teacher_shape` (OPD) and `reference_shape` (`rl.reference`; default: the policy's shape).
     """
     roles = [_trainer(cfg, shape, prompt_tokens, gpu_bytes, reference_shape or shape)]
+    if teacher_replicas(cfg):
+        _teachers_on_rank(cfg, roles[0], teacher_shape, prompt_tokens)
     if cfg.cluster.placement == "separate":
         roles.append(_separate_engine(cfg, shape, prompt_tokens, gpu_bytes))
-    if cfg.job.algorithm == "opd":
-        roles.append(_teacher(cfg, teacher_shape, prompt_tokens))
     return MemoryPlan(cfg, shape, roles, prompt_tokens, gpu_bytes, gpu_source, teacher_shape, reference_shape,
                       assumed_prompt)
 
@@ -709,22 +713,32 @@ def _separate_engine(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes
     return role
 
 
-def _teacher(cfg: PosttrainConfig, t: ModelShape | None, prompt: int) -> RolePlan:
-    on_gpu = cfg.cluster.gpus_per_worker > 0
-    role = RolePlan("teacher", "OPD teacher", 1, cfg.cluster.gpus_per_worker if on_gpu else 0.0, (SCORE,))
+def _teachers_on_rank(cfg: PosttrainConfig, role: RolePlan, t: ModelShape | None, prompt: int) -> None:
+    """The OPD teacher replicas that share a trainer rank's GPU (`teachers_per_rank`, each its own process), added
+    to the trainer role: their weights stay resident in every phase; they score (T) while the rank waits."""
+    k, replicas = teachers_per_rank(cfg), teacher_replicas(cfg)
+    role.phases = (*role.phases, SCORE)
+    for it in role.items:  # colocated vLLM sleeps only when the train step starts: awake while the teachers score
+        if it.name.startswith("vLLM awake") and it.phases is not None:
+            it.phases = (*it.phases, SCORE)
+    role.notes.append(f"OPD: {replicas} teacher replica(s) (cluster.teacher_replicas) over "
+                      f"{cfg.cluster.num_workers} rank(s): {k} on the busiest rank, planned here")
     if t is None:
-        role.notes.append("model.teacher's config is not on this machine: its memory is not planned")
-        return role
+        role.notes.append("model.teacher's config is not on this machine: the teachers' memory is not planned")
+        return
     c, seq = compute_bytes(cfg), prompt + cfg.rollout.max_tokens
-    rows = cfg.rl.micro_batch_per_replica or cfg.rollout.prompts_per_step * cfg.rollout.n
-    if on_gpu:
-        role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
-    role.add(f"teacher weights: frozen, {cfg.model.compute_dtype} ({params_text(t.n_params)} params)", t.n_params * c)
-    role.add(f"scoring: fused LM head, {rows} rows x {cfg.rollout.max_tokens} response tokens",
-             logits_bytes(t, rows * cfg.rollout.max_tokens, c, False), (SCORE,))
-    role.add("scoring: one layer's working set, no grad", nograd_forward_bytes(t, rows, seq, c, c, mask=False),
-             (SCORE,))
-    return role
+    total = cfg.rollout.prompts_per_step * rows_per_prompt(cfg)
+    shard = -(-total // replicas)  # a replica's rows of the batch; it scores them in chunks of the micro-batch
+    rows = min(cfg.rl.micro_batch_per_replica or shard, shard)
+    each = f" x {k} teachers" if k > 1 else ""
+    if role.on_gpu:
+        role.add(f"teacher CUDA runtime: its own process{each}", k * RUNTIME_BYTES)
+    role.add(f"teacher weights: frozen, {cfg.model.compute_dtype} ({params_text(t.n_params)} params){each}",
+             k * t.n_params * c)
+    role.add(f"teacher scoring: fused LM head, {rows} rows x {cfg.rollout.max_tokens} response tokens{each}",
+             k * logits_bytes(t, rows * cfg.rollout.max_tokens, c, False), (SCORE,))
+    role.add(f"teacher scoring: one layer's working set, no grad{each}",
+             k * nograd_forward_bytes(t, rows, seq, c, c, mask=False), (SCORE,))
 
 
 def plan_for_config(cfg: PosttrainConfig, gpu_bytes: int | None = None, *, gpu_source: str = "",

@@ -60,6 +60,29 @@ def num_engines(cfg: PosttrainConfig) -> int:
     return cfg.rollout.num_engines or 1
 
 
+# The share of a GPU that Ray counts for one teacher replica in its trainer rank's bundle (the rank asks for the
+# rest). Ray's count only pins both to the same GPU; whether the teacher's memory fits is the memory plan's check.
+TEACHER_GPU_SHARE = 0.01
+
+
+def teacher_replicas(cfg: PosttrainConfig) -> int:
+    """OPD teacher replicas: `cluster.teacher_replicas`, default one per trainer rank; 0 for a run without a teacher."""
+    if algorithm(cfg.job.algorithm).topology != "teacher":
+        return 0
+    return cfg.cluster.teacher_replicas or cfg.cluster.num_workers
+
+
+def teachers_per_rank(cfg: PosttrainConfig) -> int:
+    """The most teacher replicas on one trainer rank's node and GPU (replica i on rank i % cluster.num_workers)."""
+    return -(-teacher_replicas(cfg) // cfg.cluster.num_workers)
+
+
+def trainer_gpus(cfg: PosttrainConfig) -> float:
+    """GPUs a trainer rank's actor asks Ray for: its bundle's `cluster.gpus_per_worker` less its teachers' share."""
+    gpus = cfg.cluster.gpus_per_worker
+    return round(gpus - teachers_per_rank(cfg) * TEACHER_GPU_SHARE, 4) if gpus > 0 else 0.0
+
+
 def num_mini_batches(cfg: PosttrainConfig) -> int:
     """n_mini: optimizer steps fed by one collected batch."""
     per = per_replica_batch(cfg)
@@ -222,6 +245,17 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
             "whole GPU per rank (two ranks on one GPU cannot form an NCCL group); use a whole number")
     if cl.placement == "separate" and cl.gpus_per_engine > 1 and cl.gpus_per_engine != int(cl.gpus_per_engine):
         err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
+    if spec.topology != "teacher" and cl.teacher_replicas is not None:
+        err(f"cluster.teacher_replicas={cl.teacher_replicas}: only read by job.algorithm="
+            f"{','.join(names(topology='teacher'))} (the teacher role); remove it")
+    if spec.topology == "teacher" and cl.gpus_per_worker > 1:
+        err(f"cluster.gpus_per_worker={cl.gpus_per_worker:g} with job.algorithm={algo}: the teacher replicas share a "
+            "trainer rank's GPU, and Ray splits a GPU between actors only below one whole GPU; use "
+            "cluster.gpus_per_worker=1")
+    elif spec.topology == "teacher" and 0 < cl.gpus_per_worker <= teachers_per_rank(cfg) * TEACHER_GPU_SHARE:
+        err(f"cluster.teacher_replicas={teacher_replicas(cfg)} on cluster.num_workers={cl.num_workers} ranks of "
+            f"cluster.gpus_per_worker={cl.gpus_per_worker:g}: {teachers_per_rank(cfg)} teacher(s) per rank leave the "
+            "rank no GPU share in Ray; lower cluster.teacher_replicas or raise cluster.gpus_per_worker")
 
     rep.errors.extend(lora_problems(cfg))  # model.lora with sharding / vLLM (rl_core/lora.py)
 

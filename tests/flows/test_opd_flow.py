@@ -48,8 +48,9 @@ def opd_run(opd_dir):
     cwd = os.getcwd()
     os.chdir(opd_dir)
     try:
-        state = opd(recipe("opd_arithmetic"), [*OPD_FAST, "job.name=opd-fast", "rl.max_steps=3", "rl.save_every=2"],
-                    return_state=True)
+        # two teacher replicas on the one trainer rank: every step's batch is scored in two shards
+        state = opd(recipe("opd_arithmetic"), [*OPD_FAST, "job.name=opd-fast", "rl.max_steps=3", "rl.save_every=2",
+                                               "cluster.teacher_replicas=2"], return_state=True)
     finally:
         os.chdir(cwd)
     return state, opd_dir / "runs" / "opd-fast"
@@ -79,6 +80,14 @@ def test_metrics_keys_and_teacher_signal(opd_run):
     assert step1["opd/teacher_reverse_kl"] != 0.0 and step1["opd/teacher_logp_mean"] < 0
     assert step1["rollout/logp_abs_diff"] < 1e-4
     assert "val/accuracy" in records[2] and "val/accuracy" in records[3]
+
+
+def test_the_teacher_replicas_run_beside_the_trainer_rank(opd_run):
+    _, run_dir = opd_run
+    where = json.loads((run_dir / "placement.json").read_text())
+    trainer, teachers = where["trainers"][0], where["teachers"]
+    assert len(teachers) == 2 and len({t["pid"] for t in teachers} | {trainer["pid"]}) == 3
+    assert all(t["node_id"] == trainer["node_id"] and t["device"] == "cpu" for t in teachers)
 
 
 def test_checkpoints_and_mlflow_run(opd_run):

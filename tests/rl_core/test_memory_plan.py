@@ -174,8 +174,17 @@ def test_opd_teacher_and_separate_engines_are_planned(qwen3b_dir):
     cfg = load_config(OPD, [f"model.name_or_path={qwen3b_dir}", f"model.teacher={qwen3b_dir}",
                             "cluster.gpu_memory_gib=80"])
     plan, _ = plan_for_config(cfg, 80 * GIB)
-    teacher = plan.role("teacher")
-    assert teacher.item("teacher weights").bytes == 2 * plan.shape.n_params and teacher.gpus == 1
+    trainer = plan.role("trainer")  # a teacher copy lives on each rank's GPU, resident in every phase
+    assert trainer.item("teacher weights").bytes == 2 * plan.shape.n_params and trainer.gpus == 1
+    assert trainer.item("teacher weights").phases is None and mem.SCORE in trainer.phases
+    assert [r.key for r in plan.roles] == ["trainer"]  # no teacher GPU of its own
+    assert mem.SCORE in trainer.item("vLLM awake").phases  # colocated vLLM sleeps only when the train step starts
+    doubled, _ = plan_for_config(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+        update={"teacher_replicas": 2 * cfg.cluster.num_workers})}), 80 * GIB)
+    two = doubled.role("trainer")  # two replicas per rank: two copies, and each scores half the rows
+    assert two.item("teacher weights").bytes == 2 * trainer.item("teacher weights").bytes
+    assert two.item("teacher CUDA runtime").bytes == 2 * mem.RUNTIME_BYTES
+    assert two.peak > trainer.peak
     cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.placement=separate", "rollout.num_engines=2",
                  "cluster.gpus_per_engine=1")
     plan, _ = plan_for_config(cfg, 80 * GIB)
@@ -301,7 +310,7 @@ def test_activation_formula_matches_what_the_forward_keeps(arch, compute, checkp
 
 def test_every_gpu_role_is_counted():
     opd = load_config(OPD, ["cluster.num_workers=4", "cluster.gpus_per_worker=1"])
-    assert gpus_needed(opd) == 5 and [g for _, g in gpu_roles(opd)] == [4, 1]
+    assert gpus_needed(opd) == 4 and [g for _, g in gpu_roles(opd)] == [4]  # the teachers share the ranks' GPUs
     separate = load_config(GRPO, ["cluster.num_workers=2", "cluster.placement=separate", "rollout.num_engines=2",
                                   "cluster.gpus_per_engine=1"])
     assert gpus_needed(separate) == 4
@@ -315,11 +324,11 @@ def test_every_gpu_role_is_counted():
 
 def test_the_gpu_count_message_lists_each_role_and_the_fix():
     opd = load_config(OPD, ["cluster.num_workers=4", "cluster.gpus_per_worker=1"])
-    message = gpu_count_problem(opd, have=4)
-    assert message.startswith("4 (trainer ranks: cluster.num_workers=4 x cluster.gpus_per_worker=1) + "
-                              "1 (OPD teacher: cluster.gpus_per_worker=1) need 5 GPUs; this machine has 4; ")
+    message = gpu_count_problem(opd, have=3)
+    assert message.startswith("4 (trainer ranks: cluster.num_workers=4 x cluster.gpus_per_worker=1) need 4 GPUs; "
+                              "this machine has 3; ")
     assert "set cluster.num_workers=3" in message
-    assert gpu_count_problem(opd, have=5) is None
+    assert gpu_count_problem(opd, have=4) is None
     separate = load_config(GRPO, ["cluster.num_workers=2", "cluster.placement=separate", "rollout.num_engines=2",
                                   "cluster.gpus_per_engine=1"])
     message = gpu_count_problem(separate, have=3)
