@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, node_info
+from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
+from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -54,6 +55,7 @@ class PolicyWorker:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.trainer = self.tokenizer = self.engine = None
         self._store = self._weight_store = self.weight_group = None
+        self.max_model_len: int | None = None
         self.layout: list | None = None
 
     def preload(self) -> float:
@@ -82,6 +84,7 @@ class PolicyWorker:
         from infra.distributed import connect_store, init_default_group, node_ip
         from rl_core.trainer import ProcessGroupReducer
 
+        self.max_model_len = max_model_len  # also the length limit of the sync's probe (rl_core.rollout.verify)
         reducer = None
         if self.world_size > 1:
             store = self._store or connect_store(host, port, self.world_size)
@@ -101,20 +104,38 @@ class PolicyWorker:
         return completions, self.engine.last_generate_s
 
     def sync_colocated(self, version: int) -> dict[str, Any]:
-        """Hand this rank's weights to its own engine (HF: it samples from them already); echo version + checksum."""
+        """Hand this rank's weights to its own engine (HF: it samples from them already); echo version, checksum and
+        what the engine holds, and (rank 0) what the trainer expects it to hold."""
         from infra.distributed import state_checksum
 
         t = time.perf_counter()
         layout = self.weight_layout()
-        if getattr(self.engine, "model", None) is self.trainer.model:
+        shared = getattr(self.engine, "model", None) is self.trainer.model
+        if shared:
             state = self.trainer.model.state_dict()
             self.engine.set_policy_version(version)
         else:  # every rank gathers (sharded) and casts to the engine's dtype, one tensor at a time
             state = self._lora_state(self._wire_dtype())
             state = self.trainer.full_model_state(self._wire_dtype()) if state is None else state
-            self.engine.update_weights(state, version)
-        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout),
-                "seconds": time.perf_counter() - t, "bytes": 0}
+            self.engine.update_weights(faults.corrupt_one(state), version)  # test hook: a load that went wrong
+        held = held_weights(self.engine, self.max_model_len)
+        expected = self._expected(state, None if shared else self._wire_dtype())
+        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout), "held": held,
+                "expected": expected, "seconds": time.perf_counter() - t, "bytes": 0}
+
+    def _expected(self, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, Any] | None:
+        """What an engine should hold after loading `state` (`rl_core.rollout.verify`): its tensors' sums in `dtype`
+        and the trainer's own log-probs of the probe. Sharded, every rank runs the probe's forward (a collective);
+        rank 0 reports."""
+        from rl_core.rollout.verify import probe_ids, probe_logprobs, tensor_sums
+
+        if self.rank != 0 and not self.trainer.sharded:
+            return None
+        with self.trainer.autocast():
+            logp = probe_logprobs(self.trainer.model, probe_ids(len(self.tokenizer), self.max_model_len))
+        if self.rank != 0:
+            return None
+        return {"sums": tensor_sums(state, dtype), "probe_logp": logp, "dtype": self._engine_dtype()}
 
     def _lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """With LoRA, what the engines take: the adapters (vLLM loads them as a LoRA request) or the merged
@@ -172,9 +193,11 @@ class PolicyWorker:
             state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
                 else self.trainer.model.state_dict()
         if self.rank != 0:
+            self._expected(state, None)  # sharded: the probe's forward is a collective
             return None
         digest, sent = send_state(self.weight_group, state, self.weight_layout(), self.device)
-        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t}
+        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t,
+                "expected": self._expected(state, self._wire_dtype())}
 
     # -- training
     def train_step(self, shard: Any) -> dict[str, float]:

@@ -84,6 +84,31 @@ def test_vllm_serves_the_pushed_weights(vllm_cluster, warm_model, workdir):
     assert (completions.sampling_logp - on_old).abs().max().item() > 1e-2, "vLLM still serves the old weights"
 
 
+def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(vllm_cluster):
+    """The engine loads one tensor wrong (the `weight_load` fault) although the bytes arrived intact: vLLM's own
+    report of what it holds (its parameters' sums, mapped back to HF names, and its probe log-probs) differs from
+    rank 0's, and the sync stops naming engine 0 and the tensor; the next sync is clean."""
+    from infra.cluster import WeightSyncError
+
+    def inject(worker):  # inside the engine's actor: its next load goes wrong
+        import os
+
+        from rl_core import faults
+
+        faults.reset()
+        os.environ[faults.ENV] = "weight_load=1"
+        return True
+
+    cluster, _ = vllm_cluster
+    ray.get(cluster.engine_actors[0].__ray_call__.remote(inject))
+    with pytest.raises(WeightSyncError) as info:
+        cluster.sync_weights(2)
+    message = str(info.value)
+    assert "engine 0 does not hold what trainer rank 0 sent: tensor model.norm.weight: sum " in message
+    assert "probe log-probs" in message or "more)" in message
+    assert cluster.sync_weights(3)["rollout/sync_probe_logp_abs_diff"] < 1e-5
+
+
 def test_grpo_with_vllm_learns_like_hf(in_workdir, warm_model):
     """Three GRPO steps with rollout.backend=vllm against the same with hf: on-policy log-probs, the same kind of
     learning signal and updates of the same size (the samples differ: the two samplers draw differently)."""
