@@ -331,5 +331,6 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
             reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
-                         compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps)
+                         compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
+                         max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff)
     return trainer, tokenizer

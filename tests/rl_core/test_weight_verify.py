@@ -1,5 +1,5 @@
 """What a weight sync is verified by (rl_core.rollout.verify), without Ray: the comparison of an engine's report
-with the trainer's, the HF engine's own report and the fault hook."""
+with the trainer's, the HF engine's own report, the fault hook, and the trainer's bound on the sampler gap."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rl_core.rollout.verify import (
     probe_logprobs,
     tensor_sums,
 )
+from tests.conftest import recipe
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,55 @@ def test_the_hf_engine_reports_what_it_holds(tiny, monkeypatch):
     problems = compare_held(expected, engine.held_weights(probe), "float32")
     assert problems[0].startswith(f"tensor {name}: ")
     assert problems[-1].startswith("probe log-probs:")
+
+
+def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_workdir):
+    """rollout.max_logp_abs_diff: a batch whose sampling log-probs are 0.01 off the trainer's is refused, naming
+    the key, the bound and the gap, with the weights untouched; the same batch under a looser bound trains."""
+    from infra.engines import build_engine
+    from infra.policy_worker import build_trainer
+    from infra.roles import RolloutRole
+    from rl_core.annotate import annotate
+    from rl_core.config import load_config
+    from rl_core.rewards import reward_functions, reward_inputs, score
+    from rl_core.trainer import SamplerGapError
+
+    def trainer_and_batch(bound: float):
+        cfg = load_config(recipe("arithmetic"), ["model.name_or_path=artifacts/tiny-model/init", "rollout.prompts_per_step=2",
+                                                 "rollout.n=4", "rollout.max_tokens=6",
+                                                 f"rollout.max_logp_abs_diff={bound}"])
+        role = RolloutRole.build(cfg)
+        trainer, tokenizer = build_trainer(cfg, None, torch.device("cpu"))
+        engine = build_engine(cfg, torch.device("cpu"), model=trainer.model, tokenizer=tokenizer)
+        rows = role.sampler.next_batch()
+        completions = engine.generate(role.prompts(rows), cfg.rollout.n, role.sampling(1))
+        examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+        rewards, _ = score(reward_functions(cfg.data), reward_inputs(examples, completions.decode_responses(tokenizer)))
+        batch = annotate(completions, rewards, rows, rl=cfg.rl, first_sample_id=0).batch
+        return trainer, batch.replace(rollout_logp=batch.rollout_logp + 0.01 * batch.loss_mask)
+
+    trainer, batch = trainer_and_batch(0.005)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(SamplerGapError) as info:
+        trainer.train_step(batch)
+    message = str(info.value)
+    assert message.startswith("rollout.max_logp_abs_diff=0.005: ") and "(rollout/logp_abs_diff) is 0.01" in message
+    assert trainer.step == 0
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    trainer, batch = trainer_and_batch(0.02)
+    metrics = trainer.train_step(batch)
+    assert abs(metrics["train/rollout_logp_abs_diff"] - 0.01) < 1e-5 and trainer.step == 1
+
+
+def test_the_bound_is_a_positive_number_and_dpo_refuses_it():
+    from rl_core.config import ConfigError, load_config, preflight
+
+    assert load_config(recipe("arithmetic")).rollout.max_logp_abs_diff is None  # off unless a recipe sets it
+    with pytest.raises(ConfigError, match="rollout.max_logp_abs_diff"):
+        load_config(recipe("arithmetic"), ["rollout.max_logp_abs_diff=0"])
+    dpo = preflight(load_config(recipe("dpo_arithmetic"), ["rollout.max_logp_abs_diff=0.01"]))
+    assert any(e.startswith("rollout.max_logp_abs_diff=0.01: job.algorithm=dpo samples nothing") for e in dpo.errors)
+    assert not any("max_logp_abs_diff" in e for e in preflight(load_config(
+        recipe("arithmetic"), ["rollout.max_logp_abs_diff=0.01"])).errors)
