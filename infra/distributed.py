@@ -5,6 +5,8 @@
   ranks may sit on different machines.
 - Gloo binds to the interface that carries the node IP (127.0.0.1 -> `lo`), unless the user set
   `GLOO_SOCKET_IFNAME`.
+- `outside_default_group`: an in-process vLLM engine (colocated) builds its own one-process world instead of
+  adopting the trainer ranks' default group.
 - `WeightGroup`: a process group of its own (not torch's default group, which the trainer ranks
   already use and which an in-process vLLM may create) between trainer rank 0 (rank 0 of the group)
   and the rollout engines: gloo on CPU, NCCL on GPU.
@@ -16,6 +18,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,6 +87,30 @@ def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size
         bind_gloo_to(ip)
     dist.init_process_group(backend, store=dist.PrefixStore("dp", store), rank=rank, world_size=world_size,
                             timeout=DEFAULT_TIMEOUT)
+
+
+@contextmanager
+def outside_default_group() -> Iterator[None]:
+    """Run code that sets up torch.distributed for itself (an in-process vLLM engine) as if no default process group
+    existed; the trainer ranks' group is the default again afterwards.
+
+    vLLM's `init_distributed_environment` adopts an existing default group as its world and builds its
+    tensor/pipeline-parallel groups over it (collectives over every trainer rank, in vLLM's own order). Hidden, it
+    creates a world of its own (the engine's one process, on a port of its own) and keeps its groups in it: the
+    engine never calls a collective on the trainers' group, nor they on its. Those groups stay registered with torch
+    (vLLM passes them explicitly), only the default is put back.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    trainers = c10d._world.default_pg
+    if trainers is None:  # one rank: no trainers' group to keep vLLM off; its own stays the default
+        yield
+        return
+    c10d._update_default_pg(None)  # torch's own setter (the default group and the global rank it logs)
+    try:
+        yield
+    finally:
+        c10d._update_default_pg(trainers)
 
 
 def shard_policy(model: torch.nn.Module, device: torch.device,

@@ -94,8 +94,11 @@ class PolicyWorker:
         if self.cfg.cluster.placement == "colocated":
             # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
             shared = None if self.trainer.sharded else self.trainer.model
-            self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
-                                       max_model_len=max_model_len, sleep_mode=True)
+            from infra.distributed import outside_default_group
+
+            with outside_default_group():  # in-process vLLM: a world of its own, off the trainers' group
+                self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
+                                           max_model_len=max_model_len, sleep_mode=True)
         return self.rank
 
     # -- rollout (colocated)
