@@ -99,7 +99,20 @@ class PolicyWorker:
             with outside_default_group():  # in-process vLLM: a world of its own, off the trainers' group
                 self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
                                            max_model_len=max_model_len, sleep_mode=True)
+            if self.cfg.rollout.backend == "vllm" and self.world_size > 1:
+                self._check_engine_world()
         return self.rank
+
+    def _check_engine_world(self) -> None:
+        """The in-process vLLM's world is its own one process, and the default group is still the trainers'."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
+
+        engine_world, trainers = get_world_group().world_size, dist.get_world_size()
+        if engine_world != 1 or trainers != self.world_size:
+            raise RuntimeError(f"trainer rank {self.rank}: the colocated vLLM engine's world has {engine_world} "
+                               f"process(es) and the default group {trainers} (the trainers are {self.world_size}): "
+                               "vLLM took the trainers' process group; use cluster.placement=separate")
 
     # -- rollout (colocated)
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Any, prompt_offset: int) -> tuple[Any, float]:
