@@ -13,8 +13,10 @@ Roles, all Ray actors in placement groups whose CPUs/GPUs Ray counts (the driver
   - `separate`: `rollout.num_engines` `RolloutWorker` actors on their own CPUs/GPUs; trainer rank 0
     broadcasts every new policy version to them over a weight-sync group of its own (gloo on CPU,
     NCCL on GPU), in dtype buckets. Nothing goes through the driver or Ray's object store.
-  Every sync carries the policy version and a checksum of the weights; each engine echoes both and
-  a mismatch fails the step (`WeightSyncError`).
+  Every sync carries the policy version and a checksum of the weights; each engine echoes both, then reports
+  what it holds after loading (per-tensor sums of its own parameters and its log-probs of a fixed probe,
+  `rl_core.rollout.verify`), which the driver compares with trainer rank 0's; a mismatch fails the step
+  (`WeightSyncError`, naming the engine and the worst tensor).
 
 `posttrain run` starts the trainer ranks' and the separate engines' actors ahead, as soon as its local Ray
 is up and while Prefect's API starts (`start_workers_early`); the flow's `Cluster` of the same config takes
@@ -47,12 +49,14 @@ from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray
 from rl_core.config import PosttrainConfig
 from rl_core.config.preflight import trainer_gpus
+from rl_core.rollout.verify import compare_held, probe_gap
 
 log = logging.getLogger("posttrain.cluster")
 
 
 class WeightSyncError(RuntimeError):
-    """An engine did not end a weight sync on the version and checksum that trainer rank 0 sent."""
+    """An engine did not end a weight sync on the version and checksum that trainer rank 0 sent, or does not hold
+    the weights it sent (`rl_core.rollout.verify`: its tensors' sums, its log-probs of a fixed probe)."""
 
 
 class PlacementError(RuntimeError):
@@ -292,7 +296,9 @@ class Cluster(AbstractContextManager):
     def sync_weights(self, version: int) -> dict[str, float]:
         """Bring every engine to rank 0's weights as policy `version`; check the echoed versions and checksums.
 
-        Returns `perf/weight_sync_s` and `perf/weight_sync_bytes` (bytes each engine received; 0 colocated).
+        Then each engine's report of what it holds (`rl_core.rollout.verify`) is compared with rank 0's.
+        Returns `perf/weight_sync_s`, `perf/weight_sync_bytes` (bytes each engine received; 0 colocated) and
+        `rollout/sync_probe_logp_abs_diff` (the largest |engine - trainer| log-prob of the fixed probe, any engine).
         """
         t = time.perf_counter()
         if self.cfg.cluster.placement == "colocated":
@@ -309,7 +315,18 @@ class Cluster(AbstractContextManager):
                     f"weight sync of policy version {version}: engine {i} reports version {echo['version']} with "
                     f"checksum {echo['checksum']}, but trainer rank 0 has checksum {sent['checksum']}: the engine "
                     "would sample from stale or corrupted weights; the step is stopped")
-        return {"perf/weight_sync_s": time.perf_counter() - t, "perf/weight_sync_bytes": float(sent["bytes"])}
+        expected = sent["expected"]
+        for i, echo in echoes:
+            problems = compare_held(expected, echo["held"], expected["dtype"])
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise WeightSyncError(
+                    f"weight sync of policy version {version}: engine {i} does not hold what trainer rank 0 sent: "
+                    f"{problems[0]}{more}. The engine would sample from other weights than the trainer's; the step is "
+                    "stopped (docs/rollout.md, 'What a weight sync verifies')")
+        gap = max(probe_gap(expected, echo["held"]) for _, echo in echoes)
+        return {"perf/weight_sync_s": time.perf_counter() - t, "perf/weight_sync_bytes": float(sent["bytes"]),
+                "rollout/sync_probe_logp_abs_diff": gap}
 
     def node_map(self) -> dict[str, list[dict[str, Any]]]:
         """Where each role runs: `{"trainers": [...], "engines": [...]}` of node id, ip, pid and device."""

@@ -8,6 +8,8 @@
   groups too, and gloo left to itself binds to whatever the host name resolves to (127.0.1.1 on many
   Debian-family hosts), which the other nodes cannot reach. NCCL's own interface is
   `NCCL_SOCKET_IFNAME`, the user's to set on multi-homed nodes (README, "What must be shared").
+- `outside_default_group`: an in-process vLLM engine (colocated) builds its own one-process world instead of
+  adopting the trainer ranks' default group.
 - `WeightGroup`: a process group of its own (not torch's default group, which the trainer ranks
   already use and which an in-process vLLM may create) between trainer rank 0 (rank 0 of the group)
   and the rollout engines: gloo on CPU, NCCL on GPU.
@@ -19,6 +21,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -85,6 +89,30 @@ def init_default_group(backend: str, store: dist.TCPStore, rank: int, world_size
     bind_gloo_to(ip)  # every backend: the gloo groups NCCL setups and vLLM create bind there too
     dist.init_process_group(backend, store=dist.PrefixStore("dp", store), rank=rank, world_size=world_size,
                             timeout=DEFAULT_TIMEOUT)
+
+
+@contextmanager
+def outside_default_group() -> Iterator[None]:
+    """Run code that sets up torch.distributed for itself (an in-process vLLM engine) as if no default process group
+    existed; the trainer ranks' group is the default again afterwards.
+
+    vLLM's `init_distributed_environment` adopts an existing default group as its world and builds its
+    tensor/pipeline-parallel groups over it (collectives over every trainer rank, in vLLM's own order). Hidden, it
+    creates a world of its own (the engine's one process, on a port of its own) and keeps its groups in it: the
+    engine never calls a collective on the trainers' group, nor they on its. Those groups stay registered with torch
+    (vLLM passes them explicitly), only the default is put back.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    trainers = c10d._world.default_pg
+    if trainers is None:  # one rank: no trainers' group to keep vLLM off; its own stays the default
+        yield
+        return
+    c10d._update_default_pg(None)  # torch's own setter (the default group and the global rank it logs)
+    try:
+        yield
+    finally:
+        c10d._update_default_pg(trainers)
 
 
 def shard_policy(model: torch.nn.Module, device: torch.device,

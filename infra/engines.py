@@ -84,6 +84,14 @@ def engine_dtype(cfg: PosttrainConfig, on_gpu: bool) -> str:
     return "bfloat16" if on_gpu else cfg.model.compute_dtype
 
 
+def held_weights(engine, max_model_len: int | None) -> dict:
+    """What `engine` holds after a load (`rl_core.rollout.verify`), with the probe over its tokenizer's vocabulary
+    (no longer than the engines' `max_model_len` allows)."""
+    from rl_core.rollout.verify import probe_ids
+
+    return engine.held_weights(probe_ids(len(engine.tokenizer), max_model_len))
+
+
 def node_info(device: torch.device) -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
@@ -101,6 +109,7 @@ class RolloutWorker:
         self.engine = None
         self.group = None
         self.layout = None
+        self.max_model_len: int | None = None
 
     def preload(self) -> float:
         """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called on actors
@@ -115,6 +124,7 @@ class RolloutWorker:
     def setup(self, max_model_len: int | None) -> int:
         """Build the engine (vLLM sizes its KV cache for `max_model_len`: the longest prompt plus max_tokens)."""
         torch.manual_seed(self.cfg.job.seed)
+        self.max_model_len = max_model_len
         self.engine = build_engine(self.cfg, self.device, max_model_len=max_model_len)
         return self.index
 
@@ -144,11 +154,16 @@ class RolloutWorker:
         if hf_model is not None:  # HF: receive straight into the engine's parameters
             targets = dict(hf_model.state_dict())
             _, digest = receive_state(self.group, self.layout, self.device, targets=targets)
+            bad = faults.corrupt_one(targets)  # test hook: a load that went wrong
+            with torch.no_grad():
+                for name in (k for k in bad if bad[k] is not targets[k]):
+                    targets[name].copy_(bad[name])
             self.engine.set_policy_version(version)
         else:
             state, digest = receive_state(self.group, self.layout, self.device)
-            self.engine.update_weights(state, version)
-        return {"version": self.engine.policy_version, "checksum": digest, "seconds": time.perf_counter() - t}
+            self.engine.update_weights(faults.corrupt_one(state), version)
+        return {"version": self.engine.policy_version, "checksum": digest,
+                "held": held_weights(self.engine, self.max_model_len), "seconds": time.perf_counter() - t}
 
     def shutdown(self) -> None:
         if self.group is not None:

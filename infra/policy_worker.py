@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, node_info
+from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
+from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -54,6 +55,7 @@ class PolicyWorker:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.trainer = self.tokenizer = self.engine = None
         self._store = self._weight_store = self.weight_group = None
+        self.max_model_len: int | None = None
         self.layout: list | None = None
 
     def preload(self) -> float:
@@ -82,6 +84,7 @@ class PolicyWorker:
         from infra.distributed import connect_store, init_default_group, node_ip
         from rl_core.trainer import ProcessGroupReducer
 
+        self.max_model_len = max_model_len  # also the length limit of the sync's probe (rl_core.rollout.verify)
         reducer = None
         if self.world_size > 1:
             store = self._store or connect_store(host, port, self.world_size)
@@ -91,9 +94,25 @@ class PolicyWorker:
         if self.cfg.cluster.placement == "colocated":
             # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
             shared = None if self.trainer.sharded else self.trainer.model
-            self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
-                                       max_model_len=max_model_len, sleep_mode=True)
+            from infra.distributed import outside_default_group
+
+            with outside_default_group():  # in-process vLLM: a world of its own, off the trainers' group
+                self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
+                                           max_model_len=max_model_len, sleep_mode=True)
+            if self.cfg.rollout.backend == "vllm" and self.world_size > 1:
+                self._check_engine_world()
         return self.rank
+
+    def _check_engine_world(self) -> None:
+        """The in-process vLLM's world is its own one process, and the default group is still the trainers'."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
+
+        engine_world, trainers = get_world_group().world_size, dist.get_world_size()
+        if engine_world != 1 or trainers != self.world_size:
+            raise RuntimeError(f"trainer rank {self.rank}: the colocated vLLM engine's world has {engine_world} "
+                               f"process(es) and the default group {trainers} (the trainers are {self.world_size}): "
+                               "vLLM took the trainers' process group; use cluster.placement=separate")
 
     # -- rollout (colocated)
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Any, prompt_offset: int) -> tuple[Any, float]:
@@ -101,20 +120,38 @@ class PolicyWorker:
         return completions, self.engine.last_generate_s
 
     def sync_colocated(self, version: int) -> dict[str, Any]:
-        """Hand this rank's weights to its own engine (HF: it samples from them already); echo version + checksum."""
+        """Hand this rank's weights to its own engine (HF: it samples from them already); echo version, checksum and
+        what the engine holds, and (rank 0) what the trainer expects it to hold."""
         from infra.distributed import state_checksum
 
         t = time.perf_counter()
         layout = self.weight_layout()
-        if getattr(self.engine, "model", None) is self.trainer.model:
+        shared = getattr(self.engine, "model", None) is self.trainer.model
+        if shared:
             state = self.trainer.model.state_dict()
             self.engine.set_policy_version(version)
         else:  # every rank gathers (sharded) and casts to the engine's dtype, one tensor at a time
             state = self._lora_state(self._wire_dtype())
             state = self.trainer.full_model_state(self._wire_dtype()) if state is None else state
-            self.engine.update_weights(state, version)
-        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout),
-                "seconds": time.perf_counter() - t, "bytes": 0}
+            self.engine.update_weights(faults.corrupt_one(state), version)  # test hook: a load that went wrong
+        held = held_weights(self.engine, self.max_model_len)
+        expected = self._expected(state, None if shared else self._wire_dtype())
+        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout), "held": held,
+                "expected": expected, "seconds": time.perf_counter() - t, "bytes": 0}
+
+    def _expected(self, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, Any] | None:
+        """What an engine should hold after loading `state` (`rl_core.rollout.verify`): its tensors' sums in `dtype`
+        and the trainer's own log-probs of the probe. Sharded, every rank runs the probe's forward (a collective);
+        rank 0 reports."""
+        from rl_core.rollout.verify import probe_ids, probe_logprobs, tensor_sums
+
+        if self.rank != 0 and not self.trainer.sharded:
+            return None
+        with self.trainer.autocast():
+            logp = probe_logprobs(self.trainer.model, probe_ids(len(self.tokenizer), self.max_model_len))
+        if self.rank != 0:
+            return None
+        return {"sums": tensor_sums(state, dtype), "probe_logp": logp, "dtype": self._engine_dtype()}
 
     def _lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """With LoRA, what the engines take: the adapters (vLLM loads them as a LoRA request) or the merged
@@ -172,9 +209,11 @@ class PolicyWorker:
             state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
                 else self.trainer.model.state_dict()
         if self.rank != 0:
+            self._expected(state, None)  # sharded: the probe's forward is a collective
             return None
         digest, sent = send_state(self.weight_group, state, self.weight_layout(), self.device)
-        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t}
+        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t,
+                "expected": self._expected(state, self._wire_dtype())}
 
     # -- training
     def train_step(self, shard: Any) -> dict[str, float]:
@@ -308,5 +347,6 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
             reference.eval().requires_grad_(False)
         auxiliary["reference"] = reference
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
-                         compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps)
+                         compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
+                         max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff)
     return trainer, tokenizer

@@ -31,7 +31,7 @@ MAY_CHANGE_ON_RESUME = (
     "cluster.placement", "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy",
     "cluster.placement_timeout_s", "rollout.num_engines", "rollout.gpu_memory_utilization",
     "cluster.sharding", "cluster.gpu_memory_gib", "model.gradient_checkpointing",  # layout and memory, not math
-    "job.max_restarts",
+    "job.max_restarts", "rollout.max_logp_abs_diff",  # a guard, not math
 )
 RUN_STATE = "run_state.json"
 

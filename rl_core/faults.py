@@ -1,7 +1,8 @@
 """A test hook that makes named sites fail on purpose, to exercise retries and the gate for real.
 
 `POSTTRAIN_INJECT_FAULTS="rollout=1,reward=2,reward_nan=1"`: the first N calls at each site in this
-process fail — `rollout` and `reward` raise `InjectedFault`, `reward_nan` makes one reward NaN.
+process fail — `rollout` and `reward` raise `InjectedFault`, `reward_nan` makes one reward NaN,
+`weight_load` makes a rollout engine load one weight wrong (`corrupt_one`: the sync's check must see it).
 Unset (the normal case), every site is a no-op.
 """
 
@@ -42,3 +43,14 @@ def maybe_fail(site: str) -> None:
 
 def reset() -> None:
     _seen.clear()
+
+
+def corrupt_one(state: dict, site: str = "weight_load") -> dict:
+    """At `site`'s failing calls, `state` (name -> tensor) with its last tensor by name (the largest) changed by +1 in its first
+    element (a copy of that tensor: the caller's is untouched); otherwise `state` itself."""
+    if not should_fail(site):
+        return state
+    name = max(state)
+    bad = state[name].detach().clone()
+    bad.view(-1)[0] += 1
+    return {**state, name: bad}

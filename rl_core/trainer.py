@@ -53,6 +53,10 @@ from rl_core.primitives.objective import (
 from rl_core.trajectory import Trajectory
 
 
+class SamplerGapError(RuntimeError):
+    """The sampler-vs-trainer log-prob gap of a batch is above `max_rollout_logp_abs_diff`: the step was refused."""
+
+
 class DataParallelReducer(Protocol):
     """The data-parallel hook (`dp_reducer`): collectives over every rank of the policy's DP group.
 
@@ -172,6 +176,7 @@ class LLMTrainer:
         metric_split: str = "train",
         compute_dtype: torch.dtype = torch.float32,
         max_staleness: int = 0,
+        max_rollout_logp_abs_diff: float | None = None,
     ):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -190,6 +195,7 @@ class LLMTrainer:
             raise ValueError(f"max_staleness={max_staleness}: this objective has no pi_old (on-policy only), so a "
                              "stale batch cannot be corrected; use max_staleness=0")
         self.max_staleness = int(max_staleness)
+        self.max_rollout_logp_abs_diff = max_rollout_logp_abs_diff
         self.sharded = is_sharded(model)
         if self.sharded:
             if dp_reducer is None:
@@ -276,7 +282,7 @@ class LLMTrainer:
         try:
             for k, chunks in enumerate(plans):
                 certify = cache is not None and cache.certified_deterministic_forward and k == 0 and not behaviour
-                results.append(self._optimizer_step(chunks, certify))
+                results.append(self._optimizer_step(chunks, certify, check_gap=k == 0))
         finally:
             if cache is not None:
                 cache.invalidate()
@@ -415,9 +421,12 @@ class LLMTrainer:
                     out.append(logp)
         return torch.cat(ids), torch.cat(out, 0)
 
-    def _optimizer_step(self, chunks: list[tuple[Trajectory, bool]], certify: bool) -> dict[str, float]:
+    def _optimizer_step(self, chunks: list[tuple[Trajectory, bool]], certify: bool,
+                        check_gap: bool = False) -> dict[str, float]:
         """One optimizer step over `chunks`. Loss, weights and metrics are summed on the device and read once,
-        after the data-parallel reduction (a single device-to-host copy per step)."""
+        after the data-parallel reduction (a single device-to-host copy per step). `check_gap` (the batch's first
+        step, whose weights are those the batch's rollout was synced to): refuse the step before it is applied when
+        the sampler-vs-trainer log-prob gap is above `max_rollout_logp_abs_diff`."""
         objective = self.objective
         cache = objective.old_logp_cache
         token_sum = objective.reduction is Reduction.TOKEN_SUM
@@ -504,19 +513,37 @@ class LLMTrainer:
         if total_weight <= 0:
             raise ValueError("the global objective weight of this optimizer step is 0 (no loss tokens on any "
                              "micro-batch or rank); the batch should have been refused before dispatch")
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-
         local: dict[str, float] = {k: v / total_weight for k, v in zip(mean_keys, host[3:3 + len(mean_keys)])}
         for k, v in zip(ext_keys, host[3 + len(mean_keys):-1]):
             local[k] = v if metric_aggregation(k) == "max" else -v
         out = objective.metric_adapter.publish(local, self.metric_split)
+        if check_gap and self.max_rollout_logp_abs_diff is not None:
+            self._check_gap(out)  # the same global value on every rank: all refuse together
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
         out[f"{self.metric_split}/loss"] = loss_total / total_weight
         out[f"{self.metric_split}/grad_norm"] = host[-1]
         out[f"{self.metric_split}/lr"] = float(lr)
         return out
+
+    def _check_gap(self, published: dict[str, float]) -> None:
+        """Refuse the step when the mean |sampler log-prob - trainer log-prob| over the batch's loss tokens (all
+        ranks) is above the bound (rollout.max_logp_abs_diff)."""
+        bound, key = self.max_rollout_logp_abs_diff, f"{self.metric_split}/rollout_logp_abs_diff"
+        if key not in published:
+            raise KeyError(f"rollout.max_logp_abs_diff={bound:g} is set, but this objective reports no "
+                           "rollout_logp_abs_diff to bound; unset rollout.max_logp_abs_diff")
+        gap = published[key]
+        if not gap <= bound:  # NaN is refused too
+            raise SamplerGapError(
+                f"rollout.max_logp_abs_diff={bound:g}: this batch's mean |sampler log-prob - trainer log-prob| "
+                f"(rollout/logp_abs_diff) is {gap:.6g}, above the bound; the step was refused before any update "
+                f"(trainer at policy version {self.policy_version}). The engines sampled from other weights or another "
+                "distribution than the trainer computes (stale or corrupted weights, a temperature, top_p or kernel "
+                "mismatch); raise the bound if this gap is expected (bfloat16 engines, rl.async_steps=1), else find "
+                "the mismatch (docs/rollout.md)")
 
 
 def _device_scalar(value, device: torch.device) -> torch.Tensor:

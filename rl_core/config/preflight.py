@@ -279,6 +279,9 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     if clipped and ro.top_p < 1 and algo != "dpo":
         warn(f"rollout.top_p={ro.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
              "truncated distribution the trainer does not model")
+    if algo == "dpo" and ro.max_logp_abs_diff is not None:
+        err(f"rollout.max_logp_abs_diff={ro.max_logp_abs_diff:g}: job.algorithm=dpo samples nothing, so there is no "
+            "sampler-vs-trainer log-prob gap to bound; remove it")
     if opd_direct:
         warn("rl.distillation_mode=direct: task reward and group advantage are logged but are not training signals")
     return rep

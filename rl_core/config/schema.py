@@ -78,6 +78,7 @@ class RolloutConfig(_Section):
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Sampling seed (< 2^32); None derives it from job.seed.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="vLLM's weights and compute: auto is bfloat16 on a GPU and model.compute_dtype on CPU; float32 only when asked (the HF engine follows model.compute_dtype).")
+    max_logp_abs_diff: float | None = Field(None, gt=0, description="Bound on rollout/logp_abs_diff (mean |sampler log-prob - trainer log-prob| over a batch's loss tokens): above it the step is refused before its update. None: logged only (its normal size depends on the engines' dtype and rl.async_steps; docs/rollout.md).")
 
 
 class OptimizerConfig(_Section):

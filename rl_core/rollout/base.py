@@ -302,6 +302,9 @@ class RolloutEngine(abc.ABC):
     afterwards carry `policy_version == version`.
     `sleep()` / `wake()`: free and take back the engine's memory around a colocated training step
     (a no-op where the engine cannot).
+    `held_weights(probe)`: what the engine holds after a load, for the driver to check against the trainer
+    (`rl_core.rollout.verify`): per-tensor float64 sums of the weights it can read back, keyed by HF names,
+    and its own log-probs of the token sequence `probe`.
     """
 
     last_generate_s: float = 0.0
@@ -318,6 +321,9 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+    @abc.abstractmethod
+    def held_weights(self, probe: list[int]) -> dict: ...
 
     @property
     @abc.abstractmethod

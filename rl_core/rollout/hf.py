@@ -117,6 +117,14 @@ class HFEngine(RolloutEngine):
             )
         self._version = int(version)
 
+    def held_weights(self, probe: list[int]) -> dict:
+        """Sums of every tensor of the model as it holds them, and its log-probs of `probe` (`rl_core.rollout.verify`)."""
+        from rl_core.rollout.verify import probe_logprobs, tensor_sums
+
+        with self._autocast(self.device):
+            logp = probe_logprobs(self.model, probe)
+        return {"sums": tensor_sums(self.model.state_dict()), "probe_logp": logp}
+
     @torch.no_grad()  # not inference_mode: the returned tensors feed autograd in the trainer
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
                  prompt_offset: int = 0) -> Completions:

@@ -69,6 +69,20 @@ def generation_stop_ids(model_path: str, eos_token_id: int, trust_remote_code: b
     return sorted(stops)
 
 
+def _parameter_sums(model) -> dict[str, tuple[float, float]]:
+    """Inside vLLM's worker: `(sum, sum of |x|)` in float64 of every readable parameter, by the HF names it holds."""
+    from rl_core.rollout.verify import fused_name
+
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    out = {}
+    for name, param in model.named_parameters():
+        if param.numel() == 0:  # a linear weight vLLM's CPU build repacked into oneDNN's layout
+            continue
+        v = param.detach().to(torch.float64)
+        out[fused_name(name, packed)] = (float(v.sum()), float(v.abs().sum()))
+    return out
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(
         self,
@@ -151,6 +165,25 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self._version = int(version)
+
+    def held_weights(self, probe: list[int]) -> dict:
+        """What the engine holds (`rl_core.rollout.verify`): the float64 sums of every parameter it can read back,
+        keyed by the HF names it holds (fused ones joined: vLLM loads q, k, v into one `qkv_proj`), and its own
+        log-probs of `probe` (with the current LoRA request). Parameters vLLM's CPU build has repacked (every linear
+        layer's weight: emptied, the values live in oneDNN's packed copy) cannot be read; the probe covers them.
+        With LoRA the base weights are never reloaded, so only the probe is reported."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        sums: dict[str, tuple[float, float]] = {}
+        if not self.lora_config:
+            sums = self.llm.apply_model(_parameter_sums)[0]
+        params = VLLMSamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(probe))], params, use_tqdm=False,
+                                lora_request=self.lora_request)[0]
+        logp = [float(step[tok].logprob) for tok, step in zip(probe[1:], out.prompt_logprobs[1:])]
+        return {"sums": sums, "probe_logp": logp}
 
     def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file

