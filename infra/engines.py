@@ -86,7 +86,7 @@ def engine_dtype(cfg: PosttrainConfig, on_gpu: bool) -> str:
 
 def held_weights(engine, max_model_len: int | None) -> dict:
     """What `engine` holds after a load (`rl_core.rollout.verify`), with the probe over its tokenizer's vocabulary
-    (no longer than the engines' `max_model_len` allows)."""
+    (at most the engines' `max_model_len` tokens)."""
     from rl_core.rollout.verify import probe_ids
 
     return engine.held_weights(probe_ids(len(engine.tokenizer), max_model_len))

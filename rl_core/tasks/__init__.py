@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -116,10 +115,4 @@ def get_task(name: str) -> Task:
     return obj
 
 
-def local_path(source: str) -> Path | None:
-    """`source` as a local path when it exists, else None (a hub dataset id)."""
-    path = Path(source).expanduser()
-    return path if path.exists() else None
-
-
-__all__ = ["Example", "Task", "get_task", "is_import_path", "local_path"]
+__all__ = ["Example", "Task", "get_task", "is_import_path"]
