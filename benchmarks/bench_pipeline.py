@@ -10,7 +10,8 @@ medians over the steps after warm-up:
 - separate HF engines, 1 and 2: rank 0 broadcasts every policy version to them over gloo;
 - one separate HF engine with clipped GRPO, on-policy and with `rl.async_steps=1` (step k+1's rollout
   overlapped with step k's training);
-- separate vLLM engines (vLLM's CPU build), 1 and 2, when vLLM is installed.
+- vLLM's CPU build, when it is installed: colocated in 1 and 2 trainer ranks (each rank streams its
+  weights into its own engine in process: no bytes over a network), and separate engines, 1 and 2.
 
 Columns: `step` is `perf/step_s`, the six phases' wall time; `wall/step` the loop's whole step, the
 writing of its metrics (metrics.jsonl, MLflow) included (from MLflow's timestamps; `wall_per_step`);
@@ -60,6 +61,8 @@ CONFIGS = {  # name -> overrides
     "separate-hf-e2": ["cluster.placement=separate", "rollout.num_engines=2"],
     "separate-hf-e1-clipped": ["cluster.placement=separate", "rollout.num_engines=1", *CLIPPED],
     "separate-hf-e1-async": ["cluster.placement=separate", "rollout.num_engines=1", *CLIPPED, "rl.async_steps=1"],
+    "colocated-vllm-w1": ["cluster.num_workers=1", "rollout.backend=vllm"],
+    "colocated-vllm-w2": ["cluster.num_workers=2", "rollout.backend=vllm"],
     "separate-vllm-e1": ["cluster.placement=separate", "rollout.num_engines=1", "rollout.backend=vllm"],
     "separate-vllm-e2": ["cluster.placement=separate", "rollout.num_engines=2", "rollout.backend=vllm"],
 }

@@ -1,18 +1,29 @@
-"""GPU smoke test (`make gpu-smoke`): the GSM8K GRPO recipe on one GPU with vLLM, colocated, for 3 steps.
+"""GPU smoke test (`make gpu-smoke`): the GSM8K GRPO recipe with vLLM for 3 steps, on every layout the GPUs allow.
 
 Needs a machine with at least one CUDA GPU and vLLM's GPU build (`pip install -e '.[gpu]'`). By
 default it runs the tiny model (built on demand, with its warm start) on the arithmetic data it was
 warm-started on, so that rewards vary and every step has a gradient; `--model DIR` runs a local
 model directory instead, on a small GSM8K-shaped data set written here (chat template). It prints
-the preflight memory plan, then runs `posttrain run recipes/grpo_gsm8k.py` with one trainer rank
-on one GPU (bf16 compute, float32 master weights) and checks, from the run's own outputs:
+the preflight memory plan, then runs `posttrain run recipes/grpo_gsm8k.py` (bf16 compute, float32
+master weights) in each layout:
+
+- 1 trainer rank on 1 GPU, vLLM colocated (always);
+- 2 trainer ranks, FSDP, each with its own colocated vLLM (2 GPUs or more);
+- 1 trainer rank and one separate vLLM engine over 2 GPUs, tensor_parallel_size=2 (3 GPUs or more);
+
+and checks, from each run's own outputs:
 
 - every trainer rank and engine ran on a CUDA device (`placement.json`);
 - every step's loss and gradient norm are finite, some step had a gradient (rewards that differ
-  within a group), and the run reached step 3 (the weight sync of every step is checked by the
-  flow itself: version and checksum echoed by the engine);
+  within a group), and the run reached step 3;
+- every weight sync was verified by what the engines hold (the flow stops on a mismatch: version,
+  checksum, parameter sums, the probe's log-probs) and the probe's gap was logged
+  (`rollout/sync_probe_logp_abs_diff`), at most the bf16 tolerance;
 - the sampler-trainer log-prob difference (`rollout/logp_abs_diff`, mean |logp_vLLM - logp_trainer|
-  over response tokens) is at most 0.05 nats in bf16;
+  over response tokens) is at most 0.05 nats in bf16 (also enforced by the flow:
+  `rollout.max_logp_abs_diff`);
+- colocated: vLLM gave back its memory for the train step (sleep level 2: GPU memory in use once it
+  sleeps is below what it was at rollout by at least half its reservation), and the sync woke it;
 
 and prints rollout and training tokens/s and the measured GPU memory next to the plan.
 
@@ -34,7 +45,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the probe's gap
+
 LOGP_DIFF_MAX = 0.05  # nats, mean over response tokens, bf16 sampler vs bf16-autocast trainer
+UTILIZATION = 0.3  # rollout.gpu_memory_utilization of every run
 PROMPTS, N = 8, 4
 
 
@@ -51,7 +66,7 @@ def write_gsm8k_shaped(out: Path, n_train: int = 64, n_test: int = 16) -> None:
                 f.write(json.dumps({"question": q, "answer": ans}) + "\n")
 
 
-def overrides(args: argparse.Namespace, data: Path, out_dir: Path) -> list[str]:
+def overrides(args: argparse.Namespace, data: Path, out_dir: Path, name: str, layout: dict[str, str]) -> list[str]:
     if args.model:
         write_gsm8k_shaped(data)
         task = [f"model.name_or_path={Path(args.model).resolve()}", f"data.train={data / 'train.jsonl'}",
@@ -60,15 +75,70 @@ def overrides(args: argparse.Namespace, data: Path, out_dir: Path) -> list[str]:
         task = ["model.name_or_path=artifacts/tiny-model/warm", "data.task=arithmetic",
                 "data.train=data/arithmetic/train.jsonl", "data.val=data/arithmetic/val.jsonl",
                 "data.prompt_template=plain"]
+    cluster = {"cluster.num_workers": "1", "cluster.gpus_per_worker": "1", "cluster.cpus_per_worker": "2",
+               "cluster.sharding": "none", **layout}
     return [
-        "job.name=gpu-smoke", f"job.out_dir={out_dir}", "rl.resume=off", "job.overwrite=true", *task,
-        "cluster.num_workers=1", "cluster.gpus_per_worker=1", "cluster.cpus_per_worker=2", "cluster.sharding=none",
+        f"job.name={name}", f"job.out_dir={out_dir}", "rl.resume=off", "job.overwrite=true", *task,
+        *(f"{k}={v}" for k, v in cluster.items()),
         "rollout.backend=vllm", f"rollout.prompts_per_step={PROMPTS}", f"rollout.n={N}", "rollout.max_tokens=64",
-        "rollout.gpu_memory_utilization=0.3",
+        f"rollout.gpu_memory_utilization={UTILIZATION}", f"rollout.max_logp_abs_diff={LOGP_DIFF_MAX}",
         f"rl.max_steps={args.steps}", f"rl.save_every={args.steps}", f"rl.mini_batch_per_replica={PROMPTS * N // 2}",
         "rl.micro_batch_per_replica=8", "rl.optimizer.warmup_steps=0", "rl.validation.before_training=false",
         f"rl.validation.every_steps={args.steps}", "rl.validation.max_prompts=16",
     ]
+
+
+def layouts(gpus: int) -> list[tuple[str, dict[str, str]]]:
+    """(name, cluster overrides) of every layout this machine's GPUs allow."""
+    out = [("colocated-1", {})]
+    if gpus >= 2:
+        out.append(("colocated-fsdp-2", {"cluster.num_workers": "2", "cluster.sharding": "fsdp",
+                                          "cluster.cpus_per_worker": "1"}))
+    if gpus >= 3:
+        out.append(("separate-tp-2", {"cluster.placement": "separate", "rollout.num_engines": "1",
+                                       "cluster.gpus_per_engine": "2"}))
+    return out
+
+
+def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float) -> list[str]:
+    """What is wrong with a finished run, read from its own outputs; prints its per-step table."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    placement = json.loads((run_dir / "placement.json").read_text())
+    failures = []
+    devices = [role["device"] for group in placement.values() for role in group]
+    if not devices or not all(d.startswith("cuda") for d in devices):
+        failures.append(f"not every role ran on a GPU: {devices}")
+    if [r["step"] for r in steps] != list(range(1, steps_wanted + 1)):
+        failures.append(f"steps logged {[r['step'] for r in steps]}, expected 1..{steps_wanted}")
+    if not all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps):
+        failures.append(f"non-finite loss or gradient norm: {[(r['train/loss'], r['train/grad_norm']) for r in steps]}")
+    if not any(r["train/grad_norm"] > 0 for r in steps):
+        failures.append("no step had a gradient (every group's rewards were equal): nothing was trained or synced")
+    diffs = [r["rollout/logp_abs_diff"] for r in steps]
+    if not all(d <= LOGP_DIFF_MAX for d in diffs):
+        failures.append(f"sampler-trainer log-prob difference {diffs} exceeds {LOGP_DIFF_MAX}")
+    probe = [r.get("rollout/sync_probe_logp_abs_diff") for r in steps]
+    if not all(p is not None and p <= PROBE_ATOL['bfloat16'] for p in probe):
+        failures.append(f"the weight sync's probe gap {probe} is missing or above {PROBE_ATOL['bfloat16']}")
+    if colocated:
+        freed = [r.get("perf/gpu_rollout_used_gib", 0) - r.get("perf/gpu_asleep_used_gib", math.inf) for r in steps]
+        if not all(f >= 0.5 * UTILIZATION * gpu_gib for f in freed):
+            failures.append(f"colocated vLLM gave back only {freed} GiB for the train step; its reservation is "
+                            f"{UTILIZATION * gpu_gib:.1f} GiB (sleep level 2 frees weights and KV cache)")
+    print("\nstep | reward | loss | grad norm | logp diff (mean/max) | probe gap | weight sync s | rollout tok/s | "
+          "train tok/s | GPU used at rollout / asleep GiB | train peak GiB")
+    for r in steps:
+        tps = r["rollout/response_len_mean"] * PROMPTS * N / r["perf/generate_s"]
+        print(f"{r['step']} | {r['rollout/reward_mean']:.3f} | {r['train/loss']:.4f} | {r['train/grad_norm']:.4f} | "
+              f"{r['rollout/logp_abs_diff']:.4f}/{r.get('rollout/logp_abs_diff_max', float('nan')):.4f} | "
+              f"{r.get('rollout/sync_probe_logp_abs_diff', float('nan')):.4f} | {r['perf/weight_sync_s']:.3f} | "
+              f"{tps:,.0f} | {r.get('perf/tokens_per_s', float('nan')):,.0f} | "
+              f"{r.get('perf/gpu_rollout_used_gib', float('nan')):.2f} / "
+              f"{r.get('perf/gpu_asleep_used_gib', float('nan')):.2f} | "
+              f"{r.get('perf/gpu_train_peak_gib', float('nan')):.2f}")
+    print(f"devices: {devices}")
+    return failures
 
 
 def main() -> int:
@@ -80,6 +150,7 @@ def main() -> int:
         import torch
 
         gpus = torch.cuda.device_count()
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpus else 0.0
     except Exception:  # noqa: BLE001 - no torch / broken driver: no GPU
         gpus = 0
     if gpus == 0:
@@ -94,47 +165,26 @@ def main() -> int:
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    recipe = str(REPO / "recipes" / "grpo_gsm8k.py")
+    failures: list[str] = []
     try:
-        ovr = overrides(args, workdir / "gsm8k-smoke", workdir / "runs")
-        recipe = str(REPO / "recipes" / "grpo_gsm8k.py")
-        plan = subprocess.run([sys.executable, "-m", "flows.cli", "validate", recipe, "--", *ovr], cwd=workdir,
-                              env=env, capture_output=True, text=True, check=False)
-        text = plan.stdout + plan.stderr
-        print(text[text.find("preflight:"):] if "preflight:" in text else text)
-        proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", recipe, "--", *ovr], cwd=workdir, env=env,
-                              capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
-            print("gpu-smoke: FAILED (the run did not finish)", file=sys.stderr)
-            return 1
-        run_dir = workdir / "runs" / "gpu-smoke"
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in records if "train/loss" in r]
-        placement = json.loads((run_dir / "placement.json").read_text())
-        failures = []
-        devices = [role["device"] for group in placement.values() for role in group]
-        if not devices or not all(d.startswith("cuda") for d in devices):
-            failures.append(f"not every role ran on a GPU: {devices}")
-        if [r["step"] for r in steps] != list(range(1, args.steps + 1)):
-            failures.append(f"steps logged {[r['step'] for r in steps]}, expected 1..{args.steps}")
-        if not all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps):
-            failures.append(f"non-finite loss or gradient norm: {[(r['train/loss'], r['train/grad_norm']) for r in steps]}")
-        if not any(r["train/grad_norm"] > 0 for r in steps):
-            failures.append("no step had a gradient (every group's rewards were equal): nothing was trained or synced")
-        diffs = [r["rollout/logp_abs_diff"] for r in steps]
-        if not all(d <= LOGP_DIFF_MAX for d in diffs):
-            failures.append(f"sampler-trainer log-prob difference {diffs} exceeds {LOGP_DIFF_MAX}")
-        rollout_tps = [r["rollout/response_len_mean"] * PROMPTS * N / r["perf/generate_s"] for r in steps]
-        print("\nstep | reward | loss | grad norm | logp diff (mean/max) | weight sync s | rollout tok/s | train tok/s | "
-              "GPU used at rollout GiB | train peak GiB")
-        for r, tps in zip(steps, rollout_tps):
-            print(f"{r['step']} | {r['rollout/reward_mean']:.3f} | {r['train/loss']:.4f} | {r['train/grad_norm']:.4f} | "
-                  f"{r['rollout/logp_abs_diff']:.4f}/"
-                  f"{r.get('rollout/logp_abs_diff_max', float('nan')):.4f} | {r['perf/weight_sync_s']:.3f} | "
-                  f"{tps:,.0f} | {r.get('perf/tokens_per_s', float('nan')):,.0f} | "
-                  f"{r.get('perf/gpu_rollout_used_gib', float('nan')):.2f} | "
-                  f"{r.get('perf/gpu_train_peak_gib', float('nan')):.2f}")
-        print(f"devices: {devices}; wall time {time.perf_counter() - started:.0f} s")
+        for name, layout in layouts(gpus):
+            print(f"\n== {name} ==")
+            ovr = overrides(args, workdir / "gsm8k-smoke", workdir / "runs", f"gpu-smoke-{name}", layout)
+            plan = subprocess.run([sys.executable, "-m", "flows.cli", "validate", recipe, "--", *ovr], cwd=workdir,
+                                  env=env, capture_output=True, text=True, check=False)
+            text = plan.stdout + plan.stderr
+            print(text[text.find("preflight:"):] if "preflight:" in text else text)
+            proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", recipe, "--", *ovr], cwd=workdir,
+                                  env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
+                failures.append(f"{name}: the run did not finish")
+                continue
+            colocated = layout.get("cluster.placement", "colocated") == "colocated"
+            found = check_run(workdir / "runs" / f"gpu-smoke-{name}", args.steps, colocated, gpu_gib)
+            failures.extend(f"{name}: {f}" for f in found)
+        print(f"\nlayouts: {[n for n, _ in layouts(gpus)]}; wall time {time.perf_counter() - started:.0f} s")
         for f in failures:
             print(f"gpu-smoke: FAILED: {f}", file=sys.stderr)
         if not failures:

@@ -13,15 +13,16 @@
 - `WeightGroup`: a process group of its own (not torch's default group, which the trainer ranks
   already use and which an in-process vLLM may create) between trainer rank 0 (rank 0 of the group)
   and the rollout engines: gloo on CPU, NCCL on GPU.
-- `WeightBroadcast`: rank 0 sends a state dict in buckets of one dtype (one collective per bucket,
-  not per tensor), cast to the engines' dtype on the way; every receiver computes a checksum of
-  the bytes it received, which the driver compares with the sender's.
+- `WeightStream`: rank 0 sends the weights in buckets of one dtype (one collective per bucket, not
+  per tensor), cast to the engines' dtype on the way, packing each bucket as the (gathered) tensors
+  arrive; engines load each bucket as it arrives. Every side computes a checksum of the bytes it
+  sent or received, which the driver compares.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -233,52 +234,72 @@ def combine(checksums: list[int]) -> str:
     return f"{acc:016x}"
 
 
-def send_state(group: WeightGroup, state: dict[str, torch.Tensor], layout: list[TensorSpec],
-               device: torch.device) -> tuple[str, int]:
-    """Rank 0: broadcast `state` (in `layout` order and wire dtypes); `(checksum, bytes sent)`."""
-    sums, sent = [], 0
-    for idx in buckets(layout):
-        dtype = _DTYPES[layout[idx[0]].dtype]
-        flat = torch.cat([state[layout[i].name].detach().reshape(-1).to(device=device, dtype=dtype) for i in idx])
-        group.broadcast(flat)
-        sums.append(checksum(flat))
-        sent += flat.numel() * flat.element_size()
-    return combine(sums), sent
+class WeightStream:
+    """One weight sync's tensors, one bucket at a time: `(name, tensor)` pairs in `layout` order and wire dtypes.
 
-
-def receive_state(group: WeightGroup, layout: list[TensorSpec], device: torch.device,
-                  targets: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """An engine: receive what `send_state` sends; `(name -> tensor, checksum)`.
-
-    With `targets` (the engine's own parameters by name, of the same shapes), each bucket is copied
-    into them and they are returned: no second copy of the model. Otherwise the returned tensors
-    are views of the received buckets.
+    The sender (trainer rank 0) and a colocated engine pack the pairs `source` yields into one flat bucket at a
+    time; with a `group` the bucket is then broadcast (rank 0) or received into (an engine, `source=None`). Each
+    bucket's tensors are yielded as views of it before the next bucket is packed, so a consumer that loads as it
+    iterates (vLLM's `reload_weights`, a copy into the engine's parameters) holds one bucket, never a second full
+    copy of the model; `source` too is read one tensor at a time (a sharded trainer gathers each as it is asked).
+    Iterate once, to the end: every broadcast is a collective (`drain` finishes a stream a consumer left early).
+    Then `checksum` (of the bytes, as `checksum`/`combine` define it) and `bytes` describe what went through.
     """
-    out: dict[str, torch.Tensor] = {}
-    sums = []
-    for idx in buckets(layout):
-        dtype = _DTYPES[layout[idx[0]].dtype]
-        flat = torch.empty(sum(layout[i].numel for i in idx), dtype=dtype, device=device)
-        group.broadcast(flat)
-        sums.append(checksum(flat))
-        offset = 0
-        for i in idx:
-            spec = layout[i]
-            view = flat[offset: offset + spec.numel].view(spec.shape)
-            offset += spec.numel
-            if targets is not None:
-                with torch.no_grad():
-                    targets[spec.name].copy_(view)
-                out[spec.name] = targets[spec.name]
-            else:
-                out[spec.name] = view
-    return out, combine(sums)
+
+    def __init__(self, layout: list[TensorSpec], device: torch.device, group: WeightGroup | None = None,
+                 source: Iterable[tuple[str, torch.Tensor]] | None = None, bucket_bytes: int = BUCKET_BYTES):
+        if source is None and group is None:
+            raise ValueError("a WeightStream packs a source, receives from a group, or both")
+        self.layout, self.device, self.group, self.source = layout, device, group, source
+        self.bytes = 0
+        self._sums: list[int] = []
+        self._done = False
+        self._pairs = self._run(bucket_bytes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._pairs
+
+    def _run(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        source = None if self.source is None else iter(self.source)
+        for idx in buckets(self.layout, bucket_bytes):
+            dtype = _DTYPES[self.layout[idx[0]].dtype]
+            flat = torch.empty(sum(self.layout[i].numel for i in idx), dtype=dtype, device=self.device)
+            offset = 0
+            for i in idx:
+                spec = self.layout[i]
+                if source is not None:
+                    name, value = next(source, (None, None))
+                    if name != spec.name:
+                        raise ValueError(f"weight sync: the trainer's tensor {name!r} arrived where the layout has "
+                                         f"{spec.name!r}; the sender and the layout disagree on the model's tensors")
+                    flat[offset: offset + spec.numel].copy_(value.detach().reshape(-1))  # cast to the wire dtype
+                offset += spec.numel
+            if self.group is not None:
+                self.group.broadcast(flat)
+            self._sums.append(checksum(flat))
+            self.bytes += flat.numel() * flat.element_size()
+            offset = 0
+            for i in idx:
+                spec = self.layout[i]
+                yield spec.name, flat[offset: offset + spec.numel].view(spec.shape)
+                offset += spec.numel
+        self._done = True
+
+    def drain(self) -> WeightStream:
+        """Go through whatever the consumer did not take (the collectives must all run)."""
+        for _ in self._pairs:
+            pass
+        return self
+
+    @property
+    def checksum(self) -> str:
+        if not self._done:
+            raise RuntimeError("WeightStream.checksum before the stream was read to its end")
+        return combine(self._sums)
 
 
-def state_checksum(state: dict[str, torch.Tensor], layout: list[TensorSpec]) -> str:
-    """The checksum `send_state` would report for `state`, without sending (colocated engines)."""
-    sums = []
-    for idx in buckets(layout):
-        dtype = _DTYPES[layout[idx[0]].dtype]
-        sums.append(checksum(torch.cat([state[layout[i].name].detach().reshape(-1).to(dtype) for i in idx])))
-    return combine(sums)
+def receive_into(stream: WeightStream, targets: dict[str, torch.Tensor]) -> None:
+    """Copy each received tensor into the engine's own parameter of that name (an HF engine): no second copy."""
+    with torch.no_grad():
+        for name, value in stream:
+            targets[name].copy_(value)

@@ -24,7 +24,10 @@ import torch
 
 from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
-from rl_core.config.preflight import num_engines  # noqa: F401 - the one rule, re-exported for infra.cluster
+from rl_core.config.preflight import (
+    num_engines,  # noqa: F401 - the one rule, re-exported for infra.cluster
+    tensor_parallel_size,
+)
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 
 
@@ -64,7 +67,8 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
     return make_engine(cfg.rollout, None, tokenizer, seed=cfg.sampling_seed, lora_config=lora_config,
                        model_path=path, dtype=engine_dtype(cfg, device.type == "cuda"),
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
-                       trust_remote_code=cfg.model.trust_remote_code)
+                       trust_remote_code=cfg.model.trust_remote_code,
+                       tensor_parallel_size=tensor_parallel_size(cfg))
 
 
 def enable_tf32(device: torch.device) -> None:
@@ -146,23 +150,25 @@ class RolloutWorker:
         return rank
 
     def receive_weights(self, version: int) -> dict[str, Any]:
-        """Take rank 0's broadcast of `version`; echo the version and the checksum of what arrived."""
-        from infra.distributed import receive_state
+        """Take rank 0's broadcast of `version`, loading each bucket as it arrives; echo the version and the checksum
+        of what arrived."""
+        from infra.distributed import WeightStream, receive_into
 
         t = time.perf_counter()
+        stream = WeightStream(self.layout, self.device, group=self.group)
         hf_model = getattr(self.engine, "model", None)
         if hf_model is not None:  # HF: receive straight into the engine's parameters
             targets = dict(hf_model.state_dict())
-            _, digest = receive_state(self.group, self.layout, self.device, targets=targets)
+            receive_into(stream, targets)
             bad = faults.corrupt_one(targets)  # test hook: a load that went wrong
             with torch.no_grad():
                 for name in (k for k in bad if bad[k] is not targets[k]):
                     targets[name].copy_(bad[name])
             self.engine.set_policy_version(version)
-        else:
-            state, digest = receive_state(self.group, self.layout, self.device)
-            self.engine.update_weights(faults.corrupt_one(state), version)
-        return {"version": self.engine.policy_version, "checksum": digest,
+        else:  # test hook: a load that went wrong
+            self.engine.update_weights(faults.corrupt_stream(stream, (spec.name for spec in self.layout)), version)
+            stream.drain()
+        return {"version": self.engine.policy_version, "checksum": stream.checksum,
                 "held": held_weights(self.engine, self.max_model_len), "seconds": time.perf_counter() - t}
 
     def shutdown(self) -> None:

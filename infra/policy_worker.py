@@ -121,29 +121,39 @@ class PolicyWorker:
 
     def sync_colocated(self, version: int) -> dict[str, Any]:
         """Hand this rank's weights to its own engine (HF: it samples from them already); echo version, checksum and
-        what the engine holds, and (rank 0) what the trainer expects it to hold."""
-        from infra.distributed import state_checksum
+        what the engine holds, and (rank 0) what the trainer expects it to hold.
+
+        A vLLM engine reloads from a stream: each tensor is gathered (sharded), cast to the engine's dtype and packed
+        into a bucket as vLLM's loader asks for it, so the rank never holds a second full copy of the model."""
+        from infra.distributed import WeightStream
+        from rl_core.rollout.verify import summed, tensor_sums
 
         t = time.perf_counter()
         layout = self.weight_layout()
-        shared = getattr(self.engine, "model", None) is self.trainer.model
-        if shared:
+        if getattr(self.engine, "model", None) is self.trainer.model:
             state = self.trainer.model.state_dict()
             self.engine.set_policy_version(version)
-        else:  # every rank gathers (sharded) and casts to the engine's dtype, one tensor at a time
+            stream = WeightStream(layout, self.device, source=state.items()).drain()
+            sums = tensor_sums(state)
+        else:
             state = self._lora_state(self._wire_dtype())
-            state = self.trainer.full_model_state(self._wire_dtype()) if state is None else state
-            self.engine.update_weights(faults.corrupt_one(state), version)  # test hook: a load that went wrong
+            source = self.trainer.iter_full_model_state(self._wire_dtype()) if state is None else state.items()
+            stream = WeightStream(layout, self.device, source=source)
+            sums = {}
+            tap = summed(stream, sums)
+            # test hook: a load that went wrong
+            self.engine.update_weights(faults.corrupt_stream(tap, (spec.name for spec in layout)), version)
+            for _ in tap:  # whatever the engine did not ask for: the gathers are collectives
+                pass
         held = held_weights(self.engine, self.max_model_len)
-        expected = self._expected(state, None if shared else self._wire_dtype())
-        return {"version": self.engine.policy_version, "checksum": state_checksum(state, layout), "held": held,
-                "expected": expected, "seconds": time.perf_counter() - t, "bytes": 0}
+        return {"version": self.engine.policy_version, "checksum": stream.checksum, "held": held,
+                "expected": self._expected(sums), "seconds": time.perf_counter() - t, "bytes": 0}
 
-    def _expected(self, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, Any] | None:
-        """What an engine should hold after loading `state` (`rl_core.rollout.verify`): its tensors' sums in `dtype`
-        and the trainer's own log-probs of the probe. Sharded, every rank runs the probe's forward (a collective);
-        rank 0 reports."""
-        from rl_core.rollout.verify import probe_ids, probe_logprobs, tensor_sums
+    def _expected(self, sums: dict[str, tuple[float, float]] | None) -> dict[str, Any] | None:
+        """What an engine should hold after a sync (`rl_core.rollout.verify`): `sums` of the tensors it was sent (as
+        sent) and the trainer's own log-probs of the probe. Sharded, every rank runs the probe's forward (a
+        collective); rank 0 reports."""
+        from rl_core.rollout.verify import probe_ids, probe_logprobs
 
         if self.rank != 0 and not self.trainer.sharded:
             return None
@@ -151,7 +161,7 @@ class PolicyWorker:
             logp = probe_logprobs(self.trainer.model, probe_ids(len(self.tokenizer), self.max_model_len))
         if self.rank != 0:
             return None
-        return {"sums": tensor_sums(state, dtype), "probe_logp": logp, "dtype": self._engine_dtype()}
+        return {"sums": sums, "probe_logp": logp, "dtype": self._engine_dtype()}
 
     def _lora_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """With LoRA, what the engines take: the adapters (vLLM loads them as a LoRA request) or the merged
@@ -200,26 +210,34 @@ class PolicyWorker:
         return 0
 
     def broadcast_weights(self, version: int) -> dict[str, Any] | None:
-        """Rank 0 sends the weights to the engines; when sharded every rank calls this (the gather is collective)."""
-        from infra.distributed import send_state
+        """Rank 0 sends the weights to the engines, one bucket at a time; when sharded every rank calls this (each
+        tensor's gather is a collective) and only rank 0 keeps what it gathers, for as long as its bucket is packed."""
+        from infra.distributed import WeightStream
+        from rl_core.rollout.verify import tensor_sums
 
         t = time.perf_counter()
         state = self._lora_state()
-        if state is None:
-            state = self.trainer.full_model_state(self._wire_dtype()) if self.trainer.sharded \
-                else self.trainer.model.state_dict()
+        if state is not None:
+            source = state.items()
+        elif self.trainer.sharded:
+            source = self.trainer.iter_full_model_state(self._wire_dtype())
+        else:
+            source = self.trainer.model.state_dict().items()
         if self.rank != 0:
-            self._expected(state, None)  # sharded: the probe's forward is a collective
+            for _ in source:  # sharded: take part in each gather, keep nothing
+                pass
+            self._expected(None)  # sharded: the probe's forward is a collective
             return None
-        digest, sent = send_state(self.weight_group, state, self.weight_layout(), self.device)
-        return {"version": int(version), "checksum": digest, "bytes": sent, "seconds": time.perf_counter() - t,
-                "expected": self._expected(state, self._wire_dtype())}
+        stream = WeightStream(self.weight_layout(), self.device, group=self.weight_group, source=source)
+        sums = tensor_sums(stream)
+        return {"version": int(version), "checksum": stream.checksum, "bytes": stream.bytes,
+                "seconds": time.perf_counter() - t, "expected": self._expected(sums)}
 
     # -- training
     def train_step(self, shard: Any) -> dict[str, float]:
         """One train step on this rank's shard. On GPU also `perf/gpu_rollout_used_gib` (device memory in use
-        before the step: the trainer plus an awake colocated engine) and `perf/gpu_train_peak_gib` (torch's peak
-        allocation during the step)."""
+        before the step: the trainer plus an awake colocated engine), `perf/gpu_asleep_used_gib` (in use once a
+        colocated engine sleeps) and `perf/gpu_train_peak_gib` (torch's peak allocation during the step)."""
         gpu = self.device.type == "cuda"
         if gpu:
             free, total = torch.cuda.mem_get_info(self.device)
@@ -227,6 +245,9 @@ class PolicyWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.engine is not None:
             self.engine.sleep()  # colocated vLLM on GPU: free its memory for the step
+        if gpu:
+            free, total = torch.cuda.mem_get_info(self.device)
+            asleep_used = (total - free) / 2**30
         t0 = time.perf_counter()
         rl = self.cfg.rl
         metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica,
@@ -236,6 +257,7 @@ class PolicyWorker:
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
         if gpu:
             metrics["perf/gpu_rollout_used_gib"] = rollout_used
+            metrics["perf/gpu_asleep_used_gib"] = asleep_used
             metrics["perf/gpu_train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 ENV = "POSTTRAIN_INJECT_FAULTS"
 _seen: Counter[str] = Counter()
@@ -54,3 +56,21 @@ def corrupt_one(state: dict, site: str = "weight_load") -> dict:
     bad = state[name].detach().clone()
     bad.view(-1)[0] += 1
     return {**state, name: bad}
+
+
+def corrupt_stream(pairs: Iterable[tuple[str, Any]], names: Iterable[str],
+                   site: str = "weight_load") -> Iterable[tuple[str, Any]]:
+    """`corrupt_one` for a stream of `(name, tensor)` pairs: at `site`'s failing calls the tensor named `max(names)`
+    arrives changed by +1 in its first element (a copy); otherwise `pairs` itself."""
+    if not should_fail(site):
+        return pairs
+    target = max(names)
+
+    def corrupted() -> Iterator[tuple[str, Any]]:
+        for name, value in pairs:
+            if name == target:
+                value = value.detach().clone()
+                value.view(-1)[0] += 1
+            yield name, value
+
+    return corrupted()

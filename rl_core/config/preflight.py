@@ -60,6 +60,15 @@ def num_engines(cfg: PosttrainConfig) -> int:
     return cfg.rollout.num_engines or 1
 
 
+def tensor_parallel_size(cfg: PosttrainConfig) -> int:
+    """GPUs a rollout engine splits the model over (vLLM's `tensor_parallel_size`): `cluster.gpus_per_engine` when it
+    is above 1 (separate vLLM engines), else 1."""
+    c = cfg.cluster
+    if c.placement == "separate" and cfg.rollout.backend == "vllm" and c.gpus_per_engine > 1:
+        return int(c.gpus_per_engine)
+    return 1
+
+
 # The share of a GPU that Ray counts for one teacher replica in its trainer rank's bundle (the rank asks for the
 # rest). Ray's count only pins both to the same GPU; whether the teacher's memory fits is the memory plan's check.
 TEACHER_GPU_SHARE = 0.01
@@ -244,7 +253,12 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"cluster.gpus_per_worker={cl.gpus_per_worker:g} with cluster.num_workers={cl.num_workers}: NCCL needs one "
             "whole GPU per rank (two ranks on one GPU cannot form an NCCL group); use a whole number")
     if cl.placement == "separate" and cl.gpus_per_engine > 1 and cl.gpus_per_engine != int(cl.gpus_per_engine):
-        err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs")
+        err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g}: above 1 it must be a whole number of GPUs (vLLM's "
+            "tensor_parallel_size)")
+    if cl.placement == "separate" and cl.gpus_per_engine > 1 and ro.backend != "vllm":
+        err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g} with rollout.backend={ro.backend}: the HF engine runs on "
+            "one GPU; an engine over several GPUs is vLLM with tensor_parallel_size=cluster.gpus_per_engine "
+            "(rollout.backend=vllm), or set cluster.gpus_per_engine=1")
     if spec.topology != "teacher" and cl.teacher_replicas is not None:
         err(f"cluster.teacher_replicas={cl.teacher_replicas}: only read by job.algorithm="
             f"{','.join(names(topology='teacher'))} (the teacher role); remove it")

@@ -158,7 +158,7 @@ class ClusterConfig(_Section):
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per policy worker (NCCL when > 0).")
     placement: Literal["colocated", "separate"] = Field("colocated", description="Rollout engines inside the trainer ranks (weights in process) or on their own CPUs/GPUs (weights broadcast by rank 0).")
     cpus_per_engine: float = Field(1.0, gt=0, description="separate placement: CPUs reserved per rollout engine.")
-    gpus_per_engine: float = Field(0.0, ge=0, description="separate placement: GPUs reserved per rollout engine.")
+    gpus_per_engine: float = Field(0.0, ge=0, description="separate placement: GPUs reserved per rollout engine; above 1 (a whole number, rollout.backend=vllm) the engine splits the model over them (vLLM's tensor_parallel_size).")
     teacher_replicas: int | None = Field(None, gt=0, description="OPD: teacher copies that score a batch together, each a contiguous share of its rows in parallel; replica i sits on trainer rank i % cluster.num_workers's node and GPU. None: one per trainer rank (cluster.num_workers).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy of the trainer ranks (STRICT_SPREAD: one rank per node).")
     placement_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for Ray to place every role before failing with what could not be placed.")

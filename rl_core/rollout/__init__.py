@@ -33,7 +33,7 @@ def sampling_params_from_config(
 def make_engine(
     rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto",
     max_model_len: int | None = None, sleep_mode: bool = False, trust_remote_code: bool = False,
-    lora_config: dict | None = None,
+    lora_config: dict | None = None, tensor_parallel_size: int = 1,
 ) -> RolloutEngine:
     """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
 
@@ -43,7 +43,8 @@ def make_engine(
     `update_weights`; `model` is not used by it (pass None). `max_model_len`: the longest prompt
     plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated);
     `lora_config` (vllm, `model.lora.r > 0`): the adapters' `adapter_config.json`, and `update_weights`
-    then takes the adapters' tensors.
+    then takes the adapters' tensors; `tensor_parallel_size` (vllm): the GPUs (on CPU, worker processes)
+    one engine splits the model over.
     """
     backend = rollout_cfg.backend
     if backend == "hf":
@@ -65,6 +66,7 @@ def make_engine(
             sleep_mode=sleep_mode,
             trust_remote_code=trust_remote_code,
             lora_config=lora_config,
+            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
         )
     raise ValueError(f"rollout.backend={backend!r} is not one of 'hf', 'vllm'")
 

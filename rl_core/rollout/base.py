@@ -17,6 +17,7 @@ ordinary response token.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -320,7 +321,10 @@ class RolloutEngine(abc.ABC):
         """Take the memory back before the next rollout."""
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Load the policy's weights (HF names: a state dict, or `(name, tensor)` pairs read once, in order, as
+        they arrive) and move to policy `version`."""
 
     @abc.abstractmethod
     def held_weights(self, probe: list[int]) -> dict: ...

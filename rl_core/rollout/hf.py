@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -104,8 +105,10 @@ class HFEngine(RolloutEngine):
         """The engine samples from the trainer's own model (colocated): only the version moves."""
         self._version = int(version)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state_dict` into the model (strict: every key must match) and set the policy version."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Copy `weights` into the model (strict: every key must match) and set the policy version."""
+        state_dict = weights if isinstance(weights, Mapping) else dict(weights)
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         # A tied lm_head may be absent from the trainer's dict; anything else is an error.
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()

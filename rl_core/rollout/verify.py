@@ -17,6 +17,8 @@ in bfloat16, from weights rounded differently (`PROBE_ATOL`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
+
 import torch
 
 SUM_RTOL = 1e-6  # float64 sums of the same values in another order (a fused tensor, another device)
@@ -34,16 +36,28 @@ def probe_ids(vocab_size: int, max_model_len: int | None = None) -> list[int]:
     return [(7919 * i + 13) % int(vocab_size) for i in range(length)]
 
 
-def tensor_sums(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, tuple[float, float]]:
-    """`name -> (sum, sum of |x|)` in float64, of each tensor cast to `dtype` first (the engines' dtype)."""
-    out = {}
-    for name, value in state.items():
-        v = value.detach()
-        if dtype is not None:
-            v = v.to(dtype)
-        v = v.to(torch.float64)
-        out[name] = (float(v.sum()), float(v.abs().sum()))
-    return out
+def tensor_sum(value: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """`(sum, sum of |x|)` in float64 of `value` cast to `dtype` first (the engines' dtype)."""
+    v = value.detach()
+    if dtype is not None:
+        v = v.to(dtype)
+    v = v.to(torch.float64)
+    return float(v.sum()), float(v.abs().sum())
+
+
+def tensor_sums(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                dtype: torch.dtype | None = None) -> dict[str, tuple[float, float]]:
+    """`name -> tensor_sum(...)` of a state dict, or of `(name, tensor)` pairs as they stream past."""
+    pairs = state.items() if isinstance(state, Mapping) else state
+    return {name: tensor_sum(value, dtype) for name, value in pairs}
+
+
+def summed(pairs: Iterable[tuple[str, torch.Tensor]], sums: dict[str, tuple[float, float]]
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` passed through, recording each tensor's `tensor_sum` into `sums` as it goes by."""
+    for name, value in pairs:
+        sums[name] = tensor_sum(value)
+        yield name, value
 
 
 def fused_name(name: str, packed: dict[str, list[str]]) -> str:

@@ -22,7 +22,15 @@ Mapping from the config / `SamplingParams`:
 - Weight updates: `reload_weights(weights_iterator=...)` in the engine's worker (it works on CPU,
   where vLLM repacks linear weights, as on GPU), then the prefix cache is reset so no KV computed
   with old weights is reused (stale rollout weights: the flow also logs the sampling-vs-trainer
-  log-prob gap every step).
+  log-prob gap every step). With one worker in this process the iterator itself is handed to vLLM,
+  which loads each tensor as the sync delivers it (no second copy of the model); tensor-parallel
+  engines (`tensor_parallel_size > 1`: vLLM's worker processes, `distributed_executor_backend="mp"`)
+  take the whole list, in host memory, in one `collective_rpc` that reaches every worker.
+- Sleep (colocated on GPU, `sleep_mode`): level 2 frees the weights and the KV cache without a copy
+  to host memory, since the next call is always a weight sync: `update_weights` wakes the weights,
+  streams the new ones in, then wakes the KV cache, so the KV cache never coexists with the sync.
+  With LoRA the base weights are never reloaded, so the engine sleeps at level 1 (weights kept in
+  host memory). An engine whose weights were discarded refuses to generate before a sync.
 - LoRA (`lora_config`, the adapters' `adapter_config.json`): the engine starts with `enable_lora=True`
   and `max_lora_rank` the smallest rank vLLM offers that holds `r`; `update_weights` then takes the
   adapters' tensors (PEFT's saved names), writes them as a PEFT adapter directory of their own
@@ -38,6 +46,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -124,7 +133,11 @@ class VLLMEngine(RolloutEngine):
         self._version = int(policy_version)
         self.sleep_mode = bool(sleep_mode) and not on_cpu  # vLLM's CPU backend has no sleep mode
         self._asleep = False
+        self._discarded = False  # asleep at level 2: no weights until the next update_weights
         kwargs = dict(llm_kwargs)
+        self.tensor_parallel_size = int(kwargs.get("tensor_parallel_size") or 1)
+        if self.tensor_parallel_size > 1:  # vLLM's worker processes, on this actor's GPUs (CPUs)
+            kwargs.setdefault("distributed_executor_backend", "mp")
         if on_cpu:
             kwargs.setdefault("enforce_eager", True)
         if max_model_len is not None:
@@ -154,15 +167,27 @@ class VLLMEngine(RolloutEngine):
     def policy_version(self) -> int:
         return self._version
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's weights (HF names) in place, then drop the prefix cache. With LoRA, `state_dict`
-        is the adapters (PEFT's names), loaded as a new LoRA request."""
-        self.wake()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Load the trainer's weights (HF names; a state dict or pairs as they arrive) in place, then drop the prefix
+        cache. With LoRA, `weights` are the adapters (PEFT's names), loaded as a new LoRA request."""
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
         if self.lora_config:
-            self._load_adapter(state_dict, version)
+            self.wake()
+            self._load_adapter(dict(pairs), version)
             return
-        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._discarded:
+            self.llm.wake_up(tags=["weights"])
+        else:
+            self.wake()
+        if self.tensor_parallel_size > 1:  # pickled to the worker processes: whole, from host memory
+            pairs = [(name, tensor.detach().cpu()) for name, tensor in pairs]
+        else:  # in process: vLLM's loader reads the stream as the tensors arrive
+            pairs = ((name, tensor.detach()) for name, tensor in pairs)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+        if self._discarded:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._discarded = self._asleep = False
         self.llm.reset_prefix_cache()
         self._version = int(version)
 
@@ -171,13 +196,14 @@ class VLLMEngine(RolloutEngine):
         keyed by the HF names it holds (fused ones joined: vLLM loads q, k, v into one `qkv_proj`), and its own
         log-probs of `probe` (with the current LoRA request). Parameters vLLM's CPU build has repacked (every linear
         layer's weight: emptied, the values live in oneDNN's packed copy) cannot be read; the probe covers them.
-        With LoRA the base weights are never reloaded, so only the probe is reported."""
+        With LoRA the base weights are never reloaded, and a tensor-parallel engine holds every weight in slices
+        over its workers, so then only the probe is reported."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake()
         sums: dict[str, tuple[float, float]] = {}
-        if not self.lora_config:
+        if not self.lora_config and self.tensor_parallel_size == 1:  # tensor parallel: each worker holds slices
             sums = self.llm.apply_model(_parameter_sums)[0]
         params = VLLMSamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(probe))], params, use_tqdm=False,
@@ -208,11 +234,17 @@ class VLLMEngine(RolloutEngine):
         self._version = int(version)
 
     def sleep(self) -> None:
+        """Free the engine's GPU memory for the train step: level 2 (weights and KV cache; the next call is a weight
+        sync), level 1 with LoRA (the base weights wait in host memory)."""
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            level = 1 if self.lora_config else 2
+            self.llm.sleep(level=level)
+            self._asleep, self._discarded = True, level == 2
 
     def wake(self) -> None:
+        if self._discarded:
+            raise RuntimeError("this vLLM engine slept at level 2 and holds no weights: a weight sync "
+                               "(update_weights) must come before it generates")
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False

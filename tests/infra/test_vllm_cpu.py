@@ -167,3 +167,55 @@ def test_grpo_with_vllm_learns_like_hf(in_workdir, warm_model):
     reward = {k: sum(r["rollout/reward_mean"] for r in m[1:]) / 3 for k, m in metrics.items()}
     assert abs(reward["with-vllm"] - reward["with-hf"]) <= 0.25
     assert 0.5 <= moved["with-vllm"] / moved["with-hf"] <= 2.0, moved
+
+
+TENSOR_PARALLEL_RUN = """
+import json, sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from rl_core.rollout.verify import probe_ids, probe_logprobs
+from rl_core.rollout.vllm import VLLMEngine
+
+path = sys.argv[1]
+if __name__ == "__main__":  # vLLM's tensor-parallel workers are spawned processes, which re-import this file
+    engine = VLLMEngine(path, AutoTokenizer.from_pretrained(path), dtype="float32", max_model_len=64,
+                        tensor_parallel_size=2)
+    probe = probe_ids(len(engine.tokenizer), 64)
+    old = load_file(f"{path}/model.safetensors")
+    new = {k: v * 1.5 if ".mlp." in k else v for k, v in old.items()}  # another policy version
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trainer_old = probe_logprobs(model, probe)
+    model.load_state_dict(new)
+    trainer_new = probe_logprobs(model, probe)
+    before = engine.held_weights(probe)
+    engine.update_weights(((k, v) for k, v in new.items()), version=1)  # a stream, read once
+    after = engine.held_weights(probe)
+    workers = engine.llm.collective_rpc(lambda self: __import__("os").getpid())
+    print("RESULT " + json.dumps({"before": before["probe_logp"], "after": after["probe_logp"], "sums": after["sums"],
+                                  "old": trainer_old, "new": trainer_new, "version": engine.policy_version,
+                                  "workers": workers}))
+"""
+
+
+def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_model, tmp_path):
+    """tensor_parallel_size=2 on vLLM's CPU build: two worker processes, each holding half of every layer; a weight
+    update through collective_rpc must reach both, so the engine's log-probs follow the trainer's new weights."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp_engine.py"
+    script.write_text(TENSOR_PARALLEL_RUN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, str(script), str(warm_model[0])], capture_output=True, text=True,
+                         timeout=600, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    r = json.loads(lines[-1].removeprefix("RESULT "))
+    assert len(set(r["workers"])) == 2 and os.getpid() not in r["workers"]  # two worker processes of its own
+    gap = lambda a, b: max(abs(x - y) for x, y in zip(a, b))  # noqa: E731
+    assert gap(r["before"], r["old"]) < 1e-5  # the warm start as loaded from disk
+    assert gap(r["after"], r["new"]) < 1e-5 and r["version"] == 1  # the new weights, in both halves
+    assert gap(r["after"], r["old"]) > 1e-2  # ... and not the old ones
+    assert r["sums"] == {}  # each worker holds slices: the probe is the check

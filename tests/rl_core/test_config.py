@@ -383,3 +383,25 @@ def test_async_steps_needs_separate_engines_the_clipped_surrogate_and_the_grpo_l
         errors = preflight_of(ROOT / "recipes" / other, "cluster.placement=separate", "rl.async_steps=1").errors
         assert any(e.startswith("rl.async_steps=1: only the GRPO family") for e in errors), (other, errors)
     assert errors_of(ARITH, "rl.async_steps=2")  # one step of overlap is what the loop implements
+
+
+def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_splits_the_heads(tmp_path):
+    from transformers import LlamaConfig
+
+    from rl_core.config.environment import tensor_parallel_problem
+    from rl_core.config.preflight import tensor_parallel_size
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    base = [f"model.name_or_path={tmp_path}", "cluster.placement=separate", "rollout.backend=vllm"]
+    arithmetic = str(ROOT / "recipes" / "arithmetic.py")
+    two = load_config(arithmetic, [*base, "cluster.gpus_per_engine=2"])
+    three = load_config(arithmetic, [*base, "cluster.gpus_per_engine=3"])
+    assert tensor_parallel_size(two) == 2 and tensor_parallel_size(three) == 3
+    assert tensor_parallel_size(load_config(arithmetic, [*base, "cluster.gpus_per_engine=1"])) == 1
+    assert tensor_parallel_problem(two) is None  # 4 query heads, 2 key/value heads: 2 per GPU, 1 per GPU
+    problem = tensor_parallel_problem(three)
+    assert "cluster.gpus_per_engine=3" in problem and "4 query and 2 key/value heads" in problem
+    assert problem.endswith(": 2, 4"), problem  # the sizes that work (4: each key/value head on 2 GPUs)
+    hf = preflight(load_config(arithmetic, [*base[:2], "cluster.gpus_per_engine=2"]))
+    assert any("the HF engine runs on one GPU" in e and "rollout.backend=vllm" in e for e in hf.errors), hf.errors

@@ -138,7 +138,12 @@ def test_3b_plan_items(qwen3b_dir):
     assert gathered == (2 + 2 + 4) * (shape.root_params + 2 * shape.layer_params) < 2 * shape.matmul_params
     assert t_full.peak > gpu >= t_sh.peak
     assert t_full.peak_phase == mem.FORWARD
-    assert t_sh.peak_phase == mem.SYNC  # the full bf16 state meets the awake vLLM
+    assert t_sh.peak_phase == mem.GENERATE
+    # the sync streams: one gathered float32 tensor and one bf16 bucket, into vLLM's weights woken alone (level 2)
+    assert t_sh.item("weight sync").bytes == 4 * shape.largest_tensor + min(256 * 1024**2, 2 * shape.state_elements)
+    assert t_sh.item("vLLM weights").bytes == 2 * P and t_sh.item("vLLM weights").phases == (mem.SYNC,)
+    assert t_sh.phase_bytes()[mem.SYNC] == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes
+                                            + mem.RUNTIME_BYTES + t_sh.item("weight sync").bytes + 2 * P)
     # gradients never meet the rollout: the generation phase holds parameters, optimizer and vLLM
     gen = t_sh.phase_bytes()[mem.GENERATE]
     assert gen == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes + mem.RUNTIME_BYTES
@@ -156,12 +161,12 @@ def test_3b_plan_items(qwen3b_dir):
 
 
 def test_knobs_already_set_are_not_suggested(qwen3b_dir):
-    cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.gpu_memory_gib=32")
+    cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.gpu_memory_gib=24")
     (problem,) = memory_problems(cfg, probe=no_gpu)
     for knob in ("cluster.sharding", "model.compute_dtype", "model.gradient_checkpointing"):
         assert knob not in problem, problem
     knobs = problem.split("(the peak each gives alone): ")[1]
-    assert knobs.startswith("cluster.placement=separate cluster.gpus_per_engine=1 (") and ", fits)" in knobs, problem
+    assert knobs.startswith("cluster.num_workers=8 (") and ", fits)" in knobs, problem
 
 
 def test_vllm_weights_must_fit_its_reservation(qwen3b_dir):
@@ -189,7 +194,12 @@ def test_opd_teacher_and_separate_engines_are_planned(qwen3b_dir):
                  "cluster.gpus_per_engine=1")
     plan, _ = plan_for_config(cfg, 80 * GIB)
     engine = plan.role("engine")
-    assert engine.processes == 2 and engine.item("received weights").bytes == 2 * plan.shape.state_elements
+    assert engine.processes == 2  # each loads the broadcast one bucket at a time
+    assert engine.item("received bucket").bytes == min(256 * 1024**2, 2 * plan.shape.state_elements)
+    tp = plan_for_config(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.placement=separate", "rollout.num_engines=1",
+                                "cluster.gpus_per_engine=2"), 80 * GIB)[0].role("engine")
+    assert tp.gpus == 2 and tp.vllm_weights == plan.shape.n_params  # bf16 weights split over 2 GPUs
+    assert any("tensor parallel (2 GPUs per engine)" in note for note in tp.notes)
     assert mem.GENERATE not in plan.role("trainer").phases  # the engines are not on the trainer's GPU
     assert "rollout engine (vllm, separate) (x2, 1 GPU each)" in plan.render()
 
