@@ -209,12 +209,12 @@ def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_m
     script.write_text(TENSOR_PARALLEL_RUN)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, str(script), str(warm_model[0])], capture_output=True, text=True,
-                         timeout=600, env=env)
+                         timeout=600, env=env, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     r = json.loads(lines[-1].removeprefix("RESULT "))
     assert len(set(r["workers"])) == 2 and os.getpid() not in r["workers"]  # two worker processes of its own
-    gap = lambda a, b: max(abs(x - y) for x, y in zip(a, b))  # noqa: E731
+    gap = lambda a, b: max(abs(x - y) for x, y in zip(a, b))
     assert gap(r["before"], r["old"]) < 1e-5  # the warm start as loaded from disk
     assert gap(r["after"], r["new"]) < 1e-5 and r["version"] == 1  # the new weights, in both halves
     assert gap(r["after"], r["old"]) > 1e-2  # ... and not the old ones
