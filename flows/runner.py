@@ -37,7 +37,7 @@ from infra.resume import (
     run_identity,
     write_run_state,
 )
-from infra.storage import CheckpointError, CheckpointStore
+from infra.storage import FINAL_MODEL, CheckpointError, CheckpointStore
 from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
@@ -318,7 +318,7 @@ class TrainingRun:
 
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
         """Save the final model, log the curve and the model to MLflow; the flow's return value."""
-        model_dir = save_model_task(cluster, self.run_dir / "final_model")
+        model_dir = save_model_task(cluster, self.run_dir / FINAL_MODEL, self.store)
         self.store.flush()  # every checkpoint is on S3 (or the failure is raised) before the run reports done
         self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")
         self.tracker.log_model_dir(model_dir)

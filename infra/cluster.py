@@ -26,7 +26,9 @@ they may share a GPU: vLLM sizes its cache from the memory free when it starts).
 Actors receive the resolved, validated config as data (local model paths made absolute by the
 driver): they never re-run a recipe file nor depend on the driver's working directory. On a
 cluster of several machines those paths must exist on every node (a shared filesystem), or the
-model must be a hub id.
+model must be a hub id. Trainer rank 0 writes the final model; at placement the driver checks that rank 0
+sees its run directory, else the model goes through `tracking.checkpoint_uri`, and without one the run is
+refused before training (`Cluster.save_pretrained`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -47,6 +50,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from infra.engines import EnginePool, RolloutWorker, num_engines
 from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray
+from infra.storage import FINAL_MODEL, CheckpointStore
 from rl_core.config import PosttrainConfig
 from rl_core.config.preflight import trainer_gpus
 from rl_core.rollout.verify import compare_held, probe_gap
@@ -195,6 +199,7 @@ class Cluster(AbstractContextManager):
         self.engines: EnginePool | None = None
         self.started_ray = False
         self._weight_world = 0
+        self.rank0_sees_run_dir = True  # whether trainer rank 0 sees the driver's run directory (placement probe)
 
     # -- lifecycle
     def __enter__(self) -> Self:
@@ -206,12 +211,31 @@ class Cluster(AbstractContextManager):
                     ray.get(setups)
                 setups += self._place_engines()
             ray.get(setups)  # the trainers and the separate engines build their models side by side
+            self._check_final_model_reach()
             if self.with_engines:
                 self._connect_engines()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _check_final_model_reach(self) -> None:
+        """Preflight: trainer rank 0 writes the final model; does it see the driver's run directory (the same node,
+        or a filesystem mounted at the same path)? Rank 0 reads a file the driver has just written there. When it
+        does not, the final model goes through `tracking.checkpoint_uri`, and without one the run is refused now,
+        before training, rather than ending with the model on another node."""
+        run_dir = Path(self.cfg.run_dir).resolve()
+        if not run_dir.is_dir():
+            return  # no run directory (a Cluster used outside a flow): nothing to reach
+        probe = run_dir / f".rank0-probe-{uuid.uuid4().hex}"
+        probe.write_text(probe.name)
+        try:
+            self.rank0_sees_run_dir = ray.get(self.workers[0].read_text.remote(str(probe))) == probe.name
+        finally:
+            probe.unlink(missing_ok=True)
+        if not self.rank0_sees_run_dir and not self.cfg.tracking.checkpoint_uri:
+            rank0 = ray.get(self.workers[0].info.remote())
+            raise PlacementError(final_model_unreachable(run_dir, rank0, ray.util.get_node_ip_address()))
 
     def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str, pg: Any = None) -> Any:
         """A placement group of `bundles`, ready (`pg`: one already requested, e.g. by `start_workers_early`)."""
@@ -361,10 +385,33 @@ class Cluster(AbstractContextManager):
         ray.get([w.load_trainer_state.remote(parts["trainer"], parts[f"rng_rank{r}"]["rng"])
                  for r, w in enumerate(self.workers)])
 
-    def save_pretrained(self, path: str | Path) -> str:
-        """The policy as a transformers directory, written by rank 0 (sharded: every rank joins the gather)."""
+    def save_pretrained(self, path: str | Path, store: CheckpointStore | None = None) -> str:
+        """The policy as a transformers directory at `path` on the driver, written by rank 0 (sharded: every rank
+        joins the gather); returns `path`.
+
+        With a remote `store` (`tracking.checkpoint_uri`) the directory is also uploaded to its `final_model/`:
+        by the driver when rank 0 sees the driver's run directory, else by rank 0, and the driver downloads it
+        to `path`.
+        """
+        path = Path(path).resolve()
         workers = self.workers if self.cfg.cluster.sharding == "fsdp" else self.workers[:1]
-        return ray.get([w.save_pretrained.remote(str(Path(path).resolve())) for w in workers])[0]
+        remote = store is not None and store.remote_uri is not None
+        via_remote = remote and not self.rank0_sees_run_dir
+        ray.get([w.save_pretrained.remote(str(path), store.remote_uri if via_remote else None) for w in workers])
+        if via_remote:
+            store.download_dir(FINAL_MODEL, path)
+        elif remote:
+            store.upload_dir(path, FINAL_MODEL)
+        return str(path)
+
+
+def final_model_unreachable(run_dir: Path, rank0: dict[str, Any], driver_ip: str) -> str:
+    """Why a run whose trainer rank 0 does not see the driver's run directory is refused without a checkpoint_uri."""
+    return (f"trainer rank 0 runs on node {rank0['ip']} (node id {rank0['node_id']}), which does not see the run "
+            f"directory {run_dir} of the driver on node {driver_ip}: the final model rank 0 writes would stay on "
+            f"{rank0['ip']}. Set tracking.checkpoint_uri=s3://bucket/prefix (rank 0 then uploads the final model "
+            "there and the driver downloads it into the run directory; rank 0's node needs the S3 credentials), "
+            "or put job.out_dir on a filesystem every node mounts at the same path")
 
 
 def describe_resources(res: dict[str, float]) -> str:

@@ -299,12 +299,38 @@ class PolicyWorker:
     def load_trainer_state(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
         self.trainer.load_state_dict(state if rng is None else {**state, "rng": rng})
 
-    def save_pretrained(self, path: str) -> str | None:
+    def read_text(self, path: str) -> str | None:
+        """The text of `path` on this node, None when there is none (whether this node sees a driver's file)."""
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+
+    def save_pretrained(self, path: str, upload_to: str | None = None) -> str | None:
         """Rank 0 saves the policy (float32) and its tokenizer as a transformers directory (safetensors).
 
         Sharded, every rank calls this: the full weights are gathered first. With LoRA the directory holds the
-        merged model, and `adapter/` the adapter in PEFT's format (`rl_core.lora`).
+        merged model, and `adapter/` the adapter in PEFT's format (`rl_core.lora`). `upload_to` (a run's remote
+        checkpoint prefix, for a rank 0 that does not see the driver's run directory): the directory is written to
+        a temporary directory of this node instead, uploaded to `<upload_to>/final_model/` through the checkpoint
+        store, then deleted; the S3 credentials come from this node's environment.
         """
+        if upload_to is None:
+            return self._save_pretrained(path)
+        import shutil
+        import tempfile
+
+        from infra.storage import FINAL_MODEL, CheckpointStore
+
+        tmp = Path(tempfile.mkdtemp(prefix="posttrain-final-model-"))
+        try:
+            if self._save_pretrained(str(tmp / FINAL_MODEL)) is None:
+                return None
+            return CheckpointStore(tmp, remote_uri=upload_to).upload_dir(tmp / FINAL_MODEL, FINAL_MODEL)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _save_pretrained(self, path: str) -> str | None:
         from rl_core import lora
 
         state = self.trainer.full_model_state() if self.trainer.sharded else None

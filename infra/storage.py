@@ -18,7 +18,9 @@ With `remote_uri="s3://bucket/prefix"` each completed checkpoint is uploaded to
 sha256 of every object) before older checkpoints are pruned. A failed upload raises
 `CheckpointUploadError`; the local checkpoint and its predecessors stay. With `background_upload=True`
 (what training runs use) the upload runs in a thread, so training continues on local checkpoints
-while S3 is down, and the upload catches up when it is back; `flush()` waits for it.
+while S3 is down, and the upload catches up when it is back; `flush()` waits for it. `upload_dir` /
+`download_dir` carry a directory of any files (the final model, `<prefix>/final_model/`) the same way:
+retried, every object verified, a listing (`manifest.json`) written last and checked on download.
 
 What is retried: transient S3 errors (connection errors, timeouts, 5xx, throttling/SlowDown,
 RequestTimeout) are retried with exponential backoff and jitter for up to S3_RETRY_BUDGET_S seconds
@@ -85,6 +87,7 @@ from rl_core.redact import redact_message
 
 log = logging.getLogger("posttrain.storage")
 MiB = 1024 * 1024
+FINAL_MODEL = "final_model"  # the final model's directory, in the run directory and under the run's remote prefix
 
 
 class CheckpointUnavailable(CheckpointError):
@@ -476,20 +479,12 @@ class CheckpointStore:
         step = manifest["step"]
         if self.bucket is None:
             raise CheckpointError("upload: this CheckpointStore has no remote_uri")
-        from boto3.s3.transfer import TransferConfig
-
-        config = TransferConfig(multipart_threshold=self.multipart_threshold,
-                                multipart_chunksize=self.multipart_chunksize,
-                                max_concurrency=self.max_concurrency)
         files = dict(manifest["files"])
         files[MANIFEST] = {"size": (path / MANIFEST).stat().st_size, "sha256": sha256_file(path / MANIFEST)}
         data_files = sorted(n for n in files if n != MANIFEST)
 
         def put(name: str) -> None:
-            key = self._key(step, name)
-            extra = {"Metadata": {"sha256": files[name]["sha256"]}}
-            self._retry(f"upload {path / name} to s3://{self.bucket}/{key}", lambda: self.s3.upload_file(
-                str(path / name), self.bucket, key, ExtraArgs=extra, Config=config))
+            self._put_file(path / name, self._key(step, name), files[name]["sha256"])
 
         def put_and_verify() -> None:
             # a rewritten step: drop the old manifest first so the remote copy is never "complete"
@@ -527,8 +522,19 @@ class CheckpointStore:
                 f"or save again"), local_path=path) from None
         log.info("checkpoint step %d uploaded to %s and verified", step, self.remote_uri)
 
+    def _put_file(self, file: Path, key: str, sha256: str) -> None:
+        """Upload one file to `key` (multipart when large), its sha256 in the object's metadata; retried."""
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=self.multipart_threshold,
+                                multipart_chunksize=self.multipart_chunksize, max_concurrency=self.max_concurrency)
+        self._retry(f"upload {file} to s3://{self.bucket}/{key}", lambda: self.s3.upload_file(
+            str(file), self.bucket, key, ExtraArgs={"Metadata": {"sha256": sha256}}, Config=config))
+
     def _verify_remote_object(self, step: int, name: str, entry: dict) -> None:
-        key = self._key(step, name)
+        self._verify_key(self._key(step, name), entry)
+
+    def _verify_key(self, key: str, entry: dict) -> None:
         head = self._retry(f"head s3://{self.bucket}/{key}",
                            lambda: self.s3.head_object(Bucket=self.bucket, Key=key))
         size, digest = head.get("ContentLength"), (head.get("Metadata") or {}).get("sha256")
@@ -536,6 +542,76 @@ class CheckpointStore:
             raise S3Failure(f"verify s3://{self.bucket}/{key}", 1,
                             f"remote object has size {size} and sha256 {digest}, the local file "
                             f"{entry['size']} and {entry['sha256']}", missing=True)
+
+    def upload_dir(self, path: str | Path, name: str) -> str:
+        """Upload the directory `path` (any files, subdirectories included) to `<remote_uri>/<name>/`, as
+        checkpoints are uploaded: retried, every object's size and sha256 verified, and a listing of them
+        (`<name>/manifest.json`) written last, so a copy without it is incomplete. Objects of an earlier upload
+        of `name` are deleted first (listing first). Returns the URI. Raises CheckpointUploadError.
+        """
+        path = Path(path)
+        if self.bucket is None:
+            raise CheckpointError("upload_dir: this CheckpointStore has no remote_uri")
+        files = {f.relative_to(path).as_posix(): {"size": f.stat().st_size, "sha256": sha256_file(f)}
+                 for f in sorted(path.rglob("*")) if f.is_file()}
+        base = "/".join(x for x in (self.prefix, name) if x)
+        uri = f"s3://{self.bucket}/{base}"
+        listing = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
+        try:
+            old = self._retry(f"list {uri}/", lambda: [
+                obj["Key"] for page in self.s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base + "/") for obj in page.get("Contents", [])])
+            old.sort(key=lambda k: k != f"{base}/{MANIFEST}")  # the listing first: never complete with old files
+            for batch in chunks(old, 1000):
+                self._retry(f"delete {len(batch)} objects under {uri}", lambda batch=batch: self.s3.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
+            for rel, entry in files.items():
+                self._put_file(path / rel, f"{base}/{rel}", entry["sha256"])
+                self._verify_key(f"{base}/{rel}", entry)
+            self._retry(f"put {uri}/{MANIFEST}", lambda: self.s3.put_object(
+                Bucket=self.bucket, Key=f"{base}/{MANIFEST}", Body=listing))
+        except S3Failure as exc:
+            raise CheckpointUploadError(redact_message(
+                f"uploading {path} to {uri} failed: {exc}. The local directory is intact; check the endpoint "
+                "(AWS_ENDPOINT_URL), the bucket and the credentials in the environment of the process that "
+                "uploads"), local_path=path) from None
+        log.info("%s uploaded to %s and verified", path, uri)
+        return uri
+
+    def download_dir(self, name: str, dest: str | Path) -> Path:
+        """Download what `upload_dir(..., name)` uploaded into `dest` (replaced), every file checked against the
+        listing (size and sha256) before `dest` is put in place. Raises CheckpointError."""
+        dest = Path(dest)
+        if self.bucket is None:
+            raise CheckpointError("download_dir: this CheckpointStore has no remote_uri")
+        base = "/".join(x for x in (self.prefix, name) if x)
+        uri = f"s3://{self.bucket}/{base}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f"{TMP_PREFIX}download-{dest.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            try:
+                listing = json.loads(self._retry(f"get {uri}/{MANIFEST}", lambda: self.s3.get_object(
+                    Bucket=self.bucket, Key=f"{base}/{MANIFEST}")["Body"].read()))["files"]
+                for rel, entry in listing.items():
+                    target = (tmp / rel).resolve()
+                    if not target.is_relative_to(tmp.resolve()):
+                        raise CheckpointError(f"{uri}/{MANIFEST} lists {rel!r}, outside the directory")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self._retry(f"download {uri}/{rel}", lambda rel=rel, target=target: self.s3.download_file(
+                        self.bucket, f"{base}/{rel}", str(target)))
+                    if target.stat().st_size != entry["size"] or sha256_file(target) != entry["sha256"]:
+                        raise CheckpointError(f"{uri}/{rel} does not match its size and sha256 in {MANIFEST}")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{uri}/{MANIFEST} is not a listing of files ({exc})") from exc
+            except S3Failure as exc:
+                raise CheckpointError(redact_message(f"downloading {uri} failed: {exc}")) from None
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.rename(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("%s downloaded to %s and verified", uri, dest)
+        return dest
 
     def _list_remote_keys(self) -> dict[int, list[str]]:
         keys: dict[int, list[str]] = {}

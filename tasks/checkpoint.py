@@ -19,6 +19,7 @@ def checkpoint_task(store: CheckpointStore, cluster: Any, step: int, driver_stat
 
 
 @task(name="save_model", cache_policy=NO_CACHE)
-def save_model_task(cluster: Any, path: Path) -> str:
-    """The final policy as a transformers directory (safetensors), loadable by `model.name_or_path`."""
-    return cluster.save_pretrained(path)
+def save_model_task(cluster: Any, path: Path, store: CheckpointStore | None = None) -> str:
+    """The final policy as a transformers directory (safetensors), loadable by `model.name_or_path`; also under
+    `store`'s remote prefix when it has one (`Cluster.save_pretrained`)."""
+    return cluster.save_pretrained(path, store)

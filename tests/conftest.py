@@ -106,6 +106,27 @@ def moto_server(tmp_path_factory):
 
 
 @pytest.fixture
+def bucket(moto_server, monkeypatch, tmp_path) -> str:
+    """A fresh bucket on the module's moto server, with this process's AWS settings pointing at it (and nothing
+    from ~/.aws); yields its name."""
+    import uuid
+
+    import boto3
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-key-resume")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
 def mlflow_server(tmp_path):
     """An `mlflow server` on 127.0.0.1 for one test (`tests/servers.py`); yields `(url, artifact_root)`."""
     from tests.servers import mlflow_server as serve

@@ -137,23 +137,32 @@ def _kill_leftovers(temp_dir: Path) -> None:
 
 
 @contextmanager
-def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None) -> Iterator[str]:
+def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None,
+             dashboard_port: int | None = None) -> Iterator[str]:
     """`ray start --head --block` on 127.0.0.1:<free port>, as users start a cluster; yields its address.
 
-    Stopped by its own process group (then any process left under its temp dir), never `ray stop`,
-    which would stop every Ray on the machine.
+    `dashboard_port`: the dashboard (and with it Ray's job server, `ray job submit`) on 127.0.0.1 at that
+    port; None starts none. The head's PATH starts with this interpreter's directory, so a job's `python`
+    is the project's venv. Stopped by its own process group (then any process left under its temp dir),
+    never `ray stop`, which would stop every Ray on the machine.
     """
     port = free_port()
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "head.log"
+    dashboard = (["--include-dashboard=false"] if dashboard_port is None else
+                 ["--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                  # its agent (which runs the jobs) on a free port: the default 52365 may be another Ray's
+                  "--dashboard-agent-listen-port", str(free_port())])
     cmd = [venv_bin("ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--num-cpus", str(num_cpus), "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+           "--num-cpus", str(num_cpus), "--num-gpus", "0", *dashboard, "--disable-usage-stats",
            "--object-store-memory", str(256 * 1024 * 1024), "--temp-dir", str(temp_dir / "ray")]
+    env = _ray_env(temp_dir, token)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, token),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _started(proc, lambda: _accepts(port) and b"Ray runtime started" in log.read_bytes(), 120, "ray head", log)
+        _started(proc, lambda: _accepts(port) and b"Ray runtime started" in log.read_bytes()
+                 and (dashboard_port is None or _accepts(dashboard_port)), 120, "ray head", log)
         yield f"127.0.0.1:{port}"
     finally:
         stop_group(proc, proc.pid)

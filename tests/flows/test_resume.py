@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -190,29 +189,14 @@ def test_corrupted_newest_checkpoint_is_skipped_not_loaded(cwd, tmp_path):
 
 # ------------------------------------------------------------------------------------------- S3
 
-@pytest.fixture
-def bucket(moto_server, monkeypatch, tmp_path) -> str:
-    import boto3
-
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-key-resume")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3").create_bucket(Bucket=name)
-    return name
-
-
 def remote_files(bucket: str, prefix: str) -> dict[int, set[str]]:
     import boto3
 
     out: dict[int, set[str]] = {}
     for obj in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
         if obj["Key"].count("/") == prefix.count("/") + 1:  # run.json, next to the step directories
+            continue
+        if obj["Key"].startswith(f"{prefix}/final_model/"):
             continue
         step_dir, name = obj["Key"][len(prefix) + 1:].split("/")
         out.setdefault(int(step_dir.removeprefix("step_")), set()).add(name)
@@ -236,6 +220,12 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
         assert remote[step] == set(local[f"step_{step:08d}"]) and "manifest.json" in remote[step]
         body = boto3.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/step_{step:08d}/manifest.json")["Body"]
         assert json.loads(body.read())["step"] == step
+    # the final model too, every file as the run directory has it
+    model = {f.relative_to(run_dir / "final_model").as_posix(): f.read_bytes()
+             for f in (run_dir / "final_model").rglob("*") if f.is_file()}
+    assert any(name.endswith(".safetensors") for name in model)
+    for name, data in model.items():
+        assert boto3.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/final_model/{name}")["Body"].read() == data
     before = read_metrics(run_dir)
 
     shutil.rmtree(run_dir / "checkpoints")
