@@ -63,7 +63,7 @@ API_OVERRIDES = frozenset({
     "data.prompt_template", "data.reward_mode", "data.system_prompt", "data.instruction", "data.reward_timeout_s",
     "cluster.num_workers", "cluster.cpus_per_worker", "cluster.gpus_per_worker", "cluster.placement",
     "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy", "cluster.placement_timeout_s",
-    "cluster.sharding", "cluster.gpu_memory_gib",
+    "cluster.sharding", "cluster.shard_size", "cluster.gpu_memory_gib",
     "tracking.experiment",
 })
 

@@ -52,7 +52,7 @@ from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray
 from infra.storage import FINAL_MODEL, CheckpointStore
 from rl_core.config import PosttrainConfig
-from rl_core.config.preflight import trainer_gpus
+from rl_core.config.preflight import shard_mesh, trainer_gpus
 from rl_core.rollout.verify import compare_held, probe_gap
 
 log = logging.getLogger("posttrain.cluster")
@@ -212,6 +212,7 @@ class Cluster(AbstractContextManager):
                 setups += self._place_engines()
             ray.get(setups)  # the trainers and the separate engines build their models side by side
             self._check_final_model_reach()
+            self._check_shard_groups()
             if self.with_engines:
                 self._connect_engines()
         except BaseException:
@@ -236,6 +237,19 @@ class Cluster(AbstractContextManager):
         if not self.rank0_sees_run_dir and not self.cfg.tracking.checkpoint_uri:
             rank0 = ray.get(self.workers[0].info.remote())
             raise PlacementError(final_model_unreachable(run_dir, rank0, ray.util.get_node_ip_address()))
+    def _check_shard_groups(self) -> None:
+        """HSDP: warn when a shard group (consecutive ranks) spans nodes, which puts its gathers on the network."""
+        mesh = shard_mesh(self.cfg)
+        if mesh is None or mesh[0] == 1:
+            return
+        nodes = [info["ip"] for info in ray.get([w.info.remote() for w in self.workers])]
+        spread = [(g, sorted(set(nodes[g * mesh[1]:(g + 1) * mesh[1]]))) for g in range(mesh[0])]
+        for g, ips in spread:
+            if len(ips) > 1:
+                log.warning("cluster.sharding=hsdp: shard group %d (ranks %d-%d) spans nodes %s, so its all-gathers and "
+                            "reduce-scatters cross the network; set cluster.shard_size to the ranks of one node "
+                            "(cluster.placement_strategy=PACK places consecutive ranks together)", g, g * mesh[1],
+                            (g + 1) * mesh[1] - 1, ", ".join(ips))
 
     def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str, pg: Any = None) -> Any:
         """A placement group of `bundles`, ready (`pg`: one already requested, e.g. by `start_workers_early`)."""
@@ -361,7 +375,7 @@ class Cluster(AbstractContextManager):
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
         """DPO: held-out pair metrics of the policy, from rank 0 (the ranks hold the same weights; sharded, every
         rank runs the forwards, which are collectives)."""
-        workers = self.workers if self.cfg.cluster.sharding == "fsdp" else self.workers[:1]
+        workers = self.workers if shard_mesh(self.cfg) else self.workers[:1]
         return ray.get([w.evaluate_pairs.remote(batch, split) for w in workers])[0]
 
     def reference_logps(self, batch: Any, micro_batch_size: int) -> torch.Tensor:
@@ -394,7 +408,7 @@ class Cluster(AbstractContextManager):
         to `path`.
         """
         path = Path(path).resolve()
-        workers = self.workers if self.cfg.cluster.sharding == "fsdp" else self.workers[:1]
+        workers = self.workers if shard_mesh(self.cfg) else self.workers[:1]
         remote = store is not None and store.remote_uri is not None
         via_remote = remote and not self.rank0_sees_run_dir
         ray.get([w.save_pretrained.remote(str(path), store.remote_uri if via_remote else None) for w in workers])

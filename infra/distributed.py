@@ -116,9 +116,14 @@ def outside_default_group() -> Iterator[None]:
         c10d._update_default_pg(trainers)
 
 
-def shard_policy(model: torch.nn.Module, device: torch.device,
-                 compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard_policy(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                 mesh_shape: tuple[int, int] | None = None) -> torch.nn.Module:
     """Shard `model` over the default process group with torch FSDP2: each decoder layer, then the root.
+
+    `mesh_shape` (`rl_core.config.preflight.shard_mesh`): `(replicas, shard group size)`. `(1, world)` (or None)
+    shards over every rank (FSDP); `(R, S)` is HSDP: ranks `[kS, (k+1)S)` shard the state among themselves, and
+    the R groups hold replicas of it, so a gradient is reduce-scattered within a group and all-reduced across
+    the groups (one all-reduce of a shard per group instead of collectives over every rank).
 
     The decoder layers are the modules whose class the model names in `_no_split_modules` (every
     transformers causal LM does, e.g. `Qwen2DecoderLayer`). The shards stay in their dtype (float32
@@ -132,13 +137,17 @@ def shard_policy(model: torch.nn.Module, device: torch.device,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
-        raise RuntimeError("cluster.sharding=fsdp needs the trainer ranks' process group (cluster.num_workers > 1)")
+        raise RuntimeError("cluster.sharding=fsdp/hsdp needs the trainer ranks' process group (cluster.num_workers > 1)")
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"cluster.sharding=fsdp: cannot find the decoder layers of {type(model).__name__} (it names "
+        raise ValueError(f"cluster.sharding=fsdp/hsdp: cannot find the decoder layers of {type(model).__name__} (it names "
                          "none in _no_split_modules); use cluster.sharding=none for this model")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    replicas, size = mesh_shape or (1, dist.get_world_size())
+    if replicas * size != dist.get_world_size():
+        raise ValueError(f"a mesh of {replicas} x {size} ranks for a group of {dist.get_world_size()}")
+    mesh = (init_device_mesh(device.type, (size,)) if replicas == 1 else
+            init_device_mesh(device.type, (replicas, size), mesh_dim_names=("replicate", "shard")))
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
     for layer in layers:

@@ -370,6 +370,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core import lora
     from rl_core.algorithms.context import ObjectiveContext
+    from rl_core.config.preflight import shard_mesh
     from rl_core.models import load_policy, torch_dtype
     from rl_core.trainer import LLMTrainer
 
@@ -380,10 +381,10 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA with FSDP)
         model = lora.wrap(model, cfg.model.lora)
-    if cfg.cluster.sharding == "fsdp" and cfg.cluster.num_workers > 1:
+    if mesh := shard_mesh(cfg):
         from infra.distributed import shard_policy
 
-        shard_policy(model, device or torch.device("cpu"), torch_dtype(cfg.model.compute_dtype))
+        shard_policy(model, device or torch.device("cpu"), torch_dtype(cfg.model.compute_dtype), mesh)
     objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # the registry's, or rl.custom_objective
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:

@@ -256,7 +256,7 @@ def lora_problems(cfg) -> list[str]:
     if lora.r <= 0:
         return []
     out = []
-    if cl.sharding == "fsdp" and cl.num_workers > 1:
+    if cl.sharding != "none" and cl.num_workers > 1:
         out.append(f"model.lora.r={lora.r} with cluster.sharding=fsdp: LoRA trains unsharded (the frozen base is "
                    "replicated, the adapters and their optimizer state are small); set cluster.sharding=none, or "
                    "model.lora.r=0 for sharded full fine-tuning")

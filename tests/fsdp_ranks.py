@@ -1,14 +1,16 @@
 """Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/infra/test_fsdp.py.
 
-    python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16]
+    python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16] [--hsdp]
 
 Each rank trains on its own half of every batch (the data-parallel split) for 3 steps of 2
 mini-batches each, in micro-batches of one row; rank 1's last row has no loss token, so rank 1
 takes a weight-0 chunk that rank 0 does not (FSDP's backward collectives must still line up).
 Cross-mode resume: 2 steps in one mode, the trainer state loaded into a fresh trainer of the other
 mode, the 3rd step there. Token budgets: FSDP with chunks cut by tokens, 2 per mini-batch on rank 0
-and 1 on rank 1, which pads to 2 with a weight-0 chunk. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). Rank 0 writes the largest differences (and how far the weights moved)
-to OUT.json.
+and 1 on rank 1, which pads to 2 with a weight-0 chunk. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). `--hsdp`: four ranks, each
+with a quarter of every batch, unsharded against HSDP on a 2 x 2 mesh (two shard groups of two ranks,
+replicas of each other), and an HSDP checkpoint after 2 steps resumed unsharded. Rank 0 writes the
+largest differences (and how far the weights moved) to OUT.json.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def base_model():
 
 
 def batch(step: int, rank: int):
-    """Rows `[4 rank, 4 rank + 4)` of step `step`'s batch (the same batch on every rank before the split)."""
+    """Rank `rank`'s contiguous share of step `step`'s batch (the same batch on every rank before the split)."""
     from rl_core.annotators.advantage import group_advantages
     from rl_core.trajectory import Trajectory
 
@@ -64,11 +66,11 @@ def batch(step: int, rank: int):
     sampling = -torch.rand(ROWS, t, generator=g) * loss
     full = Trajectory(ids, att, loss, sampling, rewards, groups, torch.arange(ROWS) + 1000 * step, step,
                       advantages=adv)
-    half = ROWS // 2
-    return full.select(list(range(rank * half, (rank + 1) * half)))
+    share = ROWS // dist.get_world_size()
+    return full.select(list(range(rank * share, (rank + 1) * share)))
 
 
-def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32):
+def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32, mesh=None):
     from infra.distributed import shard_policy
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
@@ -79,7 +81,7 @@ def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
-        shard_policy(model, torch.device("cpu"), compute)
+        shard_policy(model, torch.device("cpu"), compute, mesh)
     rl = RLConfig(mini_batch_per_replica=2, loss_type="token-mean")
     objective = build_objective(rl, ObjectiveContext(max_response_length=6))
     return LLMTrainer(model, objective, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), dp_reducer=ProcessGroupReducer(),
@@ -112,13 +114,15 @@ def optimizer_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, bf16: bool) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, bf16: bool, hsdp: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         if bf16:
             return bf16_main(rank, out, checkpointing)
+        if hsdp:
+            return hsdp_main(rank, out, checkpointing)
         initial = {k: v.clone() for k, v in base_model().state_dict().items()}
         plain = make_trainer(False, checkpointing)
         train(plain, range(STEPS))
@@ -179,8 +183,41 @@ def bf16_main(rank: int, out: str, checkpointing: bool) -> None:
                        "moved": float(va.abs().max()), "diff": max_diff(a, b)}, f)
 
 
+def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
+    """Four ranks: HSDP on a 2 x 2 mesh against the unsharded trainer, and an HSDP checkpoint resumed unsharded."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    initial = {k: v.clone() for k, v in base_model().state_dict().items()}
+    plain = make_trainer(False, checkpointing)
+    train(plain, range(STEPS))
+    hsdp = make_trainer(True, checkpointing, mesh=(2, 2))
+    train(hsdp, range(STEPS))
+    param = next(iter(hsdp.model.parameters()))
+    half = make_trainer(True, checkpointing, mesh=(2, 2))
+    train(half, range(STEPS - 1))
+    resumed = make_trainer(False, checkpointing)
+    resumed.load_state_dict(full_state(half))
+    train(resumed, [STEPS - 1])
+    plain_state, hsdp_state, resumed_state = full_state(plain), full_state(hsdp), full_state(resumed)
+    local = param.to_local().numel()
+    sizes = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, param.to_local().sum().reshape(1))  # each group's two ranks hold the two halves
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"mesh": list(param.device_mesh.shape), "placements": [str(p) for p in param.placements],
+                       "replicate_shard": list(param.placements) == [Replicate(), Shard(0)],
+                       "local_fraction": local / param.numel(),
+                       "replica_sums_equal": [float(sizes[0]), float(sizes[1])] == [float(sizes[2]), float(sizes[3])],
+                       "moved": max_diff(plain_state["model"], initial),
+                       "hsdp_vs_plain": max_diff(hsdp_state["model"], plain_state["model"]),
+                       "hsdp_vs_plain_optimizer": optimizer_diff(hsdp_state["optimizer"], plain_state["optimizer"]),
+                       "resume_hsdp_to_plain": max_diff(resumed_state["model"], plain_state["model"]),
+                       "steps": [plain.step, hsdp.step, resumed.step]}, f)
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(rank_main, args=(2, _free_port(), sys.argv[1], "--checkpointing" in sys.argv, "--bf16" in sys.argv),
-             nprocs=2)
+    world = 4 if "--hsdp" in sys.argv else 2
+    mp.spawn(rank_main, args=(world, _free_port(), sys.argv[1], "--checkpointing" in sys.argv, "--bf16" in sys.argv,
+                              "--hsdp" in sys.argv), nprocs=world)

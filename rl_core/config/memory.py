@@ -32,6 +32,7 @@ from rl_core.config.preflight import (
     num_engines,
     per_replica_batch,
     rows_per_prompt,
+    shard_mesh,
     teacher_replicas,
     teachers_per_rank,
     tensor_parallel_size,
@@ -590,14 +591,15 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
              ref: ModelShape) -> RolePlan:
     cl, algo = cfg.cluster, cfg.job.algorithm
     n = cl.num_workers
-    fsdp = cl.sharding == "fsdp" and n > 1  # one rank: nothing to shard (infra.policy_worker.build_trainer)
-    div = n if fsdp else 1
+    mesh = shard_mesh(cfg)  # None: one full replica per rank (infra.policy_worker.build_trainer)
+    fsdp = mesh is not None
+    div = mesh[1] if fsdp else 1  # the state is split over a shard group (every rank under fsdp)
     c, seq, rows = compute_bytes(cfg), prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
     on_gpu, colocated = cl.gpus_per_worker > 0, cl.placement == "colocated"
     phases = [FORWARD, STEP, SYNC] + ([GENERATE] if colocated else []) + ([REFERENCE] if algo == "dpo" else [])
     role = RolePlan("trainer", "trainer rank", n, cl.gpus_per_worker, tuple(phases))
     P, T = s.n_params, s.n_param_tensors
-    shard = f", 1/{n} shard (FSDP)" if fsdp else ""
+    shard = (f", 1/{div} shard ({cl.sharding.upper()})") if fsdp else ""
     A, TA = adapter_counts(s.linears, cfg.model.lora)  # LoRA: the trained parameters are the adapters'
     G, TG = (A, TA) if A else (P, T)  # what has gradients and AdamW state
     what = f" (LoRA r={cfg.model.lora.r}: adapters only, {params_text(A)})" if A else ""

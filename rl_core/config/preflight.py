@@ -60,6 +60,17 @@ def num_engines(cfg: PosttrainConfig) -> int:
     return cfg.rollout.num_engines or 1
 
 
+def shard_mesh(cfg: PosttrainConfig) -> tuple[int, int] | None:
+    """The trainer ranks' device mesh as `(replicas, shard group size)`, or None when the state is not sharded:
+    `fsdp` over several ranks is `(1, num_workers)`, `hsdp` `(num_workers // shard_size, shard_size)`."""
+    c = cfg.cluster
+    if c.sharding == "fsdp" and c.num_workers > 1:
+        return 1, c.num_workers
+    if c.sharding == "hsdp" and c.shard_size and c.num_workers % c.shard_size == 0:
+        return c.num_workers // c.shard_size, c.shard_size
+    return None
+
+
 def tensor_parallel_size(cfg: PosttrainConfig) -> int:
     """GPUs a rollout engine splits the model over (vLLM's `tensor_parallel_size`): `cluster.gpus_per_engine` when it
     is above 1 (separate vLLM engines), else 1."""
@@ -274,6 +285,21 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     rep.errors.extend(lora_problems(cfg))  # model.lora with sharding / vLLM (rl_core/lora.py)
 
     # -- honoured but inert or risky
+    if cl.sharding == "hsdp":
+        if cl.shard_size is None:
+            err(f"cluster.sharding=hsdp needs cluster.shard_size: the ranks of one shard group (the GPUs of a node); "
+                f"cluster.num_workers={cl.num_workers} ranks then form num_workers/shard_size replicas")
+        elif cl.num_workers % cl.shard_size:
+            fits = [d for d in range(2, cl.num_workers) if cl.num_workers % d == 0]
+            err(f"cluster.shard_size={cl.shard_size} does not divide cluster.num_workers={cl.num_workers}: HSDP's mesh "
+                f"is num_workers/shard_size replicas of shard_size ranks; sizes that divide: "
+                f"{', '.join(map(str, fits)) or f'none (use cluster.sharding=fsdp over {cl.num_workers} ranks)'}")
+        elif cl.shard_size == cl.num_workers:
+            err(f"cluster.shard_size={cl.shard_size} = cluster.num_workers: one shard group over every rank is "
+                "cluster.sharding=fsdp; set that, or a smaller shard_size")
+    elif cl.shard_size is not None:
+        err(f"cluster.shard_size={cl.shard_size} is read only by cluster.sharding=hsdp (cluster.sharding="
+            f"{cl.sharding}); remove it")
     if cl.sharding == "fsdp" and cl.num_workers == 1:
         warn("cluster.sharding=fsdp with cluster.num_workers=1 shards nothing (one rank holds everything); the model "
              "trains unsharded. Shard across cluster.num_workers > 1 ranks")

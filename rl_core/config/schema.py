@@ -162,7 +162,8 @@ class ClusterConfig(_Section):
     teacher_replicas: int | None = Field(None, gt=0, description="OPD: teacher copies that score a batch together, each a contiguous share of its rows in parallel; replica i sits on trainer rank i % cluster.num_workers's node and GPU. None: one per trainer rank (cluster.num_workers).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy of the trainer ranks (STRICT_SPREAD: one rank per node).")
     placement_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for Ray to place every role before failing with what could not be placed.")
-    sharding: Literal["none", "fsdp"] = Field("none", description="Trainer state across ranks: 'none' keeps a full replica per rank, 'fsdp' shards parameters, gradients and optimizer state (torch FSDP2).")
+    sharding: Literal["none", "fsdp", "hsdp"] = Field("none", description="Trainer state across ranks: 'none' keeps a full replica per rank, 'fsdp' shards parameters, gradients and optimizer state over every rank (torch FSDP2), 'hsdp' shards them within groups of cluster.shard_size ranks and replicates them across the groups (a 2-D mesh).")
+    shard_size: int | None = Field(None, gt=1, description="cluster.sharding=hsdp: the ranks of one shard group (consecutive ranks; set it to the GPUs of a node, so that only the groups' gradient all-reduce crosses nodes). Must divide cluster.num_workers.")
     gpu_memory_gib: float | None = Field(None, gt=0, description="Memory of one GPU for the preflight memory plan; None reads it from this machine's GPU (no GPU here: the plan is printed, not enforced).")
 
 

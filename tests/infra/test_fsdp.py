@@ -100,3 +100,15 @@ def test_fsdp_with_bf16_compute_keeps_float32_masters_and_tracks_unsharded_autoc
     assert r["master_dtypes"] == ["torch.float32"]
     assert r["moved"] > 1e-3
     assert r["update_cosine"] >= 0.99
+
+
+def test_hsdp_on_a_2x2_mesh_matches_unsharded_training_and_resumes_unsharded(tmp_path):
+    """cluster.sharding=hsdp: four gloo ranks as two shard groups of two, replicas of each other."""
+    r = run_ranks(tmp_path, "--hsdp")
+    assert r["mesh"] == [2, 2] and r["replicate_shard"]  # replicated across groups, sharded within one
+    assert r["local_fraction"] == 0.5  # a rank holds half of each parameter: its group has two ranks
+    assert r["replica_sums_equal"]  # rank k and rank k+2 hold the same shard
+    assert r["steps"] == [3, 3, 3]
+    assert r["moved"] > 1e-3  # training changed the weights well beyond the tolerance
+    assert r["hsdp_vs_plain"] <= TOL and r["hsdp_vs_plain_optimizer"] <= TOL
+    assert r["resume_hsdp_to_plain"] <= TOL

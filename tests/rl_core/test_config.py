@@ -405,3 +405,29 @@ def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_split
     assert problem.endswith(": 2, 4"), problem  # the sizes that work (4: each key/value head on 2 GPUs)
     hf = preflight(load_config(arithmetic, [*base[:2], "cluster.gpus_per_engine=2"]))
     assert any("the HF engine runs on one GPU" in e and "rollout.backend=vllm" in e for e in hf.errors), hf.errors
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["cluster.sharding=hsdp"], "cluster.sharding=hsdp needs cluster.shard_size"),
+    (["cluster.sharding=hsdp", "cluster.shard_size=3"], ("does not divide cluster.num_workers=4: HSDP's mesh is "
+                                                         "num_workers/shard_size replicas of shard_size ranks; sizes "
+                                                         "that divide: 2")),
+    (["cluster.sharding=hsdp", "cluster.shard_size=4"], "one shard group over every rank is cluster.sharding=fsdp"),
+    (["cluster.sharding=fsdp", "cluster.shard_size=2"], "cluster.shard_size=2 is read only by cluster.sharding=hsdp"),
+])
+def test_preflight_refuses_hsdp_meshes_that_do_not_divide_the_ranks(overrides, needle):
+    report = preflight(load_config(str(ROOT / "recipes" / "arithmetic.py"), ["cluster.num_workers=4", *overrides]))
+    assert any(needle in e for e in report.errors), report.errors
+
+
+def test_the_mesh_of_each_sharding():
+    from rl_core.config.preflight import shard_mesh
+
+    arithmetic = str(ROOT / "recipes" / "arithmetic.py")
+    mesh = lambda *o: shard_mesh(load_config(arithmetic, list(o)))
+    assert mesh("cluster.num_workers=4") is None  # none: a full replica per rank
+    assert mesh("cluster.num_workers=1", "cluster.sharding=fsdp") is None  # one rank: nothing to shard
+    assert mesh("cluster.num_workers=4", "cluster.sharding=fsdp") == (1, 4)
+    assert mesh("cluster.num_workers=8", "cluster.sharding=hsdp", "cluster.shard_size=4") == (2, 4)
+    assert preflight(load_config(arithmetic, ["cluster.num_workers=8", "cluster.sharding=hsdp",
+                                              "cluster.shard_size=4"])).errors == []

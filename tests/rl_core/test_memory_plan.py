@@ -128,6 +128,10 @@ def test_3b_plan_items(qwen3b_dir):
                           gpu_bytes=gpu)
     t_full, t_sh = full.role("trainer"), sharded.role("trainer")
     assert t_full.item("parameters").bytes == 4 * P and t_sh.item("parameters").bytes == P  # 4 B / 4 ranks
+    hsdp = memory_plan(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.sharding=hsdp", "cluster.shard_size=2"), shape,
+                       prompt_tokens=ASSUMED_PROMPT_TOKENS, gpu_bytes=gpu).role("trainer")
+    assert hsdp.item("parameters").bytes == 2 * P  # 4 B over a shard group of 2: replicated across the 2 groups
+    assert hsdp.item("AdamW state").bytes == 4 * P + 4 * 434
     assert t_full.item("AdamW state").bytes == 8 * P + 4 * 434
     assert t_sh.item("AdamW state").bytes == 2 * P + 4 * 434
     assert t_full.item("gradient all-reduce bucket").bytes == 256 * 1024**2
