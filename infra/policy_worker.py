@@ -333,7 +333,7 @@ class PolicyWorker:
     def _save_pretrained(self, path: str) -> str | None:
         from rl_core import lora
 
-        state = self.trainer.full_model_state() if self.trainer.sharded else None
+        state = self.trainer.exported_model_state() if self.trainer.sharded else None
         if self.rank != 0:
             return None
         if lora.is_lora(self.trainer.model):
@@ -342,7 +342,7 @@ class PolicyWorker:
         elif state is None:
             self.trainer.model.save_pretrained(path, safe_serialization=True)
         else:
-            self.trainer.model.save_pretrained(path, state_dict=_to_cpu(state), safe_serialization=True)
+            self.trainer.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
 

@@ -245,6 +245,14 @@ class LLMTrainer:
         it then), cast to `dtype` one tensor at a time (peak: the full copy in `dtype` plus one tensor)."""
         return dict(self.iter_full_model_state(dtype))
 
+    def exported_model_state(self) -> dict[str, torch.Tensor]:
+        """Sharded: the whole float32 model in rank 0's host memory, for an export (every rank must call it; the
+        others get an empty dict). Each tensor is gathered on the device and moved to rank 0's CPU before the next
+        (torch.distributed.checkpoint's `full_state_dict` with `cpu_offload`), so no device holds the whole model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def iter_full_model_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, full tensor)` one at a time, in `state_dict` order, each gathered (sharded: every rank must
         iterate to the end, the gathers are collectives) and cast to `dtype` only when asked for: a consumer

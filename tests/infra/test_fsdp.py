@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-6
@@ -85,6 +86,12 @@ def test_fsdp_flow_trains_like_unsharded_and_a_sharded_checkpoint_resumes_unshar
         other = _weights(runs[name])
         assert other.keys() == plain.keys()
         assert max(float((plain[k] - other[k]).abs().max()) for k in plain) <= 1e-5, name
+    # exported from the sharded ranks by rank 0 alone (gathered tensor by tensor into its host memory): a plain
+    # transformers directory
+    from transformers import AutoModelForCausalLM
+
+    loaded, exported = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final_model"), _weights(runs["fsdp"])
+    assert all(torch.equal(v, exported[k]) for k, v in loaded.state_dict().items() if k in exported)
 
 
 def _weights_of_dir(model_dir: Path) -> dict:
