@@ -376,15 +376,18 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
 
     torch.manual_seed(cfg.job.seed)
     enable_tf32(device or torch.device("cpu"))
-    model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA with FSDP)
-        model = lora.wrap(model, cfg.model.lora)
-    if mesh := shard_mesh(cfg):
-        from infra.distributed import shard_policy
+    if mesh := shard_mesh(cfg):  # built sharded: rank 0 loads, every rank keeps its shards (float32 masters)
+        from infra.distributed import load_sharded_policy
 
-        shard_policy(model, device or torch.device("cpu"), torch_dtype(cfg.model.compute_dtype), mesh)
+        model, tokenizer = load_sharded_policy(cfg.model, device or torch.device("cpu"),
+                                               torch_dtype(cfg.model.compute_dtype), mesh,
+                                               cfg.model.gradient_checkpointing)
+    else:
+        model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA when sharded)
+            model = lora.wrap(model, cfg.model.lora)
     objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # the registry's, or rl.custom_objective
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:

@@ -146,6 +146,7 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
         budgeted = make_trainer(True, checkpointing)
         train(budgeted, range(STEPS), max_tokens=9 if rank == 0 else 18)
         budgeted_state = full_state(budgeted)
+        loaded = sharded_load(rank, out + ".model", (1, 2))
         if rank == 0:
             result = {
                 "moved": max_diff(plain_state["model"], initial),
@@ -159,6 +160,7 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
                 "resume_fsdp_to_plain_optimizer": optimizer_diff(from_sharded["optimizer"], plain_state["optimizer"]),
                 "fsdp_budget_vs_plain": max_diff(budgeted_state["model"], plain_state["model"]),
                 "steps": [plain.step, sharded.step, resumed_plain.step, resumed_sharded.step, budgeted.step],
+                **loaded,
             }
             with open(out, "w") as f:
                 json.dump(result, f)
@@ -183,6 +185,29 @@ def bf16_main(rank: int, out: str, checkpointing: bool) -> None:
                        "moved": float(va.abs().max()), "diff": max_diff(a, b)}, f)
 
 
+def sharded_load(rank: int, model_dir: str, mesh) -> dict:
+    """`infra.distributed.load_sharded_policy` of a saved `base_model()`: every rank's shards, gathered, must be the
+    saved weights bit for bit, the rotary buffers too, and each rank must hold only its share."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from infra.distributed import load_sharded_policy
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import build_tiny_tokenizer
+
+    saved = base_model()
+    if rank == 0:
+        saved.save_pretrained(model_dir)
+        build_tiny_tokenizer().save_pretrained(model_dir)
+    dist.barrier()
+    model, _ = load_sharded_policy(ModelConfig(name_or_path=model_dir), torch.device("cpu"), torch.float32, mesh)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    param = next(iter(model.parameters()))
+    buffers = {k: v for k, v in model.named_buffers()}
+    return {"load_vs_saved": max_diff(full, saved.state_dict()) if rank == 0 else None,
+            "load_buffers_equal": all(torch.equal(v, buffers[k]) for k, v in saved.named_buffers()),
+            "load_local_fraction": param.to_local().numel() / param.numel()}
+
+
 def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
     """Four ranks: HSDP on a 2 x 2 mesh against the unsharded trainer, and an HSDP checkpoint resumed unsharded."""
     from torch.distributed.tensor import Replicate, Shard
@@ -202,6 +227,7 @@ def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
     local = param.to_local().numel()
     sizes = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, param.to_local().sum().reshape(1))  # each group's two ranks hold the two halves
+    loaded = sharded_load(rank, out + ".model", (2, 2))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"mesh": list(param.device_mesh.shape), "placements": [str(p) for p in param.placements],
@@ -212,7 +238,7 @@ def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
                        "hsdp_vs_plain": max_diff(hsdp_state["model"], plain_state["model"]),
                        "hsdp_vs_plain_optimizer": optimizer_diff(hsdp_state["optimizer"], plain_state["optimizer"]),
                        "resume_hsdp_to_plain": max_diff(resumed_state["model"], plain_state["model"]),
-                       "steps": [plain.step, hsdp.step, resumed.step]}, f)
+                       "steps": [plain.step, hsdp.step, resumed.step], **loaded}, f)
 
 
 if __name__ == "__main__":

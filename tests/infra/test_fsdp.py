@@ -40,6 +40,8 @@ def test_fsdp_matches_unsharded_training_and_resumes_across_modes(tmp_path, flag
     assert r["resume_fsdp_to_plain"] <= TOL
     assert r["resume_plain_to_fsdp"] <= TOL
     assert r["resume_fsdp_to_plain_optimizer"] <= TOL
+    # built sharded from a saved model (meta skeleton, rank 0 loads and broadcasts): the saved weights, bit for bit
+    assert r["load_vs_saved"] == 0.0 and r["load_buffers_equal"] and r["load_local_fraction"] == 0.5
 
 
 # ------------------------------------------------------------------------------ the flow on Ray
@@ -119,3 +121,4 @@ def test_hsdp_on_a_2x2_mesh_matches_unsharded_training_and_resumes_unsharded(tmp
     assert r["moved"] > 1e-3  # training changed the weights well beyond the tolerance
     assert r["hsdp_vs_plain"] <= TOL and r["hsdp_vs_plain_optimizer"] <= TOL
     assert r["resume_hsdp_to_plain"] <= TOL
+    assert r["load_vs_saved"] == 0.0 and r["load_buffers_equal"] and r["load_local_fraction"] == 0.5
