@@ -653,7 +653,7 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
 
     # -- weight sync (LoRA: vLLM takes the adapters, HF engines the merged weights)
     state_c = s.state * c
-    if A and not colocated and cfg.rollout.backend == "vllm":
+    if A and cfg.rollout.backend == "vllm":
         state_c = A * c
     elif A and (not colocated or fsdp):
         role.add(f"LoRA merged weights: full state in {cfg.model.compute_dtype}", state_c, (SYNC,),

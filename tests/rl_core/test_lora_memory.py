@@ -51,6 +51,8 @@ def test_3b_plan_with_lora_r16_counts_gradients_and_adamw_of_the_adapters_only(t
     assert lo.item("AdamW state").bytes == 8 * A + 4 * (2 * 7 * L) and full.item("AdamW state").bytes == 8 * P + 4 * T
     assert lo.item("AdamW step temporary").bytes == 4 * A
     assert lo.item("gradient all-reduce bucket").bytes == 4 * A  # under the 256 MiB bucket
+    assert lo.item("weight sync").bytes == 2 * A  # colocated vLLM takes the bf16 adapters: one bucket holds them
+    assert full.item("weight sync").bytes == 256 * 1024**2  # the full bf16 state streams in 256 MiB buckets
     # the KL reference is the base with the adapter disabled: no frozen copy, unless rl.reference names one
     assert not any(i.name.startswith("reference model") for i in lo.items)
     assert full.item("reference model").bytes == 2 * P
