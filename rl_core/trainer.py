@@ -240,11 +240,6 @@ class LLMTrainer:
         for p in self.params:
             p.grad = None
 
-    def full_model_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The whole model's weights on this rank's device (gathered when sharded; every rank must call
-        it then), cast to `dtype` one tensor at a time (peak: the full copy in `dtype` plus one tensor)."""
-        return dict(self.iter_full_model_state(dtype))
-
     def exported_model_state(self) -> dict[str, torch.Tensor]:
         """Sharded: the whole float32 model in rank 0's host memory, for an export (every rank must call it; the
         others get an empty dict). Each tensor is gathered on the device and moved to rank 0's CPU before the next
