@@ -68,6 +68,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         run.start(tracker)
         startup.mark("tracking")  # the MLflow run
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
+        placed.enter_context(run.checkpoints_of(cluster))  # the checkpoint in flight is published however steps end
         teacher = placed.enter_context(TeacherRole(cfg, cluster.trainer_group)) if with_teacher else None
         rewards_pool = placed.enter_context(RewardPool(cfg))
         startup.mark("cluster")  # Ray, the actors, their models

@@ -7,7 +7,9 @@ step, so a resume on a machine without the run directory, from S3, keeps the who
 objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
 run, continued on resume, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
 version, then a checked weight sync to the rollout engines), `log` (metrics.jsonl + MLflow + progress), `due`
-(cadence), `checkpoint`, and `finish` (final model, curve, model artifact, the flow's return value).
+(cadence), `checkpoint` (asynchronous: the ranks write their shards while the next step runs; `settle` publishes
+it, and the metrics lines of the steps since are held back until then, so a metrics line on disk always has its
+checkpoint behind it), and `finish` (final model, curve, model artifact, the flow's return value).
 The flows keep only the phases of a step.
 """
 
@@ -19,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -42,7 +44,7 @@ from infra.tracking import MetricsLog, RunTracker
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
 from rl_core.registry import build_objective
-from tasks.checkpoint import checkpoint_task, save_model_task
+from tasks.checkpoint import commit_checkpoint_task, save_model_task, start_checkpoint_task
 from tasks.rollout import prune_rollout_cache
 
 PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
@@ -165,6 +167,8 @@ class TrainingRun:
     run_id: str | None = None
     lock: RunLock | None = None
     evaluation_pending: bool = False  # the checkpoint's step was due for an evaluation (restore sets it)
+    saving: tuple[int, Path, dict] | None = None  # the checkpoint in flight: (step, temporary directory, meta)
+    held: list[dict] = field(default_factory=list)  # metrics lines waiting for it
 
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
@@ -248,7 +252,7 @@ class TrainingRun:
         if self.plan.checkpoint is not None:
             announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
             parts = self.plan.parts
-            cluster.load_trainer_parts(parts)
+            cluster.load_checkpoint(self.plan.checkpoint, parts)
             sampler.load_state_dict(parts["driver"]["sampler"])
             version = int(parts["driver"]["policy_version"])
             self.evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
@@ -258,9 +262,44 @@ class TrainingRun:
         return version
 
     def log(self, record: dict, bar: Any) -> None:
+        """The progress display now; metrics.jsonl and MLflow once the checkpoint in flight (if any) is published."""
+        bar.update(record)
+        if self.saving is not None:
+            self.held.append(record)
+            return
         self.metrics_log.append(record)
         self.tracker.log_metrics(record, step=record["step"])
-        bar.update(record)
+
+    def settle(self, cluster: Any, wait: bool = True) -> None:
+        """Publish the checkpoint in flight once every rank's shards are on disk (`wait`: block until then), then write
+        the metrics lines held back for it."""
+        if self.saving is None:
+            return
+        written = cluster.checkpoint_written(wait)
+        if written is None:
+            return
+        step, tmp, meta = self.saving
+        self.saving = None
+        commit_checkpoint_task(self.store, tmp, step, meta, written)
+        prune_rollout_cache(self.run_dir / "cache", step)  # a resume starts after this step: its rollouts are done
+        for record in self.held:
+            self.metrics_log.append(record)
+            self.tracker.log_metrics(record, step=record["step"])
+        self.held = []
+
+    @contextmanager
+    def checkpoints_of(self, cluster: Any) -> Iterator[None]:
+        """Around a flow's steps, inside the cluster: however they end (a failed task, an evaluation that failed after
+        its retries), the checkpoint in flight is published before the cluster goes, when its shards were written."""
+        try:
+            yield
+        finally:
+            try:
+                self.settle(cluster)
+            except Exception as error:  # noqa: BLE001 - a dead rank: the checkpoint stays unpublished, the error above
+                logging.getLogger("posttrain").warning("the checkpoint of step %s was not published: %s",
+                                                       self.saving[0] if self.saving else "?", error)
+                self.saving = None
 
     def due(self, every: int, step: int) -> bool:
         """Cadence: every `every` steps (0: never) and always at the last step."""
@@ -274,6 +313,7 @@ class TrainingRun:
         never costs the step's training; a run resumed from that checkpoint finishes the evaluation it was
         waiting for (`finish_pending_evaluation`).
         """
+        self.settle(cluster, wait=False)
         evaluating = self.due(self.cfg.rl.validation.every_steps, step)
         if self.due(self.cfg.rl.save_every, step):
             record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler_state, version, record,
@@ -304,20 +344,23 @@ class TrainingRun:
 
     def checkpoint(self, cluster: Any, step: int, sampler_state: dict, version: int, record: dict, *,
                    evaluation_due: bool = False) -> float:
-        """Save the trainer parts and the driver's state (`sampler_state`: the sampler after this step's draw, also when
-        the next step's rollout is already in flight; the policy version; the metrics.jsonl lines up to this step:
-        those logged and `record`, this step's, still to be logged; whether the step's evaluation is still to run);
-        returns seconds."""
+        """Start the checkpoint of `step`: the trainer ranks' shards (written in the background) and the driver's state
+        (`sampler_state`: the sampler after this step's draw, also when the next step's rollout is already in
+        flight; the policy version; the metrics.jsonl lines up to this step: those logged and `record`, this
+        step's, still to be logged; whether the step's evaluation is still to run). At most one is in flight: the
+        previous one is published first. Returns the seconds the step was blocked."""
         t = time.perf_counter()
+        self.settle(cluster)
         driver = {"sampler": sampler_state, "policy_version": version, "step": step,
                   "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
-        checkpoint_task(self.store, cluster, step, driver, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
-        prune_rollout_cache(self.run_dir / "cache", step)  # a resume starts after this step: its rollouts are done
+        tmp = start_checkpoint_task(self.store, cluster, step, driver)
+        self.saving = (step, tmp, checkpoint_meta(self.cfg, mlflow_run_id=self.run_id))
         return time.perf_counter() - t
 
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
         """Save the final model, log the curve and the model to MLflow; the flow's return value."""
+        self.settle(cluster)
         model_dir = save_model_task(cluster, self.run_dir / FINAL_MODEL, self.store)
         self.store.flush()  # every checkpoint is on S3 (or the failure is raised) before the run reports done
         self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")

@@ -22,14 +22,14 @@ import safetensors.torch
 import torch
 
 FORMAT_NAME = "posttrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the trainer ranks' tensors are shards (`infra.checkpoint_shards`)
 MANIFEST = "manifest.json"
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 RESERVED_PARTS = {"meta", "manifest"}
-_LOADABLE_SUFFIXES = (".safetensors", ".json")
+_LOADABLE_SUFFIXES = (".safetensors", ".json", ".distcp")  # .distcp: tensors only, read with weights_only=True
 _SAFETENSORS_DTYPES = frozenset(safetensors.torch._TYPES.values())
 
 
@@ -273,7 +273,7 @@ def verify_checkpoint(path: str | Path, *, check_hashes: bool = True) -> dict:
     """The parsed manifest of a complete, intact checkpoint directory; else CheckpointError.
 
     Checks: manifest present and parsable, known format version, every listed file a plain name
-    ending in .safetensors/.json that exists with the listed size and sha256, every part with its
+    ending in .safetensors/.json/.distcp that exists with the listed size and sha256, every part with its
     two files, meta.json listed, and no file in the directory that the manifest does not list.
     """
     path = Path(path)
@@ -329,8 +329,8 @@ def check_manifest_structure(manifest: Any, where: str, remedy: str) -> None:
                 or name.startswith(".") or name == MANIFEST:
             fail(f"file name {name!r} is not a plain file name")
         if not name.endswith(_LOADABLE_SUFFIXES):
-            fail(f"lists {name!r}; only .safetensors and .json files are ever loaded from a checkpoint "
-                 f"(no pickles)")
+            fail(f"lists {name!r}; only .safetensors, .json and .distcp (tensor shards, read with "
+                 f"weights_only=True) files are ever loaded from a checkpoint (no pickles)")
         if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
                 and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
             fail(f"entry for {name!r} lacks an integer size and a sha256 hex digest")

@@ -199,7 +199,8 @@ class Cluster(AbstractContextManager):
         self.engines: EnginePool | None = None
         self.started_ray = False
         self._weight_world = 0
-        self.rank0_sees_run_dir = True  # whether trainer rank 0 sees the driver's run directory (placement probe)
+        self.ranks_see_run_dir = True  # whether every trainer rank sees the driver's run directory (placement probe)
+        self._written: dict[int, dict[str, dict]] = {}  # per rank: its files of the checkpoint in flight, once written
 
     # -- lifecycle
     def __enter__(self) -> Self:
@@ -211,7 +212,7 @@ class Cluster(AbstractContextManager):
                     ray.get(setups)
                 setups += self._place_engines()
             ray.get(setups)  # the trainers and the separate engines build their models side by side
-            self._check_final_model_reach()
+            self._check_run_dir_reach()
             self._check_shard_groups()
             if self.with_engines:
                 self._connect_engines()
@@ -220,23 +221,26 @@ class Cluster(AbstractContextManager):
             raise
         return self
 
-    def _check_final_model_reach(self) -> None:
-        """Preflight: trainer rank 0 writes the final model; does it see the driver's run directory (the same node,
-        or a filesystem mounted at the same path)? Rank 0 reads a file the driver has just written there. When it
-        does not, the final model goes through `tracking.checkpoint_uri`, and without one the run is refused now,
-        before training, rather than ending with the model on another node."""
+    def _check_run_dir_reach(self) -> None:
+        """Preflight: every trainer rank writes its checkpoint shards into the driver's run directory, and rank 0 the
+        final model; do they see it (the same node, or a filesystem mounted at the same path)? Each reads a file the
+        driver has just written there. A rank that does not is refused now, before training, rather than ending
+        with the checkpoints on another node. (A rank 0 that does not see it would send the final model through
+        `tracking.checkpoint_uri`, `save_pretrained`.)"""
         run_dir = Path(self.cfg.run_dir).resolve()
         if not run_dir.is_dir():
             return  # no run directory (a Cluster used outside a flow): nothing to reach
-        probe = run_dir / f".rank0-probe-{uuid.uuid4().hex}"
+        probe = run_dir / f".rank-probe-{uuid.uuid4().hex}"
         probe.write_text(probe.name)
         try:
-            self.rank0_sees_run_dir = ray.get(self.workers[0].read_text.remote(str(probe))) == probe.name
+            seen = [text == probe.name for text in ray.get([w.read_text.remote(str(probe)) for w in self.workers])]
         finally:
             probe.unlink(missing_ok=True)
-        if not self.rank0_sees_run_dir and not self.cfg.tracking.checkpoint_uri:
-            rank0 = ray.get(self.workers[0].info.remote())
-            raise PlacementError(final_model_unreachable(run_dir, rank0, ray.util.get_node_ip_address()))
+        self.ranks_see_run_dir = all(seen)
+        if not self.ranks_see_run_dir:
+            blind = [ray.get(self.workers[r].info.remote()) for r, ok in enumerate(seen) if not ok]
+            raise PlacementError(shards_unreachable(run_dir, blind, ray.util.get_node_ip_address()))
+
     def _check_shard_groups(self) -> None:
         """HSDP: warn when a shard group (consecutive ranks) spans nodes, which puts its gathers on the network."""
         mesh = shard_mesh(self.cfg)
@@ -382,50 +386,59 @@ class Cluster(AbstractContextManager):
         """DPO: the reference's per-token log-probs of `batch`, scored on trainer rank 0."""
         return ray.get(self.workers[0].reference_logps.remote(batch, micro_batch_size))
 
-    def trainer_parts(self) -> dict[str, Any]:
-        """Checkpoint parts: `trainer` (rank 0's whole state) and `rng_rank<r>` for every rank."""
-        states = ray.get([w.trainer_state.remote(r == 0) for r, w in enumerate(self.workers)])
-        parts = {"trainer": states[0]}
+    def start_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Every rank starts writing its shards into `directory` (in the background, after a staging copy); returns
+        the checkpoint's plain parts: `trainer` (rank 0's state without tensors) and `rng_rank<r>` for every rank.
+        `checkpoint_written` says when the shards are on disk. No weights pass through the driver."""
+        states = ray.get([w.start_checkpoint.remote(str(Path(directory).resolve())) for w in self.workers])
+        parts = {"trainer": {k: v for k, v in states[0].items() if k != "rng"}}
         parts.update({f"rng_rank{r}": {"rng": s["rng"]} for r, s in enumerate(states)})
         return parts
 
-    def load_trainer_parts(self, parts: dict[str, Any]) -> None:
-        """Restore every rank from `trainer_parts()` output (same number of workers)."""
-        n = len(self.workers)
-        saved = sorted(k for k in parts if k.startswith("rng_rank"))
-        if len(saved) != n:
-            raise ValueError(f"the checkpoint holds {len(saved)} worker RNG states but cluster.num_workers={n}; "
-                             "resume with the same number of workers")
-        ray.get([w.load_trainer_state.remote(parts["trainer"], parts[f"rng_rank{r}"]["rng"])
+    def checkpoint_written(self, wait: bool = True) -> dict[str, dict] | None:
+        """The files the ranks wrote for the checkpoint in flight (`{name: {"size", "sha256"}}`, `{}` with none in
+        flight) once every rank's are on disk; None when some are still being written and `wait` is false."""
+        waiting = [r for r in range(len(self.workers)) if r not in self._written]
+        answers = ray.get([self.workers[r].checkpoint_written.remote(wait) for r in waiting])
+        self._written.update({r: files for r, files in zip(waiting, answers) if files is not None})
+        if len(self._written) < len(self.workers):
+            return None
+        files: dict[str, dict] = {}
+        for answer in self._written.values():
+            files.update(answer)
+        self._written = {}
+        return files
+
+    def load_checkpoint(self, directory: str | Path, parts: dict[str, Any]) -> None:
+        """Restore every rank from a checkpoint directory (`start_checkpoint`'s), written by any number of ranks in any
+        sharding: each reads its own layout of the shards. Rank r takes the saved RNG of rank r; a rank the checkpoint
+        had not keeps its seeded generators (and with another rank count the batch split differs anyway)."""
+        saved = sum(1 for k in parts if k.startswith("rng_rank"))
+        if saved != len(self.workers):
+            log.info("resuming a checkpoint of %d trainer rank(s) on %d", saved, len(self.workers))
+        ray.get([w.load_checkpoint.remote(str(Path(directory).resolve()), parts["trainer"],
+                                          parts.get(f"rng_rank{r}", {}).get("rng"))
                  for r, w in enumerate(self.workers)])
 
     def save_pretrained(self, path: str | Path, store: CheckpointStore | None = None) -> str:
-        """The policy as a transformers directory at `path` on the driver, written by rank 0 (sharded: every rank
-        joins the gather); returns `path`.
-
-        With a remote `store` (`tracking.checkpoint_uri`) the directory is also uploaded to its `final_model/`:
-        by the driver when rank 0 sees the driver's run directory, else by rank 0, and the driver downloads it
-        to `path`.
-        """
+        """The policy as a transformers directory at `path` in the run directory, written by rank 0 (sharded: every
+        rank joins the gather into rank 0's host memory); returns `path`. With a remote `store`
+        (`tracking.checkpoint_uri`) the directory is also uploaded to its `final_model/`."""
         path = Path(path).resolve()
         workers = self.workers if shard_mesh(self.cfg) else self.workers[:1]
-        remote = store is not None and store.remote_uri is not None
-        via_remote = remote and not self.rank0_sees_run_dir
-        ray.get([w.save_pretrained.remote(str(path), store.remote_uri if via_remote else None) for w in workers])
-        if via_remote:
-            store.download_dir(FINAL_MODEL, path)
-        elif remote:
+        ray.get([w.save_pretrained.remote(str(path)) for w in workers])
+        if store is not None and store.remote_uri is not None:
             store.upload_dir(path, FINAL_MODEL)
         return str(path)
 
 
-def final_model_unreachable(run_dir: Path, rank0: dict[str, Any], driver_ip: str) -> str:
-    """Why a run whose trainer rank 0 does not see the driver's run directory is refused without a checkpoint_uri."""
-    return (f"trainer rank 0 runs on node {rank0['ip']} (node id {rank0['node_id']}), which does not see the run "
-            f"directory {run_dir} of the driver on node {driver_ip}: the final model rank 0 writes would stay on "
-            f"{rank0['ip']}. Set tracking.checkpoint_uri=s3://bucket/prefix (rank 0 then uploads the final model "
-            "there and the driver downloads it into the run directory; rank 0's node needs the S3 credentials), "
-            "or put job.out_dir on a filesystem every node mounts at the same path")
+def shards_unreachable(run_dir: Path, ranks: list[dict[str, Any]], driver_ip: str) -> str:
+    """Why a run whose trainer ranks do not all see the driver's run directory is refused."""
+    where = ", ".join(sorted({r["ip"] for r in ranks}))
+    return (f"trainer ranks on {where} do not see the run directory {run_dir} of the driver on node {driver_ip}: "
+            "every rank writes its shards of each checkpoint there. Put job.out_dir on a filesystem every node "
+            "mounts at the same path (NFS, Lustre, a shared volume); tracking.checkpoint_uri then mirrors the "
+            "checkpoints to S3")
 
 
 def describe_resources(res: dict[str, float]) -> str:

@@ -55,6 +55,8 @@ class PolicyWorker:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.trainer = self.tokenizer = self.engine = None
         self._store = self._weight_store = self.weight_group = None
+        self._checkpoint_group: Any = None  # a CPU (gloo) group of the trainer ranks, for checkpoints alone
+        self._writing: Any = None  # the future of the checkpoint being written (`start_checkpoint`)
         self.max_model_len: int | None = None
         self.layout: list | None = None
 
@@ -90,6 +92,10 @@ class PolicyWorker:
             store = self._store or connect_store(host, port, self.world_size)
             init_default_group(self.backend, store, self.rank, self.world_size, node_ip())
             reducer = ProcessGroupReducer()
+            import torch.distributed as dist
+
+            # the checkpoint's collectives run in a background thread while training's run: a group of their own
+            self._checkpoint_group = dist.new_group(backend="gloo")
         self.trainer, self.tokenizer = build_trainer(self.cfg, reducer, self.device)
         if self.cfg.cluster.placement == "colocated":
             # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
@@ -290,14 +296,42 @@ class PolicyWorker:
         return scored.ref_logp.cpu()
 
     # -- checkpoints
-    def trainer_state(self, full: bool) -> dict[str, Any]:
-        """Rank 0: the whole trainer state (on CPU, gathered when sharded: every rank calls this); other ranks:
-        only their RNG (weights and optimizer are identical, or rank 0 gathered them)."""
-        state = self.trainer.state_dict()
-        return _to_cpu(state) if full else {"rng": state["rng"]}
+    def start_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Start writing this rank's shards of model and optimizer into `directory` (`infra.checkpoint_shards`: every
+        rank calls it; it returns once they are staged in host memory, the files are written in the background).
+        Returns the plain state: rank 0 all of it, the others their RNG."""
+        from infra.checkpoint_shards import write_shards
 
-    def load_trainer_state(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
-        self.trainer.load_state_dict(state if rng is None else {**state, "rng": rng})
+        if self._writing is not None:
+            raise RuntimeError(f"trainer rank {self.rank}: a checkpoint is still being written; "
+                               "wait for checkpoint_written(wait=True) before the next")
+        tensors, rest = self.trainer.shard_state()
+        replicated = not self.trainer.sharded and self.world_size > 1  # whole copies: each rank writes a share
+        self._writing = write_shards(tensors, directory, self._checkpoint_group,
+                                     (self.rank, self.world_size) if replicated else None)
+        return _to_cpu(rest) if self.rank == 0 else {"rng": rest["rng"]}
+
+    def checkpoint_written(self, wait: bool) -> dict[str, dict] | None:
+        """The files this rank wrote for the checkpoint in flight, `{name: {"size", "sha256"}}`, once they are on
+        disk; None while they are still being written (`wait=False`); `{}` with none in flight. Raises the write's
+        error."""
+        if self._writing is None:
+            return {}
+        if not wait and not self._writing.done():
+            return None
+        pending, self._writing = self._writing, None
+        return pending.result()
+
+    def load_checkpoint(self, directory: str, rest: dict[str, Any], rng: dict[str, Any] | None) -> None:
+        """Restore this rank from a checkpoint directory: its layout of the shards (any rank count and sharding wrote
+        them), the plain state `rest`, and `rng` (this rank's saved RNG; None: a rank the checkpoint had not)."""
+        from infra.checkpoint_shards import read_shards
+
+        if rng is not None:
+            rest = {**rest, "rng": rng}
+        else:  # keeps its own seeded generators
+            rest = {**rest, "rng": self.trainer.shard_state()[1]["rng"]}
+        self.trainer.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
 
     def read_text(self, path: str) -> str | None:
         """The text of `path` on this node, None when there is none (whether this node sees a driver's file)."""
@@ -306,31 +340,12 @@ class PolicyWorker:
         except OSError:
             return None
 
-    def save_pretrained(self, path: str, upload_to: str | None = None) -> str | None:
+    def save_pretrained(self, path: str) -> str | None:
         """Rank 0 saves the policy (float32) and its tokenizer as a transformers directory (safetensors).
 
-        Sharded, every rank calls this: the full weights are gathered first. With LoRA the directory holds the
-        merged model, and `adapter/` the adapter in PEFT's format (`rl_core.lora`). `upload_to` (a run's remote
-        checkpoint prefix, for a rank 0 that does not see the driver's run directory): the directory is written to
-        a temporary directory of this node instead, uploaded to `<upload_to>/final_model/` through the checkpoint
-        store, then deleted; the S3 credentials come from this node's environment.
-        """
-        if upload_to is None:
-            return self._save_pretrained(path)
-        import shutil
-        import tempfile
-
-        from infra.storage import FINAL_MODEL, CheckpointStore
-
-        tmp = Path(tempfile.mkdtemp(prefix="posttrain-final-model-"))
-        try:
-            if self._save_pretrained(str(tmp / FINAL_MODEL)) is None:
-                return None
-            return CheckpointStore(tmp, remote_uri=upload_to).upload_dir(tmp / FINAL_MODEL, FINAL_MODEL)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _save_pretrained(self, path: str) -> str | None:
+        Sharded, every rank calls this: the full weights are gathered into rank 0's host memory first, tensor by
+        tensor. With LoRA the directory holds the merged model, and `adapter/` the adapter in PEFT's format
+        (`rl_core.lora`)."""
         from rl_core import lora
 
         state = self.trainer.exported_model_state() if self.trainer.sharded else None

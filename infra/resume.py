@@ -30,7 +30,8 @@ MAY_CHANGE_ON_RESUME = (
     "job.retry_delay_s", "job.overwrite", "job.out_dir", "cluster.address", "cluster.cpus_per_worker",
     "cluster.placement", "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy",
     "cluster.placement_timeout_s", "rollout.num_engines", "rollout.gpu_memory_utilization",
-    "cluster.sharding", "cluster.shard_size", "cluster.gpu_memory_gib",  # layout and memory, not math
+    "cluster.sharding", "cluster.shard_size", "cluster.gpu_memory_gib", "cluster.host_memory_gib",  # layout and memory, not math
+    "cluster.num_workers",  # the shards load onto any number of ranks (the batch split, so the rounding, differs)
     "model.gradient_checkpointing",
     "job.max_restarts", "rollout.max_logp_abs_diff",  # a guard, not math
 )

@@ -3,15 +3,20 @@
 Layout of one checkpoint (`root` is e.g. `runs/<name>/checkpoints`)::
 
     root/step_00000040/
-        trainer_rank0.safetensors   the tensors of part "trainer_rank0" (flatten_state)
-        trainer_rank0.json          its skeleton: everything that is not a tensor, as tagged JSON
+        __0_0.distcp, __1_0.distcp  the trainer ranks' tensor shards (infra.checkpoint_shards), one file per rank
+        shards.json                 their index (JSON): dtype, global shape, which file holds which slice
+        driver.safetensors          the tensors of part "driver" (flatten_state)
+        driver.json                 its skeleton: everything that is not a tensor, as tagged JSON
         meta.json                   the caller's meta dict
         manifest.json               written last: format version, step, parts, size + sha256 per file
 
-A checkpoint is written into `root/.tmp-step_...`, every file and the directory are fsynced, the
-manifest comes last, then the directory is renamed to `step_XXXXXXXX`. A directory whose manifest is
-missing, unparsable or does not match its files is never loaded. Nothing is ever unpickled: tensors
-come from `safetensors.torch.load_file`, everything else from JSON, decoded into a fixed set of types.
+A checkpoint is written into `root/.tmp-step_...` (`begin`): the driver writes its parts (`write_parts`),
+other processes may write files of their own and report their size and sha256; every file and the
+directory are fsynced, the manifest comes last (`commit`), then the directory is renamed to
+`step_XXXXXXXX`. `save` does all three for parts alone. A directory whose manifest is missing,
+unparsable or does not match its files is never loaded. Nothing is ever unpickled: parts come from
+`safetensors.torch.load_file` and JSON decoded into a fixed set of types; shards hold tensors only,
+read with `torch.load(weights_only=True)`.
 
 With `remote_uri="s3://bucket/prefix"` each completed checkpoint is uploaded to
 `prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files) and verified (size and
@@ -161,6 +166,7 @@ class CheckpointStore:
         self._uploading: Path | None = None
         self._upload_error: CheckpointUploadError | None = None
         self._uploader: threading.Thread | None = None
+        self._parts: dict[Path, list[str]] = {}  # per temporary directory: its parts, in the order written
 
     # ------------------------------------------------------------------------------------- local
 
@@ -175,19 +181,20 @@ class CheckpointStore:
         Returns the checkpoint directory. Raises CheckpointUploadError (local copy kept, nothing
         pruned) when the upload fails after all retries.
         """
+        tmp = self.begin(step)
+        try:
+            self.write_parts(tmp, parts)
+        except BaseException:
+            self.abort(tmp)
+            raise
+        return self.commit(tmp, step, meta)
+
+    def begin(self, step: int) -> Path:
+        """The temporary directory of checkpoint `step`, created empty: writers (the driver's `write_parts`, the
+        trainer ranks' shards) fill it, then `commit` publishes it (or `abort` deletes it). One at a time: a
+        leftover temporary directory is from a crashed save and is removed."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: a checkpoint step is a non-negative int")
-        if not parts:
-            raise ValueError("save: parts is empty; pass at least one named state, e.g. {'trainer_rank0': ...}")
-        for name in parts:
-            if not isinstance(name, str) or not PART_NAME.match(name) or name in RESERVED_PARTS:
-                raise ValueError(f"part name {name!r}: use letters, digits, '_', '.', '-' (not 'meta' or "
-                                 f"'manifest')")
-        try:
-            meta_json = json.loads(json.dumps(dict(meta or {})))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"save: meta must be JSON-serialisable ({exc}); put tensors in parts") from exc
-
         self._raise_upload_error()
         final = self.path_for(step)
         if final in (self._pending, self._uploading):  # a step rewritten while it is being uploaded
@@ -196,24 +203,60 @@ class CheckpointStore:
         self._remove_stale_tmp_dirs()
         tmp = self.root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        return tmp
+
+    def write_parts(self, tmp: Path, parts: Mapping[str, Any]) -> None:
+        """Write each part (`save`) into the temporary directory `tmp` as `<name>.safetensors` + `<name>.json`."""
+        if not parts:
+            raise ValueError("save: parts is empty; pass at least one named state, e.g. {'trainer_rank0': ...}")
+        for name in parts:
+            if not isinstance(name, str) or not PART_NAME.match(name) or name in RESERVED_PARTS:
+                raise ValueError(f"part name {name!r}: use letters, digits, '_', '.', '-' (not 'meta' or "
+                                 f"'manifest')")
+        self._parts.setdefault(tmp, []).extend(parts)
+        for name, state in parts.items():
+            tensors, skeleton = flatten_state(state)
+            st_path = tmp / f"{name}.safetensors"
+            safetensors.torch.save_file(tensors, st_path, metadata={"format": "pt"})
+            fsync_file(st_path)
+            write_json(tmp / f"{name}.json", {"format": FORMAT_NAME, "skeleton": skeleton})
+
+    def commit(self, tmp: Path, step: int, meta: Mapping[str, Any] | None = None,
+               written: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
+        """Publish the temporary directory `tmp` as checkpoint `step`: the manifest last (the size and sha256 of every
+        file; `written`: those of the files other processes wrote and hashed, checked here against the file's
+        size), the rename, then the upload (when remote) and pruning. `tmp` is deleted when this fails before the
+        rename. Raises CheckpointUploadError as `save`."""
         try:
-            files: dict[str, dict] = {}
-            for name, state in parts.items():
-                tensors, skeleton = flatten_state(state)
-                st_path = tmp / f"{name}.safetensors"
-                safetensors.torch.save_file(tensors, st_path, metadata={"format": "pt"})
-                fsync_file(st_path)
-                write_json(tmp / f"{name}.json", {"format": FORMAT_NAME, "skeleton": skeleton})
+            meta_json = json.loads(json.dumps(dict(meta or {})))
+        except (TypeError, ValueError) as exc:
+            self.abort(tmp)
+            raise ValueError(f"save: meta must be JSON-serialisable ({exc}); put tensors in parts") from exc
+        written = dict(written or {})
+        final = self.path_for(step)
+        try:
             write_json(tmp / META, meta_json)
+            files: dict[str, dict] = {}
             for file in sorted(tmp.iterdir()):
-                files[file.name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
+                entry = written.pop(file.name, None)
+                if entry is None:
+                    files[file.name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
+                elif entry["size"] != file.stat().st_size:
+                    raise CheckpointError(f"{file} has {file.stat().st_size} bytes, but its writer reported "
+                                          f"{entry['size']}; the checkpoint of step {step} is not published")
+                else:
+                    files[file.name] = {"size": int(entry["size"]), "sha256": str(entry["sha256"])}
+            if written:
+                raise CheckpointError(f"{sorted(written)[:5]} were reported written to {tmp} but are not there; "
+                                      f"the checkpoint of step {step} is not published")
+            parts = self._parts.pop(tmp, [])
             manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step,
-                        "parts": list(parts), "created_unix": time.time(), "files": files}
+                        "parts": parts, "created_unix": time.time(), "files": files}
             write_json(tmp / MANIFEST, manifest)  # last: its presence marks the checkpoint complete
             fsync_dir(tmp)
             self._move_into_place(tmp, final)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.abort(tmp)
             raise
         log.info("checkpoint step %d written to %s", step, final)
 
@@ -225,6 +268,11 @@ class CheckpointStore:
             self._prune_remote()
         self._prune_local()
         return final
+
+    def abort(self, tmp: Path) -> None:
+        """Delete an unpublished checkpoint's temporary directory (`begin`)."""
+        self._parts.pop(tmp, None)
+        shutil.rmtree(tmp, ignore_errors=True)
 
     # --------------------------------------------------------------------------- background uploads
 

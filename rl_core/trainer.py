@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -392,6 +392,57 @@ class LLMTrainer:
         _set_rng_state(state["rng"])
         self.step = int(state["counters"]["step"])
         self.policy_version = int(state["counters"]["policy_version"])
+
+    def shard_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """This rank's part of the state, for a checkpoint written by every rank: `(tensors, rest)`.
+
+        `tensors`: `{"model": ..., "optimizer": ...}` keyed by parameter name (the optimizer's state as
+        `{name: {"exp_avg": ..., ...}}`); sharded, each is this rank's DTensor shard, which
+        torch.distributed.checkpoint writes and reads by global offsets, so the state loads onto any number of
+        ranks in either mode. With LoRA only the adapters. Nothing is gathered. `rest`: everything else
+        (optimizer hyperparameters, scheduler, RNG, counters, identities), small plain values.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        model = get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        rest = {
+            **lora.identity_entry(self.model),
+            "param_groups": optimizer["param_groups"],
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(),
+            "counters": {"step": self.step, "policy_version": self.policy_version},
+            "objective_identity": dict(self.objective.identity),
+        }
+        return {"model": model, "optimizer": optimizer["state"]}, rest
+
+    def load_shard_state(self, fill: Callable[[dict], None], rest: Mapping) -> None:
+        """Restore a `shard_state()` checkpoint: `fill(tensors)` reads this rank's layout of the tensors in place
+        (`infra.checkpoint_shards.read_shards`), `rest` is the saved plain state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        lora.check_base(self.model, rest)
+        missing = [k for k in ("param_groups", "scheduler", "rng", "counters") if k not in rest]
+        if missing:
+            raise KeyError(f"trainer checkpoint lacks {missing}")
+        tensors, _ = self.shard_state()  # this rank's layout (a fresh optimizer's state is created to be filled)
+        fill(tensors)
+        # not strict: with LoRA the frozen base is not in it (the read above refused any tensor the checkpoint lacks)
+        set_model_state_dict(self.model, tensors["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(self.model, self.optimizer,
+                                 {"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
+        self.scheduler.load_state_dict(rest["scheduler"])
+        _set_rng_state(rest["rng"])
+        self.step = int(rest["counters"]["step"])
+        self.policy_version = int(rest["counters"]["policy_version"])
 
     def _param_names(self) -> list[str]:
         """Names of the trained parameters in optimizer order (the same in both modes)."""

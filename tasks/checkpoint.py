@@ -1,7 +1,9 @@
-"""checkpoint: save the whole run state atomically (local, then S3 when configured)."""
+"""checkpoint: the run state, written by the trainer ranks (their shards) and the driver, published atomically (local,
+then S3 when configured); the final model."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,26 @@ from infra.storage import CheckpointStore
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
-def checkpoint_task(store: CheckpointStore, cluster: Any, step: int, driver_state: dict, meta: dict) -> str:
-    parts = cluster.trainer_parts()
-    parts["driver"] = driver_state
-    return str(store.save(step, parts, meta))
+def start_checkpoint_task(store: CheckpointStore, cluster: Any, step: int, driver_state: dict) -> Path:
+    """Start checkpoint `step` in a temporary directory of `store`: every trainer rank writes its shards there in the
+    background, the driver its plain parts now; `commit_checkpoint_task` publishes it."""
+    tmp = store.begin(step)
+    try:
+        parts = cluster.start_checkpoint(tmp)
+        parts["driver"] = driver_state
+        store.write_parts(tmp, parts)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the ranks that started writing finish before the directory goes
+            cluster.checkpoint_written(wait=True)
+        store.abort(tmp)
+        raise
+    return tmp
+
+
+@task(name="commit_checkpoint", cache_policy=NO_CACHE)
+def commit_checkpoint_task(store: CheckpointStore, tmp: Path, step: int, meta: dict, written: dict) -> str:
+    """Publish checkpoint `step` (the ranks' shards are on disk, `written`): manifest last, rename, then the upload."""
+    return str(store.commit(tmp, step, meta, written))
 
 
 @task(name="save_model", cache_policy=NO_CACHE)

@@ -45,7 +45,7 @@ def base_model():
     return LlamaForCausalLM(cfg)
 
 
-def batch(step: int, rank: int):
+def batch(step: int, rank: int, world: int | None = None):
     """Rank `rank`'s contiguous share of step `step`'s batch (the same batch on every rank before the split)."""
     from rl_core.annotators.advantage import group_advantages
     from rl_core.trajectory import Trajectory
@@ -66,7 +66,7 @@ def batch(step: int, rank: int):
     sampling = -torch.rand(ROWS, t, generator=g) * loss
     full = Trajectory(ids, att, loss, sampling, rewards, groups, torch.arange(ROWS) + 1000 * step, step,
                       advantages=adv)
-    share = ROWS // dist.get_world_size()
+    share = ROWS // (world or dist.get_world_size())
     return full.select(list(range(rank * share, (rank + 1) * share)))
 
 
@@ -147,6 +147,7 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
         train(budgeted, range(STEPS), max_tokens=9 if rank == 0 else 18)
         budgeted_state = full_state(budgeted)
         loaded = sharded_load(rank, out + ".model", (1, 2))
+        written = rank_written_checkpoint(rank, out + ".ckpt", checkpointing)
         if rank == 0:
             result = {
                 "moved": max_diff(plain_state["model"], initial),
@@ -160,7 +161,7 @@ def rank_main(rank: int, world: int, port: int, out: str, checkpointing: bool, b
                 "resume_fsdp_to_plain_optimizer": optimizer_diff(from_sharded["optimizer"], plain_state["optimizer"]),
                 "fsdp_budget_vs_plain": max_diff(budgeted_state["model"], plain_state["model"]),
                 "steps": [plain.step, sharded.step, resumed_plain.step, resumed_sharded.step, budgeted.step],
-                **loaded,
+                **loaded, **written,
             }
             with open(out, "w") as f:
                 json.dump(result, f)
@@ -208,6 +209,83 @@ def sharded_load(rank: int, model_dir: str, mesh) -> dict:
             "load_local_fraction": param.to_local().numel() / param.numel()}
 
 
+def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> dict:
+    """A sharded checkpoint after 2 steps, written by both ranks in the background while the 3rd step trains
+    (`infra.checkpoint_shards`), then resumed on two sharded ranks for the 3rd step. Rank 0 leaves in `directory`
+    what a one-rank resume needs (`one_rank_main`): the shards, rank 0's plain state, the straight run's weights."""
+    from safetensors.torch import save_file
+
+    from infra.checkpoint_shards import read_shards, write_shards
+
+    group = dist.new_group(backend="gloo")  # the checkpoint's collectives, apart from training's
+    if rank == 0:
+        os.makedirs(directory)
+    dist.barrier()
+    straight = make_trainer(True, checkpointing)
+    train(straight, range(STEPS - 1))
+    tensors, rest = straight.shard_state()
+    local = {k: v.to_local().clone() for k, v in tensors["model"].items()}
+    pending = write_shards(tensors, directory, group)
+    train(straight, [STEPS - 1])  # the weights change while the shards are written: the staged copy is written
+    files = pending.result()
+    at_save = full_state(straight)  # only for the diff below
+    resumed = make_trainer(True, checkpointing)
+    resumed.load_shard_state(lambda t: read_shards(t, directory, group), rest)
+    reloaded = {k: v.to_local().clone() for k, v in resumed.shard_state()[0]["model"].items()}
+    train(resumed, [STEPS - 1])
+    resumed_state = full_state(resumed)
+    names = sorted(n for n in os.listdir(directory))
+    # unsharded replicas: each rank writes every other tensor, and a fresh replica reads them all back
+    replicas = directory + ".replicas"
+    if rank == 0:
+        os.makedirs(replicas)
+    dist.barrier()
+    plain = make_trainer(False, checkpointing)
+    train(plain, range(STEPS - 1))
+    plain_tensors, plain_rest = plain.shard_state()
+    plain_files = write_shards(plain_tensors, replicas, group, (rank, 2)).result()
+    fresh = make_trainer(False, checkpointing)
+    fresh.load_shard_state(lambda t: read_shards(t, replicas, group), plain_rest)
+    fresh_tensors = fresh.shard_state()[0]
+    replica_equal = all(torch.equal(plain_tensors[part][k] if part == "model" else plain_tensors[part][k][n],
+                                    fresh_tensors[part][k] if part == "model" else fresh_tensors[part][k][n])
+                        for part in ("model", "optimizer") for k in plain_tensors[part]
+                        for n in ([None] if part == "model" else plain_tensors[part][k]))
+    shard_bytes = [0, 0]
+    dist.all_gather_object(shard_bytes, sum(e["size"] for f, e in plain_files.items() if f.endswith(".distcp")))
+    if rank == 0:
+        torch.save(rest, os.path.join(directory, "rest.pt"))
+        save_file(at_save["model"], os.path.join(directory, "straight.safetensors"))
+    return {"dcp_files": files, "dcp_names": names,
+            "dcp_reloaded_local_equal": all(torch.equal(local[k], reloaded[k]) for k in local),
+            "dcp_resume_2_to_2": max_diff(resumed_state["model"], at_save["model"]),
+            "dcp_resume_2_to_2_optimizer": optimizer_diff(resumed_state["optimizer"], at_save["optimizer"]),
+            "dcp_steps": [straight.step, resumed.step],
+            "replica_equal": replica_equal, "replica_shard_bytes": shard_bytes}
+
+
+def one_rank_main(out: str, directory: str) -> None:
+    """A one-rank unsharded trainer (no process group, as `cluster.num_workers=1` runs) resumed from the checkpoint two
+    sharded ranks wrote, trained for the 3rd step on the whole batch, its mini-batches holding the rows the two
+    ranks' did; against the two ranks' straight run."""
+    from safetensors.torch import load_file
+
+    from infra.checkpoint_shards import read_shards
+    from rl_core.trainer import LLMTrainer
+
+    trainer = make_trainer(False, False)
+    trainer.dp_reducer = None
+    trainer.load_shard_state(lambda t: read_shards(t, directory), torch.load(os.path.join(directory, "rest.pt"),
+                                                                             weights_only=True))
+    step = STEPS - 1
+    whole = batch(step, 0, world=1).select([0, 1, 4, 5, 2, 3, 6, 7])  # mini-batch k: each rank's k-th two rows
+    trainer.train_step(whole, micro_batch_size=1, mini_batch_size=4)
+    straight = load_file(os.path.join(directory, "straight.safetensors"))
+    with open(out, "w") as f:
+        json.dump({"dcp_resume_2_to_1": max_diff(trainer.model.state_dict(), straight), "step": trainer.step,
+                   "is_trainer": isinstance(trainer, LLMTrainer)}, f)
+
+
 def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
     """Four ranks: HSDP on a 2 x 2 mesh against the unsharded trainer, and an HSDP checkpoint resumed unsharded."""
     from torch.distributed.tensor import Replicate, Shard
@@ -244,6 +322,10 @@ def hsdp_main(rank: int, out: str, checkpointing: bool) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
+    if "--one-rank" in sys.argv:
+        torch.set_num_threads(1)
+        one_rank_main(sys.argv[1], sys.argv[sys.argv.index("--one-rank") + 1])
+        sys.exit(0)
     world = 4 if "--hsdp" in sys.argv else 2
     mp.spawn(rank_main, args=(world, _free_port(), sys.argv[1], "--checkpointing" in sys.argv, "--bf16" in sys.argv,
                               "--hsdp" in sys.argv), nprocs=world)

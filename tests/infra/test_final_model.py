@@ -1,13 +1,12 @@
-"""The final model on a cluster of several nodes: through `tracking.checkpoint_uri` when trainer rank 0 does not see
-the driver's run directory, refused at placement when there is no checkpoint_uri.
+"""The final model and the run directory on a cluster: every trainer rank must see the driver's run directory.
 
 - `CheckpointStore.upload_dir` / `download_dir` against moto's S3 server: a model directory (subdirectories,
   files of any kind) round-trips byte for byte; a re-upload leaves no stale object; a damaged object is refused.
 - A `Cluster` in a process of its own (its local Ray inherits the moto settings, as a node's raylet would have
-  them): its placement probe finds that rank 0 sees the run directory (one machine); told otherwise, as for a rank 0
-  on another node, rank 0 uploads the model and the driver's `final_model/` is what it downloads.
-- The refusal's message names `tracking.checkpoint_uri`, both nodes and the run directory. One machine cannot give
-  rank 0 a filesystem of its own, so the refusal itself is checked through the message it raises.
+  them): its placement probe finds that the ranks see the run directory (one machine); rank 0 writes the final
+  model there and the driver mirrors it to `<checkpoint_uri>/final_model/`.
+- The refusal of ranks that do not see the run directory names their nodes, the run directory and the fix. One
+  machine cannot give a rank a filesystem of its own, so the refusal is checked through its message.
 """
 
 from __future__ import annotations
@@ -61,12 +60,12 @@ def test_upload_dir_and_download_dir_round_trip_a_model_directory(bucket, tmp_pa
     assert not (tmp_path / "again").exists()
 
 
-def test_the_refusal_names_checkpoint_uri_the_nodes_and_the_run_directory():
-    from infra.cluster import final_model_unreachable
+def test_the_refusal_names_the_nodes_the_run_directory_and_the_fix():
+    from infra.cluster import shards_unreachable
 
-    message = final_model_unreachable(Path("/runs/r"), {"ip": "10.0.0.2", "node_id": "abc"}, "10.0.0.1")
-    assert "tracking.checkpoint_uri" in message and "/runs/r" in message
-    assert "node 10.0.0.2 (node id abc)" in message and "driver on node 10.0.0.1" in message
+    message = shards_unreachable(Path("/runs/r"), [{"ip": "10.0.0.2"}, {"ip": "10.0.0.3"}], "10.0.0.1")
+    assert "trainer ranks on 10.0.0.2, 10.0.0.3" in message and "driver on node 10.0.0.1" in message
+    assert "/runs/r" in message and "job.out_dir" in message
 
 
 DRIVER = """
@@ -80,15 +79,14 @@ cfg = load_config(sys.argv[1], sys.argv[3:])
 run_dir = Path(cfg.run_dir)
 run_dir.mkdir(parents=True)
 with Cluster(cfg, with_engines=False) as cluster:
-    seen = cluster.rank0_sees_run_dir
-    cluster.rank0_sees_run_dir = False  # as the probe finds for a rank 0 on another node
+    seen = cluster.ranks_see_run_dir
     out = cluster.save_pretrained(run_dir / "final_model", CheckpointStore(run_dir / "checkpoints", remote_uri=sys.argv[2]))
 print(json.dumps({"seen": seen, "out": out}))
 """
 
 
 @pytest.mark.slow
-def test_a_rank0_that_does_not_see_the_run_directory_sends_the_final_model_through_s3(workdir, bucket, tmp_path):
+def test_the_final_model_is_written_by_rank_0_into_the_run_directory_and_mirrored_to_s3(workdir, bucket, tmp_path):
     import boto3
 
     model = workdir / "artifacts" / "tiny-model" / "init"
@@ -100,11 +98,11 @@ def test_a_rank0_that_does_not_see_the_run_directory_sends_the_final_model_throu
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     final = tmp_path / "runs" / "far" / "final_model"
-    assert result == {"seen": True, "out": str(final)}
+    assert result == {"seen": True, "out": str(final)}  # the placement probe: the ranks see the run directory
     local = read_tree(final)
     assert any(name.endswith(".safetensors") for name in local) and "config.json" in local
     s3 = boto3.client("s3")
-    for name, data in local.items():  # what the driver has is what rank 0 uploaded
+    for name, data in local.items():  # the S3 copy is the run directory's, byte for byte
         assert s3.get_object(Bucket=bucket, Key=f"job/run/final_model/{name}")["Body"].read() == data
     listing = json.loads(s3.get_object(Bucket=bucket, Key="job/run/final_model/manifest.json")["Body"].read())
     assert set(listing["files"]) == set(local)

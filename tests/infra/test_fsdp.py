@@ -7,6 +7,7 @@ after 2 steps in one mode resumed for the 3rd in the other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-6
 
 
-def run_ranks(tmp_path: Path, *flags: str) -> dict:
-    out = tmp_path / "result.json"
+def run_ranks(tmp_path: Path, *flags: str, out_name: str = "result.json") -> dict:
+    out = tmp_path / out_name
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fsdp_ranks.py"), str(out), *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -42,6 +43,21 @@ def test_fsdp_matches_unsharded_training_and_resumes_across_modes(tmp_path, flag
     assert r["resume_fsdp_to_plain_optimizer"] <= TOL
     # built sharded from a saved model (meta skeleton, rank 0 loads and broadcasts): the saved weights, bit for bit
     assert r["load_vs_saved"] == 0.0 and r["load_buffers_equal"] and r["load_local_fraction"] == 0.5
+    # a checkpoint written by both ranks while the 3rd step trained: each rank its own shard file, rank 0 the index
+    ckpt = tmp_path / "result.json.ckpt"
+    assert r["dcp_names"] == ["__0_0.distcp", "__1_0.distcp", "shards.json"]
+    assert sorted(r["dcp_files"]) == ["__0_0.distcp", "shards.json"]  # what rank 0 wrote, hashed after the write
+    for name, entry in r["dcp_files"].items():
+        data = (ckpt / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert json.loads((ckpt / "shards.json").read_text())["format"] == "posttrain-shards"  # JSON, not DCP's pickle
+    assert r["dcp_reloaded_local_equal"]  # each rank read back exactly the shard it had when the save started
+    assert r["dcp_resume_2_to_2"] == 0.0 and r["dcp_resume_2_to_2_optimizer"] == 0.0 and r["dcp_steps"] == [6, 6]
+    # unsharded replicas split the writing (each rank its share of the tensors) and a replica reads them all back
+    assert r["replica_equal"] and min(r["replica_shard_bytes"]) > 0.3 * sum(r["replica_shard_bytes"])
+    if not flags:  # the same checkpoint onto one unsharded rank, no process group, as cluster.num_workers=1 runs
+        one = run_ranks(tmp_path, "--one-rank", str(ckpt), out_name="one.json")
+        assert one["step"] == 6 and one["dcp_resume_2_to_1"] <= TOL
 
 
 # ------------------------------------------------------------------------------ the flow on Ray

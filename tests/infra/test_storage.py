@@ -6,9 +6,11 @@ fixture below and stopped by its own pid); failures are injected by wrapping the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import struct
@@ -175,7 +177,7 @@ def test_save_load_round_trip_layout_and_manifest(tmp_path):
                      "trainer_rank0.json", "trainer_rank0.safetensors"]
     assert not list((tmp_path / "ckpt").glob(".tmp-*"))
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["step"] == 12 and manifest["format_version"] == 1
+    assert manifest["step"] == 12 and manifest["format_version"] == 2
     assert set(manifest["files"]) == set(names) - {MANIFEST}
     assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in manifest["files"].values())
 
@@ -183,6 +185,33 @@ def test_save_load_round_trip_layout_and_manifest(tmp_path):
     assert meta == {"config_hash": "h", "step": 12}
     assert_same(parts, loaded)
     assert store.list_valid() == [path] and store.latest_valid() == path
+
+
+def test_a_checkpoint_others_wrote_into_is_published_with_their_hashes_and_refused_when_their_files_differ(tmp_path):
+    """`begin` / `write_parts` / `commit`: the trainer ranks write shard files into the temporary directory and report
+    their size and sha256; the manifest records those, and a reported file that is missing or of another size is
+    never published (nor is the temporary directory left behind)."""
+    store = CheckpointStore(tmp_path)
+    tmp = store.begin(3)
+    shard = os.urandom(5000)
+    (tmp / "__0_0.distcp").write_bytes(shard)
+    written = {"__0_0.distcp": {"size": len(shard), "sha256": hashlib.sha256(shard).hexdigest()}}
+    store.write_parts(tmp, {"driver": {"step": 3}})
+    path = store.commit(tmp, 3, {"m": 1}, written)
+    manifest = verify_checkpoint(path)  # every hash, the rank's included, checks out against the files
+    assert manifest["files"]["__0_0.distcp"] == written["__0_0.distcp"] and manifest["parts"] == ["driver"]
+    (path / "__0_0.distcp").write_bytes(b"x" * len(shard))  # same size, other bytes: the rank's hash catches it
+    with pytest.raises(CheckpointError, match="sha256"):
+        verify_checkpoint(path)
+
+    tmp = store.begin(4)
+    (tmp / "__0_0.distcp").write_bytes(shard[:100])  # truncated after the rank reported it
+    with pytest.raises(CheckpointError, match="reported 5000"):
+        store.commit(tmp, 4, {}, written)
+    tmp = store.begin(5)
+    with pytest.raises(CheckpointError, match="not there"):
+        store.commit(tmp, 5, {}, written)
+    assert not list(tmp_path.glob(".tmp-*")) and [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
 
 
 def test_dir_without_manifest_is_ignored_and_stale_tmp_dirs_are_removed(tmp_path):
@@ -228,7 +257,7 @@ def test_corrupted_or_unlisted_files_are_refused_and_skipped(tmp_path):
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["files"]["evil.pt"] = {"size": 9, "sha256": __import__("hashlib").sha256(b"\x80\x04pickle").hexdigest()}
     (newest / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"evil\.pt.*only \.safetensors and \.json"):
+    with pytest.raises(CheckpointError, match=r"evil\.pt.*only \.safetensors, \.json and \.distcp"):
         store.load(20)
     assert store.latest_valid() == older
 

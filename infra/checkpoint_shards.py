@@ -1,0 +1,206 @@
+"""The trainer ranks' tensors in a checkpoint: written and read by every rank with torch.distributed.checkpoint.
+
+Each rank writes the shards it holds (model and optimizer state, `LLMTrainer.shard_state`) into the step's
+directory as `__<rank>_<n>.distcp` files, and rank 0 writes `shards.json`, the index of every tensor: its
+dtype, global shape, and which file holds which slice (offsets and sizes). A read gives every rank exactly the
+slices its own layout needs, so a checkpoint written by N ranks in one sharding loads onto M ranks in any
+other (`none`, `fsdp`, `hsdp`).
+
+`write_shards` returns at once after a staging copy of the rank's tensors (host memory, one copy of the rank's
+shards); the files are written, fsynced and hashed in a background thread, at most one save at a time per
+rank. Nothing here is unpickled: the index is JSON (torch.distributed.checkpoint's own index is a pickle, so
+this module writes and reads its own), only tensors are stored, and they are read with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from infra.checkpoint_format import CheckpointError, fsync_dir, sha256_file, write_json
+
+SHARD_INDEX = "shards.json"
+SHARD_SUFFIX = ".distcp"
+INDEX_FORMAT = "posttrain-shards"
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-shards")
+
+
+class _Writer(dcp.FileSystemWriter):
+    """torch.distributed.checkpoint's file writer, with the index written as JSON and the files it wrote recorded."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written += [r.storage_data.relative_path for r in future.wait()]
+        return future
+
+    def finish(self, metadata: Metadata, results) -> None:
+        storage = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        write_json(Path(self.path) / SHARD_INDEX, _encode_index(metadata, storage))
+        self.written.append(SHARD_INDEX)
+
+
+class _Reader(dcp.FileSystemReader):
+    """torch.distributed.checkpoint's file reader, its index read from `shards.json`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / SHARD_INDEX
+        try:
+            return _decode_index(json.loads(path.read_bytes()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path} is not a shard index ({type(exc).__name__}: {exc}); resume from another "
+                                  "checkpoint (CheckpointStore.latest_valid() skips damaged ones)") from exc
+
+
+def _tensor_leaves(tree: Any, path: str = "") -> None:
+    """Refuse anything but nested dicts of tensors (a non-tensor would be pickled by torch.distributed.checkpoint)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _tensor_leaves(value, f"{path}.{key}" if path else str(key))
+    elif not isinstance(tree, torch.Tensor):
+        raise TypeError(f"sharded checkpoint: {path} is a {type(tree).__name__}; only tensors are written as shards "
+                        "(put other values in the trainer's plain state)")
+
+
+def _every_nth(tree: dict, start: int, step: int) -> dict:
+    """The leaves of `tree` at positions start, start + step, ... in sorted key order, in the same nesting."""
+    leaves: list[tuple[tuple[str, ...], torch.Tensor]] = []
+
+    def walk(node: dict, path: tuple[str, ...]) -> None:
+        for key in sorted(node, key=str):
+            if isinstance(node[key], dict):
+                walk(node[key], (*path, key))
+            else:
+                leaves.append(((*path, key), node[key]))
+
+    walk(tree, ())
+    out: dict = {}
+    for path, value in leaves[start::step]:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def write_shards(tensors: dict[str, Any], directory: str | Path, group: Any = None,
+                 replica: tuple[int, int] | None = None) -> Future:
+    """Start writing this rank's `tensors` (nested dicts of tensors or DTensor shards) into `directory`; every rank
+    calls it. Returns once they are staged (copied to host memory), with a future of `{file name: {"size",
+    "sha256"}}` for the files this rank wrote (rank 0: `shards.json` too), hashed after they are on disk. `group`: a
+    process group with a CPU backend kept for checkpoints, so that its collectives never interleave with
+    training's. `replica=(rank, ranks)`: the ranks hold identical whole copies (unsharded data parallel), so each
+    stages and writes only every `ranks`-th tensor, starting at its `rank`-th."""
+    _tensor_leaves(tensors)
+    if replica is not None:
+        tensors = _every_nth(tensors, *replica)
+    writer = _Writer(directory)
+    upload = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
+
+    def finished() -> dict[str, dict]:
+        upload.result()  # raises the write's error
+        files = {}
+        for name in writer.written:
+            path = Path(directory) / name
+            files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        fsync_dir(Path(directory))
+        return files
+
+    return _background.submit(finished)
+
+
+def read_shards(tensors: dict[str, Any], directory: str | Path, group: Any = None) -> None:
+    """Fill `tensors` (this rank's layout: the structure `write_shards` got, possibly from another number of ranks or
+    another sharding) in place from `directory`; every rank calls it. A tensor the checkpoint lacks raises
+    CheckpointError naming it."""
+    _tensor_leaves(tensors)
+    try:
+        dcp.load(tensors, storage_reader=_Reader(directory), process_group=group, no_dist=not _distributed())
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch.distributed.checkpoint wraps errors of every rank in its own
+        raise CheckpointError(f"reading the trainer's shards from {directory} failed: {type(exc).__name__}: "
+                              f"{str(exc)[:2000]}; the checkpoint does not hold this trainer's tensors (another model "
+                              "or model.lora setting?) or is damaged; resume from another one") from exc
+
+
+def full_tensors(directory: str | Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+    """The whole tensors under `prefix` (`model`: the weights, or with LoRA the adapters, by parameter name), read in
+    this process on CPU, without a process group: a checkpoint's weights for tools outside a run."""
+    index = json.loads((Path(directory) / SHARD_INDEX).read_bytes())
+    tensors = {fqn[len(prefix) + 1:]: torch.empty(md.size, dtype=md.properties.dtype)
+               for fqn, md in _decode_index(index).state_dict_metadata.items() if fqn.startswith(prefix + ".")}
+    read_shards({prefix: tensors}, directory)
+    return tensors
+
+
+# ------------------------------------------------------------------------------------ the index as JSON
+
+def _size(values: Any) -> list[int]:
+    return [int(v) for v in values]
+
+
+def _encode_index(metadata: Metadata, storage: dict[MetadataIndex, _StorageInfo]) -> dict:
+    tensors = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise TypeError(f"sharded checkpoint: {fqn} is not a tensor")
+        props = md.properties
+        if props.layout != torch.strided:
+            raise TypeError(f"sharded checkpoint: {fqn} has layout {props.layout}; only dense tensors are written")
+        tensors[fqn] = {"dtype": str(props.dtype).removeprefix("torch."), "size": _size(md.size),
+                        "chunks": [{"offsets": _size(c.offsets), "sizes": _size(c.sizes)} for c in md.chunks]}
+    items = [{"fqn": index.fqn, "offset": None if index.offset is None else _size(index.offset), "index": index.index,
+              "file": info.relative_path, "at": info.offset, "length": info.length,
+              "transforms": list(info.transform_descriptors or [])}
+             for index, info in storage.items()]
+    planner = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
+    return {"format": INDEX_FORMAT, "version": 1, "dcp_version": metadata.version, "tensors": tensors,
+            "storage": items, "planner": planner}
+
+
+def _decode_index(data: dict) -> Metadata:
+    if data.get("format") != INDEX_FORMAT or data.get("version") != 1:
+        raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r} is not {INDEX_FORMAT} 1")
+    tensors: dict[str, TensorStorageMetadata] = {}
+    for fqn, md in data["tensors"].items():
+        dtype = getattr(torch, md["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {md['dtype']!r} of {fqn}")  # noqa: TRY004 - a bad file, not a bad call
+        chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in md["chunks"]]
+        tensors[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(md["size"]), chunks)
+    storage = {}
+    for item in data["storage"]:
+        name = item["file"]
+        if not (isinstance(name, str) and name.endswith(SHARD_SUFFIX) and "/" not in name and not name.startswith(".")):
+            raise ValueError(f"shard file name {name!r} is not a plain .distcp file name")
+        offset = None if item["offset"] is None else torch.Size(item["offset"])
+        storage[MetadataIndex(item["fqn"], offset, item["index"])] = _StorageInfo(
+            name, int(item["at"]), int(item["length"]), tuple(item["transforms"]) or None)
+    planner = {fqn: tuple(path) for fqn, path in data["planner"].items()}
+    return Metadata(tensors, planner_data=planner, storage_data=storage, storage_meta=StorageMeta(),
+                    version=data["dcp_version"])
