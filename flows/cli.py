@@ -44,16 +44,16 @@ def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def print_memory_plan(cfg) -> bool:
-    """Print the preflight memory plan (or why there is none); False when a GPU role does not fit its GPU."""
+    """Print the preflight memory plan (or why there is none); False when a GPU role does not fit its GPU or a node's
+    host memory its RAM."""
     import os
 
-    from rl_core.config.environment import gpu_memory, gpus_needed
+    from rl_core.config.environment import planned_memory
     from rl_core.config.memory import plan_for_config
     from rl_core.redact import redact_message
 
     remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
-    gpu_bytes, source = gpu_memory(cfg, remote_ray=remote) if gpus_needed(cfg) else (None, "")
-    plan, why = plan_for_config(cfg, gpu_bytes, gpu_source=source)
+    plan, why = plan_for_config(cfg, **planned_memory(cfg, remote_ray=remote))
     if plan is None:
         print(redact_message(f"memory plan: none ({why})"))
         return True

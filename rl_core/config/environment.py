@@ -27,6 +27,7 @@ from rl_core.config.schema import PosttrainConfig
 from rl_core.models import looks_local
 
 HUB_TIMEOUT_S = 5.0
+LOCAL_GPU = "this machine's GPU 0"
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # Built on demand by the flow (infra.artifacts.ensure_quickstart_artifacts) when missing.
 QUICKSTART_MODELS = ("artifacts/tiny-model/init", "artifacts/tiny-model/warm", "artifacts/tiny-model/teacher")
@@ -85,7 +86,7 @@ def gpu_memory(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None) ->
         return None, "the GPUs are on the Ray cluster; set cluster.gpu_memory_gib to check the plan"
     nbytes = (probe or local_gpu_bytes)()
     if nbytes:
-        return nbytes, "this machine's GPU 0"
+        return nbytes, LOCAL_GPU
     return None, "no GPU on this machine and cluster.gpu_memory_gib is unset"
 
 
@@ -124,20 +125,34 @@ def _gpu_count_fix(cfg: PosttrainConfig, have: int) -> str:
     return ", ".join(fixes + ["or join a Ray cluster (cluster.address / RAY_ADDRESS)"])
 
 
-def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None,
+def planned_memory(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None, host_probe=None) -> dict:
+    """What the memory plan is checked against: `gpu_bytes`/`gpu_source` (one GPU; None when no role uses GPUs or it
+    is unknown), `host_bytes`/`host_source` (one node's RAM: `cluster.host_memory_gib`, else this machine's when the
+    plan's GPU is this machine's own), and `remote_ray`. `probe`/`host_probe`: this machine's GPU 0 and RAM bytes."""
+    from rl_core.config.host_memory import host_memory
+
+    gpu_bytes, source = gpu_memory(cfg, remote_ray=remote_ray, probe=probe) if gpus_needed(cfg) else (None, "")
+    host = host_memory(cfg, this_machine=source == LOCAL_GPU, probe=host_probe) if gpus_needed(cfg) else (None, "")
+    return {"gpu_bytes": gpu_bytes, "gpu_source": source, "host_bytes": host[0], "host_source": host[1],
+            "remote_ray": remote_ray}
+
+
+def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None, host_probe=None,
                     prompt_tokens: int | None = None) -> list[str]:
-    """The memory plan's problems when a role uses GPUs, the GPU memory is known and the model config is here.
+    """The memory plan's problems when a role uses GPUs, the GPU memory (or the host's RAM) is known and the model
+    config is here.
 
     `prompt_tokens`: the run's longest prompt once the data is loaded (None: the plan's assumed length).
     """
     if gpus_needed(cfg) == 0:
         return []  # a CPU run: nothing to enforce
-    gpu_bytes, source = gpu_memory(cfg, remote_ray=remote_ray, probe=probe)
-    if gpu_bytes is None:
+    known = planned_memory(cfg, remote_ray=remote_ray, probe=probe, host_probe=host_probe)
+    if known["gpu_bytes"] is None and known["host_bytes"] is None:
         return []
     from rl_core.config.memory import plan_for_config
 
-    plan, _ = plan_for_config(cfg, gpu_bytes, gpu_source=source, prompt_tokens=prompt_tokens)
+    plan, _ = plan_for_config(cfg, known["gpu_bytes"], gpu_source=known["gpu_source"], prompt_tokens=prompt_tokens,
+                              host_bytes=known["host_bytes"], host_source=known["host_source"], remote_ray=remote_ray)
     return plan.problems() if plan is not None else []
 
 

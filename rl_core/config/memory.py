@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_core.config import host_memory
+from rl_core.config.host_memory import HostPlan
 from rl_core.config.preflight import (
     num_engines,
     per_replica_batch,
@@ -54,6 +56,8 @@ WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES: one weight broa
 EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.evaluate_accuracy(batch_size=128): greedy held-out prompts
 REFERENCE_CHUNK_ROWS = 256  # flows.dpo.REFERENCE_CHUNK_ROWS: DPO reference rows per forward without a micro-batch
 FSDP_LAYERS_IN_FLIGHT = 2
+# NCCL's default buffers (NCCL_BUFFSIZE 4 MiB) on 16 channels, to and from both ring neighbours, per communicator
+NCCL_COMM_BYTES = 16 * 2 * 2 * 4 * MIB
 # A plan may use at most this fraction of a process's GPU share: the rest is for the caching allocator's
 # fragmentation, NCCL buffers and whatever the plan does not model (vLLM's default utilisation is 0.9 too).
 USABLE_FRACTION = 0.9  # FSDP2 gathers the next decoder layer while the current one computes
@@ -365,6 +369,8 @@ class MemoryPlan:
     teacher_shape: ModelShape | None = None
     reference_shape: ModelShape | None = None
     assumed_prompt: bool = False
+    host: HostPlan | None = None
+    remote_ray: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -417,12 +423,20 @@ class MemoryPlan:
                        + ("fits" if role.peak <= avail else "DOES NOT FIT"))
             lines.append(f"    peak {gib(role.peak)} GiB ({role.peak_phase}){verdict}")
             lines += [f"    note: {n}" for n in role.notes]
+        if self.host is not None:
+            lines += host_memory.render(self.host)
         return "\n".join(lines)
 
     # -- problems and the knobs that fix them
     def problems(self) -> list[str]:
-        """Roles on GPU that do not fit the GPU memory (none when it is unknown), each with its fixes."""
+        """Roles on GPU that do not fit the GPU memory (none when it is unknown), and a node whose host memory does not
+        fit its RAM (none when that is unknown), each with its fixes."""
         out = []
+        if self.host is not None and not self.host.fits():
+            sharded = None
+            if shard_mesh(self.cfg) is None and (cfg := _variant(self.cfg, {"cluster.sharding": "fsdp"})) is not None:
+                sharded = self._replan(cfg).host.peak
+            out.append(host_memory.problem(self.host, self.cfg, sharded))
         for role in self.roles:
             avail = self.available(role)
             if avail is None:
@@ -447,8 +461,11 @@ class MemoryPlan:
         return f" ({self.gpu_source})" if self.gpu_source else ""
 
     def _replan(self, cfg: PosttrainConfig) -> MemoryPlan:
+        host = self.host
         return memory_plan(cfg, self.shape, prompt_tokens=self.prompt_tokens, gpu_bytes=self.gpu_bytes,
-                           teacher_shape=self.teacher_shape, reference_shape=self.reference_shape)
+                           teacher_shape=self.teacher_shape, reference_shape=self.reference_shape,
+                           host_bytes=host.host_bytes if host else None, host_source=host.source if host else "",
+                           remote_ray=self.remote_ray)
 
     def _fixes(self, role: RolePlan, avail: int) -> str:
         tried = []
@@ -567,20 +584,25 @@ def _knobs(plan: MemoryPlan, role: RolePlan, avail: int) -> list[dict[str, Any]]
 
 def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, gpu_bytes: int | None = None,
                 teacher_shape: ModelShape | None = None, reference_shape: ModelShape | None = None,
-                gpu_source: str = "", assumed_prompt: bool = False) -> MemoryPlan:
-    """The per-role, per-process byte plan of `cfg` for a policy of `shape` (see the module docstring).
+                gpu_source: str = "", assumed_prompt: bool = False, host_bytes: int | None = None,
+                host_source: str = "", remote_ray: bool = False) -> MemoryPlan:
+    """The per-role, per-process byte plan of `cfg` for a policy of `shape` (see the module docstring), and the host
+    memory of one node (`rl_core.config.host_memory`).
 
     `prompt_tokens`: the longest prompt (`ASSUMED_PROMPT_TOKENS` when unknown); sequences are that
     plus `rollout.max_tokens`. `gpu_bytes`: memory of one GPU (None: printed, not enforced).
-    `teacher_shape` (OPD) and `reference_shape` (`rl.reference`; default: the policy's shape).
+    `teacher_shape` (OPD) and `reference_shape` (`rl.reference`; default: the policy's shape). `host_bytes`: the RAM
+    of one node (None: printed, not enforced); `remote_ray`: the ranks run on a Ray cluster's nodes, not here.
     """
     roles = [_trainer(cfg, shape, prompt_tokens, gpu_bytes, reference_shape or shape)]
     if teacher_replicas(cfg):
         _teachers_on_rank(cfg, roles[0], teacher_shape, prompt_tokens)
     if cfg.cluster.placement == "separate":
         roles.append(_separate_engine(cfg, shape, prompt_tokens, gpu_bytes))
+    host = host_memory.host_plan(cfg, shape.n_params, shape.n_param_tensors, shape.linears, remote_ray=remote_ray,
+                                 host_bytes=host_bytes, source=host_source)
     return MemoryPlan(cfg, shape, roles, prompt_tokens, gpu_bytes, gpu_source, teacher_shape, reference_shape,
-                      assumed_prompt)
+                      assumed_prompt, host, remote_ray)
 
 
 def _vllm_reservation(cfg: PosttrainConfig, gpu_bytes: int | None) -> int:
@@ -609,13 +631,21 @@ def _trainer(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int | 
     if fsdp:
         role.notes.append("built sharded (infra.distributed.load_sharded_policy): a meta-device skeleton on every "
                           "rank, rank 0 loads the checkpoint into host memory and broadcasts it tensor by tensor, so "
-                          "no rank ever holds the whole model on its GPU")
+                          "no rank ever holds the whole model on its GPU; the final export gathers it tensor by tensor "
+                          "into rank 0's host memory (the host table)")
     role.add(f"gradients: float32{shard}{what}", math.ceil(4 * G / div), (FORWARD, STEP),
              "released after each step")
     role.add(f"AdamW state: exp_avg + exp_avg_sq float32{shard}, step 4 B x {TG} tensors{what}",
              math.ceil(8 * G / div) + 4 * TG)
     if on_gpu:
         role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
+        comms = [name for name, present in (("data-parallel group", n > 1), ("HSDP's two mesh groups", cl.sharding == "hsdp"),
+                                            ("weight-sync group (rank 0)", not colocated and cl.gpus_per_engine > 0))
+                 if present]
+        count = len(comms) + (1 if cl.sharding == "hsdp" else 0)
+        if count:
+            role.add(f"NCCL buffers: {count} communicator(s): {', '.join(comms)}", count * NCCL_COMM_BYTES, None,
+                     "16 channels x 4 MiB (NCCL_BUFFSIZE) each way to both ring neighbours")
     if c == 2 and not fsdp:
         role.add("bf16 weight copies: autocast casts of every Linear weight", 2 * s.matmul, (FORWARD,),
                  "held from forward to backward")
@@ -713,6 +743,9 @@ def _separate_engine(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes
                     (SYNC, GENERATE))
     if on_gpu:
         role.add("CUDA runtime: context, cuBLAS/NCCL workspaces", RUNTIME_BYTES)
+        count = 1 + (1 if tp > 1 else 0)
+        role.add(f"NCCL buffers: the weight-sync group{' + the tensor-parallel group' if tp > 1 else ''}",
+                 count * NCCL_COMM_BYTES, None, "16 channels x 4 MiB (NCCL_BUFFSIZE) each way to both ring neighbours")
     if cfg.rollout.backend == "vllm":
         if on_gpu:
             res = _vllm_reservation(cfg, gpu_bytes)
@@ -772,7 +805,8 @@ def _teachers_on_rank(cfg: PosttrainConfig, role: RolePlan, t: ModelShape | None
 
 
 def plan_for_config(cfg: PosttrainConfig, gpu_bytes: int | None = None, *, gpu_source: str = "",
-                    prompt_tokens: int | None = None) -> tuple[MemoryPlan | None, str]:
+                    prompt_tokens: int | None = None, host_bytes: int | None = None, host_source: str = "",
+                    remote_ray: bool = False) -> tuple[MemoryPlan | None, str]:
     """`(plan, "")` from the model configs on this machine, or `(None, why there is none)`. Never downloads."""
     shape, why = probe_model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)
     if shape is None:
@@ -784,4 +818,5 @@ def plan_for_config(cfg: PosttrainConfig, gpu_bytes: int | None = None, *, gpu_s
         reference = model_shape(cfg.rl.reference, cfg.model.trust_remote_code)
     return memory_plan(cfg, shape, prompt_tokens=prompt_tokens or ASSUMED_PROMPT_TOKENS, gpu_bytes=gpu_bytes,
                        teacher_shape=teacher, reference_shape=reference, gpu_source=gpu_source,
-                       assumed_prompt=prompt_tokens is None), ""
+                       assumed_prompt=prompt_tokens is None, host_bytes=host_bytes, host_source=host_source,
+                       remote_ray=remote_ray), ""

@@ -165,6 +165,7 @@ class ClusterConfig(_Section):
     sharding: Literal["none", "fsdp", "hsdp"] = Field("none", description="Trainer state across ranks: 'none' keeps a full replica per rank, 'fsdp' shards parameters, gradients and optimizer state over every rank (torch FSDP2), 'hsdp' shards them within groups of cluster.shard_size ranks and replicates them across the groups (a 2-D mesh).")
     shard_size: int | None = Field(None, gt=1, description="cluster.sharding=hsdp: the ranks of one shard group (consecutive ranks; set it to the GPUs of a node, so that only the groups' gradient all-reduce crosses nodes). Must divide cluster.num_workers.")
     gpu_memory_gib: float | None = Field(None, gt=0, description="Memory of one GPU for the preflight memory plan; None reads it from this machine's GPU (no GPU here: the plan is printed, not enforced).")
+    host_memory_gib: float | None = Field(None, gt=0, description="Host RAM of one node for the preflight memory plan (its host part: rank processes, the model read at start-up, checkpoint staging, final export); None reads this machine's RAM when the plan uses this machine's GPU, else the host part is printed, not enforced.")
 
 
 # Where credentials go instead of a URI's `user:password@` (which would be written to config_resolved.yaml,

@@ -147,10 +147,11 @@ def test_3b_plan_items(qwen3b_dir):
     assert t_sh.item("weight sync").bytes == 4 * shape.largest_tensor + min(256 * 1024**2, 2 * shape.state_elements)
     assert t_sh.item("vLLM weights").bytes == 2 * P and t_sh.item("vLLM weights").phases == (mem.SYNC,)
     assert t_sh.phase_bytes()[mem.SYNC] == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes
-                                            + mem.RUNTIME_BYTES + t_sh.item("weight sync").bytes + 2 * P)
+                                            + mem.RUNTIME_BYTES + mem.NCCL_COMM_BYTES + t_sh.item("weight sync").bytes
+                                            + 2 * P)
     # gradients never meet the rollout: the generation phase holds parameters, optimizer and vLLM
     gen = t_sh.phase_bytes()[mem.GENERATE]
-    assert gen == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes + mem.RUNTIME_BYTES
+    assert gen == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes + mem.RUNTIME_BYTES + mem.NCCL_COMM_BYTES
                    + t_sh.item("vLLM awake").bytes)
     # the fused LM head, by hand: 8 rows x 1024 response tokens read, chunks of 2^24 // V positions
     V, h, K = QWEN_3B["vocab_size"], QWEN_3B["hidden_size"], 8 * 1024
@@ -162,6 +163,60 @@ def test_3b_plan_items(qwen3b_dir):
     act_full = activation_bytes(shape, 8, 1536, 2, False)
     act_ckpt = activation_bytes(shape, 8, 1536, 2, True)
     assert act_ckpt < act_full / 10
+
+
+def test_nccl_buffers_count_the_communicators_of_each_process(qwen3b_dir):
+    gpu, shape = 80 * GIB, model_shape(str(qwen3b_dir))
+
+    def plan(*overrides):
+        return memory_plan(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, *overrides), shape,
+                           prompt_tokens=ASSUMED_PROMPT_TOKENS, gpu_bytes=gpu)
+
+    assert plan().role("trainer").item("NCCL buffers").bytes == mem.NCCL_COMM_BYTES == 256 * 1024**2  # the FSDP group
+    assert plan("cluster.sharding=hsdp", "cluster.shard_size=2").role("trainer").item("NCCL buffers").bytes == \
+        3 * mem.NCCL_COMM_BYTES  # + the mesh's replicate and shard groups
+    separate = plan("cluster.placement=separate", "rollout.num_engines=1", "cluster.gpus_per_engine=2")
+    assert separate.role("trainer").item("NCCL buffers").bytes == 2 * mem.NCCL_COMM_BYTES  # + weight sync
+    assert separate.role("engine").item("NCCL buffers").bytes == 2 * mem.NCCL_COMM_BYTES  # weight sync + TP
+    alone = plan("cluster.num_workers=1", "cluster.sharding=none")
+    assert not any(i.name.startswith("NCCL") for i in alone.role("trainer").items)  # one rank, colocated: none
+
+
+def test_host_memory_of_a_node_is_planned_and_a_plan_over_its_ram_refused(qwen3b_dir):
+    from rl_core.config.host_memory import EXPORT, PROCESS_BYTES, START, TRAIN
+
+    shape = model_shape(str(qwen3b_dir))
+    P, T = shape.n_params, shape.n_param_tensors
+    unsharded = cfg_3b(qwen3b_dir, *FP32_UNSHARDED, "model.gradient_checkpointing=true", "cluster.host_memory_gib=48")
+    host = plan_for_config(unsharded, 80 * GIB, host_bytes=48 * GIB, host_source="x")[0].host
+    assert host.ranks_per_node == 4  # local Ray: the 4 ranks on this node
+    moments = host.moment_bytes()
+    assert moments[START] == 4 * PROCESS_BYTES + 4 * 4 * P  # every rank reads the float32 model before its GPU
+    assert moments[TRAIN] == 4 * PROCESS_BYTES + 4 * (-(-12 * P // 4) + 4 * T)  # the replicas split the staging
+    assert moments[EXPORT] == 4 * PROCESS_BYTES + min(4 * P, 5 * 10**9)
+    (problem,) = memory_problems(unsharded, probe=no_gpu)  # the GPU fits; one node's host memory does not
+    assert problem.startswith(f"host memory: the peak of one node, {moments[START] / GIB:.2f} GiB in the start-up")
+    assert "cluster.sharding=fsdp (peak " in problem and "cluster.host_memory_gib=48" in problem
+
+    sharded = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.host_memory_gib=48")
+    host = plan_for_config(sharded, 80 * GIB, host_bytes=48 * GIB, host_source="x")[0].host
+    moments = host.moment_bytes()
+    assert moments[START] == 4 * PROCESS_BYTES + 4 * P  # rank 0 alone reads it
+    assert moments[TRAIN] == 4 * PROCESS_BYTES + 4 * (-(-12 * P // 4) + 4 * T)  # each rank its shards
+    assert moments[EXPORT] == 4 * PROCESS_BYTES + 4 * P  # rank 0 gathers the float32 model
+    assert memory_problems(sharded, probe=no_gpu) == []
+    # this machine's RAM counts only when the plan's GPU is this machine's own
+    plain = cfg_3b(qwen3b_dir, *FP32_UNSHARDED, "model.gradient_checkpointing=true")
+    assert memory_problems(plain, probe=no_gpu, host_probe=lambda: 16 * GIB) == []  # gpu_memory_gib: not this one
+    local = plain.model_copy(update={"cluster": plain.cluster.model_copy(update={"gpu_memory_gib": None})})
+    problems = memory_problems(local, probe=lambda: 80 * GIB, host_probe=lambda: 16 * GIB)
+    assert any(p.startswith("host memory") and "this machine's RAM" in p for p in problems), problems
+    # on a Ray cluster: a node holds as many ranks as 8 GPUs allow, or a shard group under hsdp
+    remote = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.num_workers=16", "cluster.gpus_per_worker=2")
+    assert plan_for_config(remote, 80 * GIB, remote_ray=True)[0].host.ranks_per_node == 4
+    hsdp = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.num_workers=16", "cluster.sharding=hsdp",
+                  "cluster.shard_size=8")
+    assert plan_for_config(hsdp, 80 * GIB, remote_ray=True)[0].host.ranks_per_node == 8
 
 
 def test_knobs_already_set_are_not_suggested(qwen3b_dir):
