@@ -47,17 +47,17 @@ class _Writer(dcp.FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=True)
-        self.written: list[str] = []
+        self.written: dict[str, None] = {}  # the files, in the order written (a file holds many tensors)
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
-        self.written += [r.storage_data.relative_path for r in future.wait()]
+        self.written.update(dict.fromkeys(r.storage_data.relative_path for r in future.wait()))
         return future
 
     def finish(self, metadata: Metadata, results) -> None:
         storage = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         write_json(Path(self.path) / SHARD_INDEX, _encode_index(metadata, storage))
-        self.written.append(SHARD_INDEX)
+        self.written[SHARD_INDEX] = None
 
 
 class _Reader(dcp.FileSystemReader):
