@@ -1,12 +1,13 @@
 """Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/infra/test_fsdp.py.
 
-    python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16] [--hsdp]
+    python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16] [--hsdp] | OUT.json --one-rank DIR
 
 Each rank trains on its own half of every batch (the data-parallel split) for 3 steps of 2
 mini-batches each, in micro-batches of one row; rank 1's last row has no loss token, so rank 1
 takes a weight-0 chunk that rank 0 does not (FSDP's backward collectives must still line up).
 Cross-mode resume: 2 steps in one mode, the trainer state loaded into a fresh trainer of the other
-mode, the 3rd step there. Token budgets: FSDP with chunks cut by tokens, 2 per mini-batch on rank 0
+mode, the 3rd step there. A rank-written checkpoint (`rank_written_checkpoint`, `--one-rank DIR`: its resume
+on one unsharded rank, no process group). Token budgets: FSDP with chunks cut by tokens, 2 per mini-batch on rank 0
 and 1 on rank 1, which pads to 2 with a weight-0 chunk. `--bf16`: bf16 compute (autocast unsharded, FSDP's bf16 gathers sharded). `--hsdp`: four ranks, each
 with a quarter of every batch, unsharded against HSDP on a 2 x 2 mesh (two shard groups of two ranks,
 replicas of each other), and an HSDP checkpoint after 2 steps resumed unsharded. Rank 0 writes the
@@ -218,17 +219,22 @@ def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> d
     from infra.checkpoint_shards import read_shards, write_shards
 
     group = dist.new_group(backend="gloo")  # the checkpoint's collectives, apart from training's
-    if rank == 0:
-        os.makedirs(directory)
-    dist.barrier()
-    straight = make_trainer(True, checkpointing)
-    train(straight, range(STEPS - 1))
+
+    def trained_two_steps(sharded: bool, into: str):
+        if rank == 0:
+            os.makedirs(into)
+        dist.barrier()
+        trainer = make_trainer(sharded, checkpointing)
+        train(trainer, range(STEPS - 1))
+        return trainer
+
+    straight = trained_two_steps(True, directory)
     tensors, rest = straight.shard_state()
     local = {k: v.to_local().clone() for k, v in tensors["model"].items()}
     pending = write_shards(tensors, directory, group)
     train(straight, [STEPS - 1])  # the weights change while the shards are written: the staged copy is written
     files = pending.result()
-    at_save = full_state(straight)  # only for the diff below
+    straight_state = full_state(straight)
     resumed = make_trainer(True, checkpointing)
     resumed.load_shard_state(lambda t: read_shards(t, directory, group), rest)
     reloaded = {k: v.to_local().clone() for k, v in resumed.shard_state()[0]["model"].items()}
@@ -237,11 +243,7 @@ def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> d
     names = sorted(n for n in os.listdir(directory))
     # unsharded replicas: each rank writes every other tensor, and a fresh replica reads them all back
     replicas = directory + ".replicas"
-    if rank == 0:
-        os.makedirs(replicas)
-    dist.barrier()
-    plain = make_trainer(False, checkpointing)
-    train(plain, range(STEPS - 1))
+    plain = trained_two_steps(False, replicas)
     plain_tensors, plain_rest = plain.shard_state()
     plain_files = write_shards(plain_tensors, replicas, group, (rank, 2)).result()
     fresh = make_trainer(False, checkpointing)
@@ -255,11 +257,11 @@ def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> d
     dist.all_gather_object(shard_bytes, sum(e["size"] for f, e in plain_files.items() if f.endswith(".distcp")))
     if rank == 0:
         torch.save(rest, os.path.join(directory, "rest.pt"))
-        save_file(at_save["model"], os.path.join(directory, "straight.safetensors"))
+        save_file(straight_state["model"], os.path.join(directory, "straight.safetensors"))
     return {"dcp_files": files, "dcp_names": names,
             "dcp_reloaded_local_equal": all(torch.equal(local[k], reloaded[k]) for k in local),
-            "dcp_resume_2_to_2": max_diff(resumed_state["model"], at_save["model"]),
-            "dcp_resume_2_to_2_optimizer": optimizer_diff(resumed_state["optimizer"], at_save["optimizer"]),
+            "dcp_resume_2_to_2": max_diff(resumed_state["model"], straight_state["model"]),
+            "dcp_resume_2_to_2_optimizer": optimizer_diff(resumed_state["optimizer"], straight_state["optimizer"]),
             "dcp_steps": [straight.step, resumed.step],
             "replica_equal": replica_equal, "replica_shard_bytes": shard_bytes}
 

@@ -2,7 +2,9 @@
 
 The ranks run in subprocesses (tests/fsdp_ranks.py): the same 3 steps (2 mini-batches each, micro-
 batches of one row, a weight-0 chunk on rank 1 only) unsharded and sharded, and a checkpoint taken
-after 2 steps in one mode resumed for the 3rd in the other.
+after 2 steps in one mode resumed for the 3rd in the other. A checkpoint the two sharded ranks write
+themselves (infra.checkpoint_shards) while the 3rd step trains resumes on two ranks and, in another
+process, on one unsharded rank.
 """
 
 from __future__ import annotations
