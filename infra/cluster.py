@@ -225,8 +225,7 @@ class Cluster(AbstractContextManager):
         """Preflight: every trainer rank writes its checkpoint shards into the driver's run directory, and rank 0 the
         final model; do they see it (the same node, or a filesystem mounted at the same path)? Each reads a file the
         driver has just written there. A rank that does not is refused now, before training, rather than ending
-        with the checkpoints on another node. (A rank 0 that does not see it would send the final model through
-        `tracking.checkpoint_uri`, `save_pretrained`.)"""
+        with the checkpoints on another node."""
         run_dir = Path(self.cfg.run_dir).resolve()
         if not run_dir.is_dir():
             return  # no run directory (a Cluster used outside a flow): nothing to reach

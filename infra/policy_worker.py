@@ -327,10 +327,7 @@ class PolicyWorker:
         them), the plain state `rest`, and `rng` (this rank's saved RNG; None: a rank the checkpoint had not)."""
         from infra.checkpoint_shards import read_shards
 
-        if rng is not None:
-            rest = {**rest, "rng": rng}
-        else:  # keeps its own seeded generators
-            rest = {**rest, "rng": self.trainer.shard_state()[1]["rng"]}
+        rest = {k: v for k, v in rest.items() if k != "rng"} if rng is None else {**rest, "rng": rng}
         self.trainer.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
 
     def read_text(self, path: str) -> str | None:

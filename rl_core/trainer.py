@@ -422,7 +422,8 @@ class LLMTrainer:
 
     def load_shard_state(self, fill: Callable[[dict], None], rest: Mapping) -> None:
         """Restore a `shard_state()` checkpoint: `fill(tensors)` reads this rank's layout of the tensors in place
-        (`infra.checkpoint_shards.read_shards`), `rest` is the saved plain state."""
+        (`infra.checkpoint_shards.read_shards`), `rest` is the saved plain state (without `rng`, a rank the checkpoint
+        had not: its own generators stay as they are)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -430,7 +431,7 @@ class LLMTrainer:
         )
 
         lora.check_base(self.model, rest)
-        missing = [k for k in ("param_groups", "scheduler", "rng", "counters") if k not in rest]
+        missing = [k for k in ("param_groups", "scheduler", "counters") if k not in rest]
         if missing:
             raise KeyError(f"trainer checkpoint lacks {missing}")
         tensors, _ = self.shard_state()  # this rank's layout (a fresh optimizer's state is created to be filled)
@@ -440,7 +441,8 @@ class LLMTrainer:
         set_optimizer_state_dict(self.model, self.optimizer,
                                  {"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
         self.scheduler.load_state_dict(rest["scheduler"])
-        _set_rng_state(rest["rng"])
+        if "rng" in rest:
+            _set_rng_state(rest["rng"])
         self.step = int(rest["counters"]["step"])
         self.policy_version = int(rest["counters"]["policy_version"])
 
