@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -142,7 +143,7 @@ def read_shards(tensors: dict[str, Any], directory: str | Path, group: Any = Non
         dcp.load(tensors, storage_reader=_Reader(directory), process_group=group, no_dist=not _distributed())
     except CheckpointError:
         raise
-    except Exception as exc:  # torch.distributed.checkpoint wraps errors of every rank in its own
+    except (Exception, CheckpointException) as exc:  # DCP wraps every rank's error in its own, a BaseException
         raise CheckpointError(f"reading the trainer's shards from {directory} failed: {type(exc).__name__}: "
                               f"{str(exc)[:2000]}; the checkpoint does not hold this trainer's tensors (another model "
                               "or model.lora setting?) or is damaged; resume from another one") from exc
