@@ -66,7 +66,7 @@ def build_trainer(name: str):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
                                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64))
     shard_policy(model, torch.device("cpu"), torch.float32, (1, dist.get_world_size()))
-    objective = build_objective(RLConfig(loss_type="token-mean"), ObjectiveContext(max_response_length=8))
+    objective = build_objective(RLConfig(), ObjectiveContext(max_response_length=8))
     return LLMTrainer(model, objective, OptimizerConfig(lr=1e-4), dp_reducer=ProcessGroupReducer())
 
 

@@ -52,7 +52,7 @@ QUIET_ENV = {"PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "PREFECT_S
 STARTUP = ("imports", "flow", "inputs", "tracking", "cluster", "first_rollout")  # flows/startup.py, in order
 COMPLETIONS_PER_STEP = 16 * 8  # recipes/arithmetic.py: prompts_per_step x n
 
-CLIPPED = ["job.algorithm=grpo", "rl.grpo_surrogate=clipped"]  # rl.async_steps needs pi_old: clipped GRPO
+CLIPPED = ["rl.objective.type=grpo"]  # rl.async_steps needs pi_old: clipped GRPO
 CONFIGS = {  # name -> overrides
     "colocated-w1": ["cluster.num_workers=1"],
     "colocated-w1-t2": ["cluster.num_workers=1", "cluster.cpus_per_worker=2"],

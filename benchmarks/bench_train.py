@@ -107,7 +107,7 @@ def posttrain_step(args, model, batch, variant):
     from rl_core.primitives.logprobs import forward_layout
     from rl_core.trainer import LLMTrainer
 
-    trainer = LLMTrainer(model, build_objective(RLConfig(loss_type="token-mean"), ObjectiveContext(MAX_TOKENS)),
+    trainer = LLMTrainer(model, build_objective(RLConfig(), ObjectiveContext(MAX_TOKENS)),
                          OptimizerConfig(lr=1e-6))
     def layout():
         return forward_layout("padded") if variant == "padded" else contextlib.nullcontext()

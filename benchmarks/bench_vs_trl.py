@@ -24,14 +24,14 @@ evaluation at or after it) and at the last step, the first evaluated step reachi
 training wall time up to it (sum of step times; evaluation excluded), and posttrain/TRL of the median
 step time.
 
-TRL's loss: posttrain's `rl.loss_type` maps onto TRL's `loss_type` (token-mean -> dapo,
+TRL's loss: posttrain's `rl.objective.loss_type` maps onto TRL's `loss_type` (token-mean -> dapo,
 seq-mean-token-mean -> grpo, seq-mean-token-sum-fixed -> dr_grpo; `--trl-loss-type` overrides). With
 one update per batch the ratio is 1, so TRL's clipped surrogate and posttrain's legacy_pg (or clipped)
 have the same gradient, -A * grad log p, under that reduction.
 
     pip install -e '.[bench]'     # TRL
     python benchmarks/bench_vs_trl.py [--steps 300] [--eval-every 25] [--only trl|posttrain]
-        [--posttrain-overrides job.algorithm=grpo rl.grpo_surrogate=clipped ...] [--json out.json]
+        [--posttrain-overrides rl.objective.type=grpo ...] [--json out.json]
 
 Exit status 2 when TRL is not installed (`make bench` reports it as skipped).
 """
@@ -58,7 +58,7 @@ RECIPE = REPO / "recipes" / "arithmetic.py"
 RUN_NAME = "bench-vs-trl"
 THRESHOLDS = (0.9, 0.95)
 EARLY_STEP = 25
-# posttrain rl.loss_type -> TRL GRPOConfig.loss_type with the same reduction (seq-mean-token-sum has none)
+# posttrain rl.objective.loss_type -> TRL GRPOConfig.loss_type with the same reduction (seq-mean-token-sum has none)
 TRL_LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-fixed": "dr_grpo"}
 
 
@@ -135,8 +135,8 @@ def load_model(path: Path):
 def mirror_warnings(cfg) -> list[str]:
     """posttrain settings that the TRL side does not follow (it keeps one update per batch, no KL, float32)."""
     rl, out = cfg.rl, []
-    if rl.kl_beta:
-        out.append(f"rl.kl_beta={rl.kl_beta}: TRL runs with beta=0")
+    if getattr(rl.objective, "kl_beta", 0):
+        out.append(f"rl.objective.kl_beta={rl.objective.kl_beta}: TRL runs with beta=0")
     if rl.mini_batch_per_replica is not None:
         out.append("rl.mini_batch_per_replica is set: TRL takes one update per batch")
     if cfg.model.compute_dtype != "float32":
@@ -183,7 +183,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
         max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=0,
         learning_rate=opt.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=opt.weight_decay,
         adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], max_grad_norm=opt.max_grad_norm,
-        beta=0.0, loss_type=loss_type, scale_rewards="none" if cfg.rl.unbiased_advantage else "group",
+        beta=0.0, loss_type=loss_type, scale_rewards="none" if cfg.rl.objective.unbiased_advantage else "group",
         dataloader_num_workers=0,
     )
     evals: dict[int, float] = {}
@@ -298,7 +298,7 @@ def main() -> int:
     parser.add_argument("--posttrain-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra dotlist overrides for posttrain (shared batch settings reach TRL too)")
     parser.add_argument("--trl-loss-type", default="auto",
-                        help="TRL loss_type; auto: the one matching posttrain's rl.loss_type "
+                        help="TRL loss_type; auto: the one matching posttrain's rl.objective.loss_type "
                              f"({', '.join(f'{k} -> {v}' for k, v in TRL_LOSS_TYPES.items())})")
     parser.add_argument("--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's own)")
     parser.add_argument("--seed", type=int, default=0, help="job.seed for posttrain, seed for TRL")
@@ -330,9 +330,9 @@ def main() -> int:
         return 1
     loss_type = args.trl_loss_type
     if loss_type == "auto":
-        loss_type = TRL_LOSS_TYPES.get(cfg.rl.loss_type)
+        loss_type = TRL_LOSS_TYPES.get(cfg.rl.objective.loss_type)
         if loss_type is None and "trl" in systems:
-            parser.error(f"rl.loss_type={cfg.rl.loss_type} has no TRL counterpart; pass --trl-loss-type")
+            parser.error(f"rl.objective.loss_type={cfg.rl.objective.loss_type} has no TRL counterpart; pass --trl-loss-type")
     for warning in mirror_warnings(cfg) if "trl" in systems else []:
         print(f"(not mirrored on the TRL side: {warning})")
     train, val = examples(cfg)

@@ -1,13 +1,13 @@
 """Your own objective and reward, plugged in by import path (docs/objectives.md walks through this file).
 
     PYTHONPATH=. posttrain run recipes/arithmetic.py -- \
-        rl.custom_objective=examples.custom_objective:build_objective \
+        "rl.objective={type: custom, import_path: 'examples.custom_objective:build_objective', kwargs: {clip: 1.5}}" \
         "data.rewards=[{path: 'examples.custom_objective:digit_reward'}]" rl.max_steps=25
 
 The objective: the on-policy policy gradient of the quickstart (−A·ℓ, A the group advantage the
-annotator computed over the whole batch) with the advantages clipped to ±ADVANTAGE_CLIP, reduced per
-token (TOKEN_SUM), so micro-batches and data-parallel ranks give the unsplit value. The reward:
-partial credit per digit.
+annotator computed over the whole batch) with the advantages clipped to ±clip (its one parameter,
+`rl.objective.kwargs.clip`), reduced per token (TOKEN_SUM), so micro-batches and data-parallel ranks
+give the unsplit value. The reward: partial credit per digit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import OBJECTIVE_WEIGHT_SUM, MetricAdapter, Objective, Reduction
 
-ADVANTAGE_CLIP = 2.0  # your code, your constants: the config schema has no field for them
+ADVANTAGE_CLIP = 2.0  # the default of the builder's `clip` parameter
 
 
 class ClippedAdvantagePG:
@@ -42,14 +42,17 @@ class ClippedAdvantagePG:
         return loss, {"pg_loss": float(loss.detach()), "advantage_clip_frac": clip_frac, OBJECTIVE_WEIGHT_SUM: float(weight)}
 
 
-def build_objective(rl, context) -> Objective:
-    """Called as build_objective(rl, context): `rl` is the config's rl section, `context` holds
-    rollout.max_tokens and the policy's identity. Everything that changes the math goes in `identity`."""
+def build_objective(rl, context, clip: float = ADVANTAGE_CLIP) -> Objective:
+    """Called as build_objective(rl, context, **rl.objective.kwargs): `rl` is the config's rl section,
+    `context` holds rollout.max_tokens and the policy's identity, `clip` comes from the config's kwargs.
+    Everything that changes the math goes in `identity` (the kwargs are added to it for you)."""
+    if not clip > 0:
+        raise ValueError(f"rl.objective.kwargs.clip={clip}: must be > 0")
     return Objective(
-        fn=ClippedAdvantagePG(rl.temperature, ADVANTAGE_CLIP),
+        fn=ClippedAdvantagePG(rl.temperature, clip),
         reduction=Reduction.TOKEN_SUM,
         metric_adapter=MetricAdapter({"pg_loss": "loss", "advantage_clip_frac": "advantage_clip_frac"}),
-        identity={"objective": "clipped_advantage_pg", "advantage_clip": ADVANTAGE_CLIP, "temperature": rl.temperature,
+        identity={"objective": "clipped_advantage_pg", "advantage_clip": clip, "temperature": rl.temperature,
                   "policy": dict(context.policy_identity)},
     )
 

@@ -74,8 +74,9 @@ def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
     overrides = list(overrides or [])
     check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
     cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
-    if cfg.job.algorithm != "dpo":
-        raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the dpo flow trains job.algorithm=dpo only"])
+    if cfg.rl.objective.topology != "offline":
+        raise ConfigError([(f"rl.objective.type={cfg.rl.objective.type}: the dpo flow trains offline objectives only "
+                           "(rl.objective.type=dpo)")])
     return run_with_restarts(cfg, lambda c: train_dpo(c, recipe, overrides), get_run_logger().warning)
 
 

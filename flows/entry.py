@@ -1,9 +1,8 @@
-"""Run a recipe's flow: the GRPO family, OPD or DPO, chosen by `job.algorithm`."""
+"""Run a recipe's flow: the step loop of its objective (`rl.objective`): on-policy, with a teacher, or offline."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import threading
@@ -12,7 +11,6 @@ from flows import startup
 from infra.services import use_prefect_server_defaults
 from rl_core.config import load_checked
 from rl_core.redact import redact_text
-from rl_core.registry import algorithm
 
 log = logging.getLogger("posttrain.startup")
 
@@ -28,14 +26,16 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEME
 use_prefect_server_defaults()  # the temporary API server's task-run recorder batches its writes
 
 
-# the flow that runs each topology of rl_core.registry (module, flow function)
-FLOWS = {"on_policy": ("flows.grpo", "grpo"), "teacher": ("flows.opd", "opd"), "offline": ("flows.dpo", "dpo")}
-
-
-def flow_for(name: str):
-    """The Prefect flow that runs `job.algorithm=name` (from its topology in the registry)."""
-    module, attr = FLOWS[algorithm(name).topology]
-    return getattr(importlib.import_module(module), attr)
+def flow_for(objective):
+    """The Prefect flow that runs this objective's step loop (`objective.topology`), imported only when chosen."""
+    topology = objective.topology
+    if topology == "teacher":
+        from flows.opd import opd as flow
+    elif topology == "offline":
+        from flows.dpo import dpo as flow
+    else:
+        from flows.grpo import grpo as flow
+    return flow
 
 
 def run_recipe(recipe: str, overrides: list[str]) -> dict:
@@ -69,7 +69,7 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")
-        return flow_for(cfg.job.algorithm)(recipe=str(recipe), overrides=list(overrides))
+        return flow_for(cfg.rl.objective)(recipe=str(recipe), overrides=list(overrides))
     finally:
         discard_early_workers()
         discard_early_ray()

@@ -8,7 +8,7 @@ subflows that a checked flow starts itself:
   the flow).
 - `overrides` is an allowlist, `API_OVERRIDES`: recipe knobs (steps, learning rate, seeds, batch
   sizes, sampling, objective coefficients, evaluation cadence, resources). Everything else comes
-  from the recipe or the operator only: import paths (`rl.custom_objective`, `data.rewards`, `data.task`),
+  from the recipe or the operator only: import paths (`rl.objective.import_path`/`kwargs`, `data.rewards`, `data.task`),
   models (`model.*`, `rl.reference`), data paths, the Ray address, tracking and checkpoint URIs
   (the worker's credentials go to them), output paths and names, pruning.
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
-from rl_core.config.loader import ConfigError
+from rl_core.config.loader import ConfigError, objective_keys
 from rl_core.redact import redact_text
 
 OPT_IN_TAG = "posttrain:allow-unsafe-overrides"
@@ -45,27 +45,23 @@ OPT_IN_ENV = "POSTTRAIN_ALLOW_UNSAFE_OVERRIDES"
 FLOW_RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"  # set by the worker for the flow run it starts
 
 # The overrides a caller of the API may give (exact dotted keys). Not listed, so from the recipe or the operator
-# only: model.*, data.task/train/val/dataset_config/rewards/reward_workers, rl.reference, rl.custom_objective, cluster.address, tracking.*
+# only: model.*, data.task/train/val/dataset_config/rewards/reward_workers, rl.reference, rl.objective.import_path/kwargs, cluster.address, tracking.*
 # except the experiment name, job.name/out_dir/overwrite.
 API_OVERRIDES = frozenset({
-    "job.algorithm", "job.seed", "job.task_retries", "job.retry_delay_s", "job.max_restarts",
+    "job.seed", "job.task_retries", "job.retry_delay_s", "job.max_restarts",
     "model.compute_dtype", "model.gradient_checkpointing",
     "rollout.backend", "rollout.num_engines", "rollout.temperature", "rollout.top_p", "rollout.max_tokens",
     "rollout.n", "rollout.prompts_per_step", "rollout.seed", "rollout.gpu_memory_utilization",
-    "rl.grpo_surrogate", "rl.importance_sampling_level", "rl.epsilon_low", "rl.epsilon_high", "rl.lower_bound_ratio",
-    "rl.loss_type", "rl.unbiased_advantage", "rl.advantage_eps", "rl.temperature", "rl.kl_beta", "rl.kl_estimator",
-    "rl.shared_prefix_min_tokens", "rl.mini_batch_per_replica", "rl.micro_batch_per_replica",
-    "rl.certified_deterministic_forward", "rl.async_steps", "rl.max_steps", "rl.save_every", "rl.resume",
+    "rl.temperature", "rl.mini_batch_per_replica", "rl.micro_batch_per_replica", "rl.async_steps", "rl.max_steps", "rl.save_every", "rl.resume",
     "rl.optimizer.lr", "rl.optimizer.betas", "rl.optimizer.weight_decay", "rl.optimizer.warmup_steps",
     "rl.optimizer.max_grad_norm", "rl.validation.every_steps", "rl.validation.before_training",
-    "rl.validation.max_prompts", "rl.distillation_mode", "rl.opd_kl_coef", "rl.opd_discount",
-    "rl.opd_task_reward_weight", "rl.dpo_beta",
+    "rl.validation.max_prompts",
     "data.prompt_template", "data.reward_mode", "data.system_prompt", "data.instruction", "data.reward_timeout_s",
     "cluster.num_workers", "cluster.cpus_per_worker", "cluster.gpus_per_worker", "cluster.placement",
     "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy", "cluster.placement_timeout_s",
     "cluster.sharding", "cluster.shard_size", "cluster.gpu_memory_gib",
     "tracking.experiment",
-})
+}) | {f"rl.objective.{key}" for key in objective_keys() if key not in ("import_path", "kwargs")}
 
 # The regression flow's parameters that only the operator sets (their defaults are the deployment's).
 REGRESSION_OPERATOR_PARAMETERS = {"out_dir": "runs/regression", "mlflow_uri": None}

@@ -32,7 +32,6 @@ from infra.teacher import TeacherRole
 from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig
 from rl_core.config.environment import check_memory
-from rl_core.registry import algorithm
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
@@ -60,7 +59,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     rollout = rollout_task.with_options(**retry)
     reward = reward_task.with_options(**retry)
 
-    group_relative = algorithm(cfg.job.algorithm).group_relative  # the gate checks groups (rl_core.registry)
+    group_relative = cfg.rl.objective.group_relative  # the gate checks groups
     overlap = cfg.rl.async_steps > 0  # rollout of step k+1 in flight while step k trains (preflight: separate engines)
     step = run.start_step
     with run, RunTracker() as tracker, ExitStack() as placed:

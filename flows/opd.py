@@ -5,9 +5,9 @@ then `evaluate` and `checkpoint` on cadence. The student (the policy workers, sy
 engine) samples; the teacher (`cluster.teacher_replicas` `infra.teacher.TeacherWorker` actors beside the
 trainer ranks, never synced) scores the sampled tokens at the loss temperature, each replica a contiguous
 share of the rows in parallel; the scores travel as `batch.teacher_logp`, checked by the
-gate; `distill` turns them into per-token advantages (`rl.distillation_mode=advantage`) or leaves
+gate; `distill` turns them into per-token advantages (`rl.objective.distillation_mode=advantage`) or leaves
 the batch for the direct reverse-KL loss. The annotations table keeps the task reward's group
-advantage (logged, and a training signal only with `rl.opd_task_reward_weight > 0`).
+advantage (logged, and a training signal only with `rl.objective.task_reward_weight > 0`).
 
     posttrain run recipes/opd_arithmetic.py -- rl.max_steps=50
 """
@@ -25,8 +25,9 @@ from rl_core.config.loader import ConfigError
 
 def require_teacher(cfg: PosttrainConfig) -> None:
     """OPD needs `model.teacher`; refuse before any placement or model construction."""
-    if cfg.job.algorithm != "opd":
-        raise ConfigError([f"job.algorithm={cfg.job.algorithm!r}: the opd flow trains job.algorithm=opd only"])
+    if cfg.rl.objective.topology != "teacher":
+        raise ConfigError([(f"rl.objective.type={cfg.rl.objective.type}: the opd flow trains objectives with a teacher "
+                           "only (rl.objective.type=opd)")])
     if not cfg.model.teacher:
         raise ConfigError([("model.teacher is not set: OPD distils a frozen teacher into the policy; set "
                             "model.teacher to a hub id or a model directory that shares the policy's tokenizer "

@@ -400,7 +400,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA when sharded)
             model = lora.wrap(model, cfg.model.lora)
-    objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # the registry's, or rl.custom_objective
+    objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # rl.objective.build (built-in or custom)
     auxiliary: dict[str, torch.nn.Module] = {}
     if objective.reference_scorer is not None:
         ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})

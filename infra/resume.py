@@ -21,6 +21,7 @@ import yaml
 
 from infra.storage import META, CheckpointStore, checkpoint_step, fsync_dir, step_dir_name, write_durably
 from rl_core.config import ConfigError, PosttrainConfig, flatten
+from rl_core.config.legacy import translate
 from rl_core.config.loader import config_dict
 
 # Keys that may differ between a checkpoint and the run that resumes it: when to save/evaluate/stop,
@@ -53,7 +54,7 @@ class ResumePlan:
 def math_changes(saved: dict, cfg: PosttrainConfig) -> list[str]:
     """Dotted keys whose value differs from the checkpoint's config and may not change on resume."""
     now = flatten(cfg)
-    before = _flatten_dict(saved)
+    before = _flatten_dict(translate(saved))  # a config saved in the flat shape compares in the current one
     keys = sorted(set(now) | set(before))
     return [k for k in keys if now.get(k) != before.get(k) and not k.startswith(MAY_CHANGE_ON_RESUME)]
 

@@ -81,7 +81,7 @@ class TeacherRole(AbstractContextManager):
         c = self.cfg.cluster
         replicas = teacher_replicas(self.cfg)
         if replicas < 1:
-            raise ValueError(f"job.algorithm={self.cfg.job.algorithm!r} has no teacher role")
+            raise ValueError(f"rl.objective.type={self.cfg.rl.objective.type!r} has no teacher role")
         if self.trainer_group is None:
             raise ValueError("the teacher replicas join the trainer ranks' placement group: enter TeacherRole "
                              "inside a Cluster and pass its trainer_group")

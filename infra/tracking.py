@@ -263,7 +263,7 @@ class RunTracker:
 
         identity = dict(objective_identity)
         tags = {
-            f"{TAG_PREFIX}algorithm": cfg.job.algorithm,
+            f"{TAG_PREFIX}algorithm": cfg.rl.objective.type,
             f"{TAG_PREFIX}job_name": cfg.job.name,
             f"{TAG_PREFIX}recipe": redact_text(str(recipe)),
             f"{TAG_PREFIX}overrides": canonical_json([redact_override(o) for o in overrides]),

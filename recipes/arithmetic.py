@@ -4,18 +4,18 @@ Pins the legacy policy-gradient surrogate (docs/objectives.md): on-policy, one u
 sampling at temperature 1.0.
 """
 
+from rl_core.algorithms.grpo import LegacyPG
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "legacy_pg"
     cfg.job.name = "arithmetic"
     cfg.model.name_or_path = "artifacts/tiny-model/warm"
     cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
     cfg.rollout.n = 8
     cfg.rollout.prompts_per_step = 16  # 128 completions a step: prompt diversity beats a larger group here
-    cfg.rl.grpo_surrogate = "legacy_pg"
+    cfg.rl.objective = LegacyPG()
     cfg.rl.max_steps = 300
     cfg.rl.optimizer.lr = 1e-4
     cfg.rl.optimizer.max_grad_norm = 1.0

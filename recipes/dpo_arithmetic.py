@@ -13,17 +13,17 @@ Held-out metrics: `val/loss`, `val/reward_accuracy`, `val/margin` of the val pai
     posttrain run recipes/dpo_arithmetic.py
 """
 
+from rl_core.algorithms.dpo import DPO
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "dpo"
     cfg.job.name = "dpo-arithmetic"
     cfg.model.name_or_path = "artifacts/tiny-model/warm"
     cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
     cfg.rollout.prompts_per_step = 32  # pairs per step
-    cfg.rl.dpo_beta = 0.1
+    cfg.rl.objective = DPO(beta=0.1)
     cfg.rl.temperature = 1.0
     cfg.rl.max_steps = 150
     cfg.rl.optimizer.lr = 3e-5

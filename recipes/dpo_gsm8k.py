@@ -11,12 +11,12 @@ whose chosen response has a `#### N` answer. The reference is the frozen initial
     posttrain run recipes/dpo_gsm8k.py -- rl.max_steps=200
 """
 
+from rl_core.algorithms.dpo import DPO
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "dpo"
     cfg.job.name = "dpo-gsm8k"
     cfg.model.name_or_path = "Qwen/Qwen2.5-1.5B-Instruct"
     cfg.model.compute_dtype = "bfloat16"  # float32 master weights and AdamW state, bf16 forward/backward
@@ -24,7 +24,7 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.backend = "vllm"
     cfg.rollout.max_tokens = 1024
     cfg.rollout.prompts_per_step = 64  # pairs per step: 16 per worker
-    cfg.rl.dpo_beta = 0.1
+    cfg.rl.objective = DPO(beta=0.1)
     cfg.rl.temperature = 1.0
     cfg.rl.mini_batch_per_replica = 16  # rows (8 pairs): 2 updates per step
     cfg.rl.micro_batch_per_replica = 4  # rows (2 pairs)

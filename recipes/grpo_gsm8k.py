@@ -1,11 +1,11 @@
 """Clipped GRPO on GSM8K with Qwen2.5-3B-Instruct: the production recipe (GPU cluster, vLLM rollouts)."""
 
+from rl_core.algorithms.grpo import GRPO
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "grpo"
     cfg.job.name = "grpo-gsm8k"
     cfg.model.name_or_path = "Qwen/Qwen2.5-3B-Instruct"
     cfg.model.compute_dtype = "bfloat16"  # float32 master weights and AdamW state, bf16 forward/backward
@@ -15,12 +15,8 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 1024
     cfg.rollout.n = 8
     cfg.rollout.prompts_per_step = 64
-    cfg.rl.grpo_surrogate = "clipped"
+    cfg.rl.objective = GRPO(epsilon_low=0.2, epsilon_high=0.28, lower_bound_ratio=3.0, loss_type="token-mean")  # clip-higher
     cfg.rl.temperature = 1.0
-    cfg.rl.epsilon_low = 0.2
-    cfg.rl.epsilon_high = 0.28  # clip-higher
-    cfg.rl.lower_bound_ratio = 3.0
-    cfg.rl.loss_type = "token-mean"
     cfg.rl.mini_batch_per_replica = 32  # 4 updates per collected batch on 4 workers
     cfg.rl.micro_batch_per_replica = 8
     cfg.rl.max_steps = 200

@@ -11,12 +11,12 @@ advantage `−(ℓ^old − ℓ^teacher)` trains through the clipped surrogate (`
     posttrain run recipes/opd_arithmetic.py -- rl.max_steps=40
 """
 
+from rl_core.algorithms.opd import OPD
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "opd"
     cfg.job.name = "opd-arithmetic"
     cfg.model.name_or_path = "artifacts/tiny-model/warm"
     cfg.model.teacher = "artifacts/tiny-model/teacher"
@@ -24,12 +24,9 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.temperature = 1.0
     cfg.rollout.n = 4
     cfg.rollout.prompts_per_step = 16
-    cfg.rl.grpo_surrogate = "clipped"
     cfg.rl.temperature = 1.0  # the teacher scores at the loss temperature (= the sampling temperature)
-    cfg.rl.distillation_mode = "advantage"
-    cfg.rl.opd_kl_coef = 1.0
-    cfg.rl.opd_discount = 1.0  # an early wrong digit is charged with the teacher's disagreement that follows it
-    cfg.rl.loss_type = "token-mean"
+    # discount 1: an early wrong digit is charged with the teacher's disagreement that follows it
+    cfg.rl.objective = OPD(distillation_mode="advantage", kl_coef=1.0, discount=1.0, loss_type="token-mean")
     cfg.rl.max_steps = 60
     cfg.rl.optimizer.lr = 1e-4  # 2e-4 oscillated with this sharp teacher (0.72 -> 0.80 -> 0.71 at steps 0/40/60)
     cfg.rl.optimizer.max_grad_norm = 1.0

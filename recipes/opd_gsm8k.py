@@ -9,12 +9,12 @@ The task reward's group advantage is mixed in with a small weight.
     posttrain run recipes/opd_gsm8k.py -- rl.max_steps=100
 """
 
+from rl_core.algorithms.opd import OPD
 from rl_core.config import PosttrainConfig
 
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "opd"
     cfg.job.name = "opd-gsm8k"
     cfg.model.name_or_path = "Qwen/Qwen2.5-1.5B-Instruct"
     cfg.model.teacher = "Qwen/Qwen2.5-7B-Instruct"
@@ -25,13 +25,9 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 1024
     cfg.rollout.n = 4
     cfg.rollout.prompts_per_step = 64
-    cfg.rl.grpo_surrogate = "clipped"
     cfg.rl.temperature = 1.0
-    cfg.rl.distillation_mode = "advantage"
-    cfg.rl.opd_kl_coef = 1.0
-    cfg.rl.opd_discount = 0.0
-    cfg.rl.opd_task_reward_weight = 0.1
-    cfg.rl.loss_type = "token-mean"
+    cfg.rl.objective = OPD(distillation_mode="advantage", kl_coef=1.0, discount=0.0, task_reward_weight=0.1,
+                           loss_type="token-mean")
     cfg.rl.mini_batch_per_replica = 32  # 2 updates per collected batch on 4 workers
     cfg.rl.micro_batch_per_replica = 8
     cfg.rl.max_steps = 200

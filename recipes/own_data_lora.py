@@ -12,7 +12,6 @@ from rl_core.config import PosttrainConfig
 
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
-    cfg.job.algorithm = "grpo"
     cfg.job.name = "own-data-lora"
     cfg.model.name_or_path = "artifacts/tiny-model/warm"
     cfg.model.lora.r = 16
@@ -21,7 +20,6 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 4  # up to 3 digits + <eos>
     cfg.rollout.n = 8
     cfg.rollout.prompts_per_step = 16
-    cfg.rl.grpo_surrogate = "clipped"
     cfg.rl.max_steps = 60
     cfg.rl.optimizer.lr = 1e-3  # adapters start at B = 0 and take a larger step than full fine-tuning
     cfg.rl.optimizer.max_grad_norm = 1.0

@@ -46,15 +46,16 @@ def annotate(
     group_ids = torch.as_tensor(completions.prompt_index, dtype=torch.long)
     # A non-finite reward is the gate's to refuse (naming the rows): its group gets NaN advantages.
     finite = torch.isfinite(reward_t)
-    advantages = group_advantages(torch.where(finite, reward_t, 0.0), group_ids, unbiased=rl.unbiased_advantage,
-                                  eps=rl.advantage_eps).float()
+    knobs = rl.objective  # the group-advantage knobs of the objective
+    advantages = group_advantages(torch.where(finite, reward_t, 0.0), group_ids, unbiased=knobs.unbiased_advantage,
+                                  eps=knobs.advantage_eps).float()
     if not bool(finite.all()):
         poisoned = torch.isin(group_ids, group_ids[~finite])
         advantages = torch.where(poisoned, torch.full_like(advantages, float("nan")), advantages)
     loss_mask = completions.response_mask.float()
-    if rl.shared_prefix_min_tokens > 0:
+    if knobs.shared_prefix_min_tokens > 0:
         loss_mask = shared_prefix_loss_mask(completions.input_ids, loss_mask, reward_t, group_ids,
-                                            rl.shared_prefix_min_tokens)
+                                            knobs.shared_prefix_min_tokens)
     sample_ids = torch.arange(first_sample_id, first_sample_id + n_rows, dtype=torch.long)
     batch = Trajectory(
         input_ids=completions.input_ids,

@@ -205,7 +205,7 @@ class LLMTrainer:
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM: gloo has no PREMUL_SUM
         if objective.reference_scorer is not None and self.REFERENCE not in self.auxiliary_models:
-            raise ValueError("the objective has a reference_scorer (rl.kl_beta > 0) but no reference model was "
+            raise ValueError("the objective has a reference_scorer (rl.objective.kl_beta > 0) but no reference model was "
                              "given: pass auxiliary_models={'reference': frozen_model}")
         for aux in self.auxiliary_models.values():
             aux.requires_grad_(False)
@@ -274,7 +274,7 @@ class LLMTrainer:
         cache = self.objective.old_logp_cache
         if cache is None and len(minis) > 1:
             raise ValueError(f"mini_batch_size={mini_batch_size} gives {len(minis)} updates per batch, but the objective "
-                             "has no pi_old (on-policy only, e.g. rl.grpo_surrogate=legacy_pg); use one update per batch")
+                             "has no pi_old (on-policy only, e.g. rl.objective.type=legacy_pg); use one update per batch")
         plans = [self._micro_batches(mini, micro_batch_size, micro_batch_max_tokens) for mini in minis]
         self.model.train()
         behaviour = self._stale(batch)

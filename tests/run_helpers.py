@@ -13,7 +13,7 @@ from tests.conftest import FAST, recipe
 
 VENV_BIN = Path(sys.executable).parent
 # non-zero gradients on the random-init model (KL to another random init) and a per-step lr (warmup)
-MATH = [*FAST, "rl.kl_beta=0.1", "rl.reference=artifacts/tiny-model/ref", "rl.optimizer.lr=1e-3",
+MATH = [*FAST, "rl.objective.kl_beta=0.1", "rl.reference=artifacts/tiny-model/ref", "rl.optimizer.lr=1e-3",
         "rl.optimizer.warmup_steps=8"]
 
 

@@ -2,7 +2,7 @@
 
 Offline: no rollout, no reward, no π_old. For a pair (x, y_w, y_l) with sequence log-probs
 `ℓ_w = Σ_t M ℓ_t` of the chosen and `ℓ_l` of the rejected response (sum over response tokens and
-EOS, at `T = rl.temperature`), and the same under the frozen reference, `β = rl.dpo_beta`:
+EOS, at `T = rl.temperature`), and the same under the frozen reference, `β = rl.objective.beta`:
 
     h      = β [(ℓ_w − ℓ^ref_w) − (ℓ_l − ℓ^ref_l)]        (the margin of implicit rewards)
     loss   = −log σ(h) = softplus(−h)                      per pair
@@ -27,12 +27,13 @@ Metrics (local -> `train/…`, `val/…` through `evaluate_pairs`): `dpo_loss` -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from rl_core.algorithms.base import ObjectiveConfig, Report
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.data.preferences import check_pair_layout, pair_rows
 from rl_core.primitives.logprobs import sequence_token_logprobs
@@ -55,7 +56,7 @@ DPO_METRIC_NAMES: dict[str, str] = {
 }
 
 __all__ = [
-    "DPO_METRIC_NAMES", "DPOLoss", "build_objective", "dpo_identity", "dpo_loss", "evaluate_pairs", "pair_rows",
+    "DPO", "DPO_METRIC_NAMES", "DPOLoss", "build_objective", "dpo_loss", "evaluate_pairs", "pair_rows",
     "reference_sequence_logps", "reference_token_logps", "sequence_logps", "with_reference_logps",
 ]
 
@@ -76,7 +77,7 @@ def dpo_loss(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_
     β(ℓ_l − ℓ^ref_l). Gradients flow through the policy terms only (the reference is detached).
     """
     if not beta > 0:
-        raise ValueError(f"beta={beta}: must be > 0 (rl.dpo_beta)")
+        raise ValueError(f"beta={beta}: must be > 0 (rl.objective.beta)")
     shapes = {tuple(t.shape) for t in (chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)}
     if len(shapes) != 1 or len(next(iter(shapes))) != 1:
         raise ValueError(f"dpo_loss takes four [P] tensors, got shapes {sorted(shapes)}")
@@ -124,20 +125,14 @@ def reference_sequence_logps(ref_model: torch.nn.Module, batch, temperature: flo
 # --------------------------------------------------------------------------------------- objective
 
 
-@dataclass(frozen=True)
-class DPOSettings:
-    beta: float
-    temperature: float
-
-
 class DPOLoss:
     """`fn(model, batch) -> (loss, metrics)` of DPO; `Reduction.MEAN` (mean over the chunk's pairs)."""
 
-    def __init__(self, settings: DPOSettings):
-        self.settings = settings
+    def __init__(self, beta: float, temperature: float):
+        self.beta, self.temperature = beta, temperature
 
     def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        s = self.settings
+        s = self
         check_pair_layout(batch)
         if batch.ref_logp is None:
             raise ValueError("batch.ref_logp is missing: DPO scores the reference once, before training; build the "
@@ -189,27 +184,69 @@ def evaluate_pairs(objective: Objective, model: torch.nn.Module, batch, *, micro
     return objective.metric_adapter.publish({k: v / pairs for k, v in sums.items()}, split)
 
 
-def dpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of DPO (docs/objectives.md), as plain data."""
-    return {
-        "objective": "dpo",
-        "dpo_beta": rl.dpo_beta,
-        "temperature": rl.temperature,
-        "reference": rl.reference,  # None: the frozen initial policy
-        "sequence_logp": "sum",
-        "reduction": "mean_over_pairs",
-        "policy": dict(context.policy_identity),
-    }
+class DPO(ObjectiveConfig):
+    """DPO on fixed (chosen, rejected) pairs against a frozen reference (`rl.reference`, or the initial policy)."""
+
+    TOPOLOGY: ClassVar = "offline"
+    GROUP_RELATIVE: ClassVar[bool] = False
+    ROWS_PER_PROMPT: ClassVar[int] = 2  # a chosen and a rejected row per pair
+    SUMMARY: ClassVar[str] = "DPO on fixed (chosen, rejected) pairs against a frozen reference"
+    type: Literal["dpo"] = "dpo"
+    beta: float = Field(0.1, gt=0, description="Beta of the implicit reward beta * (logp - ref_logp) of a response.")
+
+    @property
+    def reads_old_logp(self) -> bool:
+        return False
+
+    @property
+    def reads_reference(self) -> bool:
+        return True
+
+    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+        rl, ro = cfg.rl, cfg.rollout
+        if rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
+            err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
+                "pairs, so a micro-batch must hold an even number of rows")
+        if rl.mini_batch_per_replica is not None and rl.mini_batch_per_replica % 2:
+            err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: DPO rows come in (chosen, rejected) pairs, "
+                "so a mini-batch must hold an even number of rows")
+        if rl.micro_batch_max_tokens is not None:
+            err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a "
+                "chunk (Reduction.MEAN), so its chunks must hold equal numbers of pairs; use "
+                "rl.micro_batch_per_replica")
+        if ro.max_logp_abs_diff is not None:
+            err(f"rollout.max_logp_abs_diff={ro.max_logp_abs_diff:g}: rl.objective.type=dpo samples nothing, so there "
+                "is no sampler-vs-trainer log-prob gap to bound; remove it")
+        if ro.prompts_per_step % cfg.cluster.num_workers:
+            err(f"rollout.prompts_per_step={ro.prompts_per_step} (DPO: pairs per step) does not split into whole pairs "
+                f"across cluster.num_workers={cfg.cluster.num_workers}")
+
+    def identity(self, rl: Any, context: ObjectiveContext) -> dict[str, Any]:
+        return {
+            "objective": "dpo",
+            "dpo_beta": self.beta,
+            "temperature": rl.temperature,
+            "reference": rl.reference,  # None: the frozen initial policy
+            "sequence_logp": "sum",
+            "reduction": "mean_over_pairs",
+            "policy": dict(context.policy_identity),
+        }
+
+    def build(self, rl: Any, context: ObjectiveContext) -> Objective:
+        """Reads `beta` and `rl.temperature`; `rl.reference` names the model that `with_reference_logps` must be
+        given."""
+        return Objective(
+            fn=DPOLoss(self.beta, rl.temperature),
+            reduction=Reduction.MEAN,
+            metric_adapter=MetricAdapter(dict(DPO_METRIC_NAMES)),
+            old_logp_cache=None,
+            reference_scorer=None,
+            identity=self.identity(rl, context),
+        )
 
 
 def build_objective(rl, context: ObjectiveContext) -> Objective:
-    """DPO from the `rl` config section (reads `dpo_beta`, `temperature`; `reference` names the model that
-    `with_reference_logps` must be given) and the context."""
-    return Objective(
-        fn=DPOLoss(DPOSettings(beta=rl.dpo_beta, temperature=rl.temperature)),
-        reduction=Reduction.MEAN,
-        metric_adapter=MetricAdapter(dict(DPO_METRIC_NAMES)),
-        old_logp_cache=None,
-        reference_scorer=None,
-        identity=dpo_identity(rl, context),
-    )
+    """The DPO Objective of an `rl` config section whose `objective` is a `DPO`."""
+    if not isinstance(rl.objective, DPO):
+        raise ValueError(f"rl.objective.type={rl.objective.type}: not a DPO objective (rl.objective.type=dpo)")  # noqa: TRY004 - a config error
+    return rl.objective.build(rl, context)

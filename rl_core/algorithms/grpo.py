@@ -1,19 +1,30 @@
-"""GRPO-family objective (GRPO, Dr-GRPO, GSPO, legacy PG): config -> Objective (docs/objectives.md).
+"""GRPO family (GRPO, Dr-GRPO, GSPO, legacy PG): config classes and their Objective (docs/objectives.md).
 
-Everything is selected from `rl` alone: the surrogate (`grpo_surrogate`), the ratio level
-(`importance_sampling_level`), the reduction (`loss_type`, fixed divisor from the context) and the
-KL anchor (`kl_beta`, `kl_estimator`). Dr-GRPO and GSPO are configurations of this builder, not code.
+`rl.objective.type` picks the class: `grpo` (clipped token ratios, group-normalised advantages),
+`dr_grpo` (the same with mean-centred advantages and the fixed divisor `rollout.max_tokens`), `gspo`
+(sequence-level ratios with the paper's clip range and reduction) and `legacy_pg` (−A·ℓ, on-policy,
+no ratio). Dr-GRPO and GSPO are presets of GRPO: the values that define them are fixed by their
+class (a different value is refused naming the key), the rest are GRPO's knobs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, field_validator
 
+from rl_core.algorithms.base import (
+    ClipKnobs,
+    GroupAdvantageKnobs,
+    KLKnobs,
+    LossSettings,
+    LossTypeKnob,
+    Report,
+    non_default,
+)
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.surrogates import loss_and_metrics, metric_names, surrogate
+from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names, surrogate
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
@@ -23,27 +34,10 @@ from rl_core.primitives.objective import (
     OldLogpCache,
     Reduction,
 )
-from rl_core.primitives.policy_gradient import (
-    clip_settings_problem,
-    reduce_policy_gradient_loss,
-)
+from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss
 
 # algorithm-local name -> public suffix (published as train/<suffix>)
 GRPO_METRIC_NAMES: dict[str, str] = metric_names("grpo", "kl")
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    grpo_surrogate: str
-    importance_sampling_level: str
-    epsilon_low: float
-    epsilon_high: float
-    lower_bound_ratio: float
-    loss_type: str
-    max_response_length: int
-    temperature: float
-    kl_beta: float
-    kl_estimator: str
 
 
 def _require(value, field: str, hint: str):
@@ -61,18 +55,19 @@ class GRPOLoss:
     (clipped) and `batch.ref_logp` (kl_beta > 0, filled by the trainer through `reference_scorer`).
     """
 
-    def __init__(self, settings: GRPOSettings, old_logp_cache: OldLogpCache | None):
+    def __init__(self, settings: LossSettings, old_logp_cache: OldLogpCache | None):
         self.settings = settings
         self.old_logp_cache = old_logp_cache
 
     def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         s = self.settings
-        chosen = surrogate(s.grpo_surrogate)
+        chosen = surrogate(s.surrogate)
+        level = getattr(s, "importance_sampling_level", "token")
         adv = _require(batch.advantages, "advantages",
                        "annotate the batch with group advantages (rl_core.annotators) before training")
-        if chosen.reads_old_logp and s.importance_sampling_level == "sequence" and adv.dim() != 1:
-            raise ValueError("batch.advantages are per token ([B, T]) but rl.importance_sampling_level=sequence needs one "
-                             "advantage per completion ([B]); use rl.importance_sampling_level=token")
+        if chosen.reads_old_logp and level == "sequence" and adv.dim() != 1:
+            raise ValueError("batch.advantages are per token ([B, T]) but rl.objective.importance_sampling_level=sequence "
+                             "needs one advantage per completion ([B]); use rl.objective.importance_sampling_level=token")
         logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
                                                 temperature=s.temperature, return_entropy=True,
                                                 loss_mask=batch.loss_mask)
@@ -82,7 +77,7 @@ class GRPOLoss:
         old = None
         if chosen.reads_old_logp:
             if self.old_logp_cache is None:
-                old = _require(batch.old_logp, "old_logp", f"rl.grpo_surrogate={s.grpo_surrogate} needs pi_old log-probs")
+                old = _require(batch.old_logp, "old_logp", f"rl.objective.surrogate={s.surrogate} needs pi_old log-probs")
             else:
                 old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
         per_token, stats = chosen.fn(logp, old, adv, mask, s)
@@ -90,7 +85,7 @@ class GRPOLoss:
                                                      max_response_length=s.max_response_length)
         numerator, own = pg_num, {}
         if s.kl_beta > 0:
-            ref = _require(batch.ref_logp, "ref_logp", "rl.kl_beta > 0 needs reference log-probs; pass the reference "
+            ref = _require(batch.ref_logp, "ref_logp", "rl.objective.kl_beta > 0 needs reference log-probs; pass the reference "
                            "model to the trainer as auxiliary_models={'reference': model}")
             own["kl"], _ = reduce_policy_gradient_loss(kl_penalty(logp, ref, s.kl_estimator), mask, s.loss_type,
                                                        max_response_length=s.max_response_length)
@@ -101,56 +96,137 @@ class GRPOLoss:
         return loss, metrics
 
 
-def grpo_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of this objective (docs/objectives.md), as plain data."""
-    ident: dict[str, Any] = {"objective": "grpo", "grpo_surrogate": rl.grpo_surrogate}
-    if rl.grpo_surrogate == "clipped":
-        ident.update(importance_sampling_level=rl.importance_sampling_level, epsilon_low=rl.epsilon_low,
-                     epsilon_high=rl.epsilon_high, lower_bound_ratio=rl.lower_bound_ratio)
-    ident["loss_type"] = rl.loss_type
-    ident["fixed_divisor"] = context.max_response_length if rl.loss_type == "seq-mean-token-sum-fixed" else None
-    ident["temperature"] = rl.temperature
-    ident["kl_beta"] = rl.kl_beta
-    if rl.kl_beta > 0:
-        ident.update(kl_estimator=rl.kl_estimator, reference=rl.reference)
-    ident["unbiased_advantage"] = rl.unbiased_advantage
-    if not rl.unbiased_advantage:
-        ident["advantage_eps"] = rl.advantage_eps
-    ident["shared_prefix_min_tokens"] = rl.shared_prefix_min_tokens
-    ident["policy"] = dict(context.policy_identity)
-    return ident
+class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
+    """What every objective of the family reads: the group advantage, the reduction and the KL anchor."""
+
+    surrogate: str = Field("clipped", description="Policy-gradient surrogate, a name registered with @register_surrogate in rl_core.algorithms.surrogates (docs/objectives.md).")
+
+    @property
+    def reads_old_logp(self) -> bool:
+        return surrogate(self.surrogate).reads_old_logp
+
+    def identity(self, rl: Any, context: ObjectiveContext) -> dict[str, Any]:
+        ident: dict[str, Any] = {"objective": "grpo", "grpo_surrogate": self.surrogate}
+        if self.reads_old_logp:
+            ident.update(importance_sampling_level=self.importance_sampling_level, epsilon_low=self.epsilon_low,
+                         epsilon_high=self.epsilon_high, lower_bound_ratio=self.lower_bound_ratio)
+        ident["loss_type"] = self.loss_type
+        ident["fixed_divisor"] = context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None
+        ident["temperature"] = rl.temperature
+        ident["kl_beta"] = self.kl_beta
+        if self.kl_beta > 0:
+            ident.update(kl_estimator=self.kl_estimator, reference=rl.reference)
+        ident["unbiased_advantage"] = self.unbiased_advantage
+        if not self.unbiased_advantage:
+            ident["advantage_eps"] = self.advantage_eps
+        ident["shared_prefix_min_tokens"] = self.shared_prefix_min_tokens
+        ident["policy"] = dict(context.policy_identity)
+        return ident
+
+    def build(self, rl: Any, context: ObjectiveContext) -> Objective:
+        cache = None
+        if self.reads_old_logp:
+            cache = OldLogpCache(LogprobScorer(rl.temperature),
+                                 certified_deterministic_forward=self.certified_deterministic_forward,
+                                 accelerator_atol=self.certified_forward_atol)
+        return Objective(
+            fn=GRPOLoss(LossSettings(self, rl.temperature, context.max_response_length), cache),
+            reduction=Reduction.TOKEN_SUM,
+            metric_adapter=MetricAdapter(dict(GRPO_METRIC_NAMES)),
+            old_logp_cache=cache,
+            reference_scorer=LogprobScorer(rl.temperature) if self.kl_beta > 0 else None,
+            identity=self.identity(rl, context),
+        )
+
+
+class GRPO(_PolicyGradient, ClipKnobs):
+    """Clipped GRPO: token importance ratios against π_old, group-normalised advantages."""
+
+    SUMMARY: ClassVar[str] = "clipped GRPO: token ratios, group-normalised advantages"
+    type: Literal["grpo"] = "grpo"
+    importance_sampling_level: Literal["token"] = Field("token", description="GRPO's ratios are per token (sequence ratios are rl.objective.type=gspo).")
+
+    @field_validator("surrogate")
+    @classmethod
+    def _ratio_surrogate(cls, value: str) -> str:
+        if value not in SURROGATES:
+            raise ValueError(f"{value!r} is not a registered surrogate; one of: {', '.join(SURROGATES)} (the GRPO "
+                             "variants are objective types: rl.objective.type=dr_grpo|gspo)")
+        if not SURROGATES[value].reads_old_logp:
+            raise ValueError(f"{value!r} has no importance ratio; the ratio-free policy gradient is "
+                             "rl.objective.type=legacy_pg")
+        return value
+
+
+class DrGRPO(GRPO):
+    """Dr-GRPO: GRPO with mean-centred advantages and the fixed divisor `rollout.max_tokens`."""
+
+    SUMMARY: ClassVar[str] = "Dr-GRPO: clipped GRPO with mean-centred advantages and the fixed divisor rollout.max_tokens"
+    type: Literal["dr_grpo"] = "dr_grpo"
+    unbiased_advantage: Literal[True] = Field(True, description="Dr-GRPO's advantages are r - mean (fixed by the type).")
+    loss_type: Literal["seq-mean-token-sum-fixed"] = Field("seq-mean-token-sum-fixed", description="Dr-GRPO's reduction: the token sum over the fixed divisor rollout.max_tokens (fixed by the type).")
+
+
+class GSPO(GRPO):
+    """GSPO: clipped GRPO with sequence-level ratios, with the paper's clip range and reduction as defaults."""
+
+    SUMMARY: ClassVar[str] = "GSPO: clipped GRPO with sequence-level ratios"
+    type: Literal["gspo"] = "gspo"
+    importance_sampling_level: Literal["sequence"] = Field("sequence", description="GSPO's ratio is per sequence (fixed by the type).")
+    epsilon_low: float = Field(3e-4, gt=0, lt=1, description="Lower clip range of the sequence ratio (GSPO paper: 3e-4).")
+    epsilon_high: float = Field(4e-4, gt=0, description="Upper clip range of the sequence ratio (GSPO paper: 4e-4).")
+    lower_bound_ratio: float = Field(0.0, ge=0, description="No dual clip at sequence level: must stay 0.")
+    loss_type: str = Field("seq-mean-token-mean", description="Reduction of per-token losses; GSPO's is seq-mean-token-mean.")
+    certified_deterministic_forward: bool = Field(True, description="Check that the pi_old pass and the first training forward agree (a sequence ratio is a mean of token log-ratios, so a forward mismatch moves every ratio).")
+
+    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+        super().check(cfg, err, warn)
+        from rl_core.config.preflight import num_mini_batches
+
+        if num_mini_batches(cfg) == 1:
+            warn("rl.objective.type=gspo at one update per batch (n_mini=1) is inert: on-policy both ratio levels give "
+                 "the same value and gradient; set rl.mini_batch_per_replica to take several updates")
+        if max(self.epsilon_low, self.epsilon_high) >= 0.05:
+            warn(f"rl.objective.epsilon_low/high={self.epsilon_low}/{self.epsilon_high} are token-scale; sequence "
+                 "ratios want ~3e-4/4e-4 (GSPO paper)")
+        if self.loss_type != "seq-mean-token-mean":
+            warn(f"rl.objective.loss_type={self.loss_type}: a sequence ratio under a token-weighted reduction weights "
+                 "sequences by length; GSPO's setting is seq-mean-token-mean")
+
+
+class LegacyPG(_PolicyGradient):
+    """The legacy policy gradient −A·ℓ: on-policy, one update per rollout, no ratio, no clip, no π_old."""
+
+    SUMMARY: ClassVar[str] = "legacy policy gradient: −A·ℓ on-policy, no ratio (the CPU quickstart)"
+    type: Literal["legacy_pg"] = "legacy_pg"
+    surrogate: Literal["legacy_pg"] = Field("legacy_pg", description="The ratio-free surrogate (fixed by the type).")
+
+    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+        super().check(cfg, err, warn)
+        from rl_core.config.preflight import num_mini_batches
+
+        if cfg.rollout.temperature != 1.0:
+            err(f"rollout.temperature={cfg.rollout.temperature}: rl.objective.type=legacy_pg needs "
+                "rollout.temperature=1.0")
+        if non_default(cfg.rl, "temperature"):
+            err(f"rl.temperature={cfg.rl.temperature}: rl.objective.type=legacy_pg reads no rl.temperature; leave it "
+                f"at its default {type(cfg.rl).model_fields['temperature'].default}")
+        if (n_mini := num_mini_batches(cfg)) > 1:
+            err(f"rl.mini_batch_per_replica={cfg.rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
+                "rl.objective.type=legacy_pg is on-policy only (one update per rollout); remove it or use "
+                "rl.objective.type=grpo")
+        if cfg.rl.async_steps:
+            err(f"rl.async_steps={cfg.rl.async_steps}: a stale batch needs the importance ratio against the rollout's "
+                "log-probs, which rl.objective.type=legacy_pg does not have; use rl.objective.type=grpo or "
+                "rl.async_steps=0")
+
+
+GRPO_FAMILY = (GRPO, DrGRPO, GSPO, LegacyPG)
 
 
 def build_objective(rl, context: ObjectiveContext) -> Objective:
-    """GRPO / Dr-GRPO / GSPO / legacy PG from the `rl` config section (an `RLConfig`) and the context."""
-    clipped = surrogate(rl.grpo_surrogate).reads_old_logp  # raises naming the registered surrogates
-    if clipped and (problem := clip_settings_problem(rl.lower_bound_ratio, rl.importance_sampling_level, "rl.")):
-        raise ValueError(problem)
-    if not clipped and rl.importance_sampling_level != "token":
-        raise ValueError("rl.importance_sampling_level=sequence is a knob of rl.grpo_surrogate=clipped; legacy_pg has "
-                         "no ratio")
-    settings = GRPOSettings(
-        grpo_surrogate=rl.grpo_surrogate,
-        importance_sampling_level=rl.importance_sampling_level,
-        epsilon_low=rl.epsilon_low,
-        epsilon_high=rl.epsilon_high,
-        lower_bound_ratio=rl.lower_bound_ratio,
-        loss_type=rl.loss_type,
-        max_response_length=context.max_response_length,
-        temperature=rl.temperature,
-        kl_beta=rl.kl_beta,
-        kl_estimator=rl.kl_estimator,
-    )
-    cache = None
-    if clipped:
-        cache = OldLogpCache(LogprobScorer(rl.temperature),
-                             certified_deterministic_forward=rl.certified_deterministic_forward,
-                             accelerator_atol=rl.certified_forward_atol)
-    return Objective(
-        fn=GRPOLoss(settings, cache),
-        reduction=Reduction.TOKEN_SUM,
-        metric_adapter=MetricAdapter(dict(GRPO_METRIC_NAMES)),
-        old_logp_cache=cache,
-        reference_scorer=LogprobScorer(rl.temperature) if rl.kl_beta > 0 else None,
-        identity=grpo_identity(rl, context),
-    )
+    """The GRPO-family Objective of an `rl` config section whose `objective` is GRPO, Dr-GRPO, GSPO or legacy PG."""
+    if not isinstance(rl.objective, GRPO_FAMILY):
+        raise ValueError(f"rl.objective.type={rl.objective.type}: not a GRPO-family objective "  # noqa: TRY004 - a config error
+                         f"({', '.join(c.model_fields['type'].default for c in GRPO_FAMILY)})")
+    return rl.objective.build(rl, context)

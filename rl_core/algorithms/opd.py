@@ -4,25 +4,25 @@ The student samples, a frozen teacher scores the student's sampled tokens at the
 and the teacher's log-probs reach the trainer as a declared batch field, `Trajectory.teacher_logp
 [B, T]` (0 off the loss mask). Notation: `ℓ_{i,t}` the student's log-prob of its sampled token,
 `ℓ^T_{i,t}` the teacher's, `ℓ^old` the sampling policy's (π_old = `rollout_logp` on-policy),
-`M` the loss mask, `γ = rl.opd_discount`, `sg[·]` stop-gradient.
+`M` the loss mask, `γ = rl.objective.discount`, `sg[·]` stop-gradient.
 
 Both modes train through the clipped surrogate (`clipped_policy_gradient_loss`, token level, with
-per-token advantages `[B, T]`) and `reduce_policy_gradient_loss(rl.loss_type)`, `Reduction.TOKEN_SUM`
+per-token advantages `[B, T]`) and `reduce_policy_gradient_loss(rl.objective.loss_type)`, `Reduction.TOKEN_SUM`
 with the chunk weight reported: the GRPO machinery, so micro-batch and data-parallel invariance hold
 by the same argument (docs/pitfalls.md: distillation normalisation).
 
-`rl.distillation_mode = "advantage"` (default). The advantage is an annotation made from batch
+`rl.objective.distillation_mode = "advantage"` (default). The advantage is an annotation made from batch
 fields before dispatch (`opd_annotate`, which calls the pure `opd_token_advantages`):
 
     A_{i,t} = Σ_{t' ≥ t} γ^{t'−t} M_{i,t'} · (−kl_coef · sg[ℓ^old_{i,t'} − ℓ^T_{i,t'}])  +  w · A^group_i
 
-with `kl_coef = rl.opd_kl_coef`, `w = rl.opd_task_reward_weight` and `A^group` the task reward's
+with `kl_coef = rl.objective.kl_coef`, `w = rl.objective.task_reward_weight` and `A^group` the task reward's
 group advantage (docs/objectives.md; `[B]` broadcast over tokens). `ℓ^old` is the *sampling* policy's
 log-prob (`rollout_logp`), not the current forward: the advantage is fixed when the batch is
 collected and shared by every mini-batch, exactly like a GRPO advantage. `γ = 0` is the per-token
 advantage `−kl_coef · (ℓ^old − ℓ^T)`; `γ = 1` the undiscounted log-ratio to go.
 
-`rl.distillation_mode = "direct"` minimises the sampled reverse KL `KL(π ‖ π_T)` of the student's
+`rl.objective.distillation_mode = "direct"` minimises the sampled reverse KL `KL(π ‖ π_T)` of the student's
 own samples. `E_{y~π}[ℓ − ℓ^T]` depends on θ through the sampling distribution, so backpropagating
 through `ℓ − sg[ℓ^T]` alone has expected gradient `E[∇ℓ] = 0` on-policy; the correct estimator
 is the score-function (REINFORCE) form
@@ -48,11 +48,19 @@ in the task reward. Task reward and group advantage are not training signals in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
+from rl_core.algorithms.base import (
+    ClipKnobs,
+    GroupAdvantageKnobs,
+    LossSettings,
+    LossTypeKnob,
+    Report,
+    non_default,
+)
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names
 from rl_core.primitives.logprobs import sequence_token_logprobs
@@ -64,10 +72,7 @@ from rl_core.primitives.objective import (
     Reduction,
     frozen_token_logprobs,
 )
-from rl_core.primitives.policy_gradient import (
-    clip_settings_problem,
-    reduce_policy_gradient_loss,
-)
+from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss
 
 DISTILLATION_MODES = ("advantage", "direct")
 
@@ -89,7 +94,7 @@ def discounted_future_sum(values: torch.Tensor, mask: torch.Tensor, discount: fl
     if mask.shape != values.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(values.shape)} to match the values")
     if not 0.0 <= discount <= 1.0:
-        raise ValueError(f"discount={discount}: must be in [0, 1] (rl.opd_discount)")
+        raise ValueError(f"discount={discount}: must be in [0, 1] (rl.objective.discount)")
     on = mask.to(values.dtype) > 0
     v = torch.where(on, values, torch.zeros_like(values))
     if discount == 0.0 or v.shape[-1] == 0:
@@ -120,7 +125,7 @@ def opd_token_advantages(rollout_logp: torch.Tensor, teacher_logp: torch.Tensor,
         raise ValueError(f"rollout_logp {list(rollout_logp.shape)}, teacher_logp {list(teacher_logp.shape)} and "
                          f"loss_mask {list(loss_mask.shape)} must all be [B, T]")
     if not kl_coef > 0:
-        raise ValueError(f"kl_coef={kl_coef}: must be > 0 (rl.opd_kl_coef)")
+        raise ValueError(f"kl_coef={kl_coef}: must be > 0 (rl.objective.kl_coef)")
     dtype = torch.promote_types(rollout_logp.dtype, torch.float32)
     with torch.no_grad():
         log_ratio = rollout_logp.detach().to(dtype) - teacher_logp.detach().to(dtype)
@@ -217,13 +222,15 @@ def opd_annotate(batch, rl) -> tuple[Any, dict[str, float]]:
     """The OPD annotate step, on complete groups, after the teacher scored the batch.
 
     advantage mode: `advantages [B, T] = opd_token_advantages(rollout_logp, teacher_logp, loss_mask,
-    kl_coef, γ) + w · A^group` (the group advantage of the task reward with `rl.unbiased_advantage` /
-    `rl.advantage_eps`, only when `w = rl.opd_task_reward_weight > 0`), 0 off the loss mask.
+    kl_coef, γ) + w · A^group` (the group advantage of the task reward with the objective's
+    `unbiased_advantage` / `advantage_eps`, only when `w = task_reward_weight > 0`), 0 off the loss mask.
+    `rl` is the rl config section; its `objective` is an `OPD`.
     direct mode: the batch is returned unchanged (its advantages, if any, are logged only).
     Stats (`opd/...`): `teacher_reverse_kl` (mean of `ℓ^old − ℓ^T` over loss tokens, the sampled
     per-token reverse KL), `teacher_logp_mean`, and in advantage mode `kl_advantage_mean` (mean of the
     teacher term of the advantage over loss tokens).
     """
+    opd = _opd(rl)
     check_teacher_logp(batch)
     mask = batch.loss_mask.float()
     n_tok = mask.sum().clamp_min(1)
@@ -232,35 +239,21 @@ def opd_annotate(batch, rl) -> tuple[Any, dict[str, float]]:
         "opd/teacher_reverse_kl": float(k1.sum() / n_tok),
         "opd/teacher_logp_mean": float((torch.where(mask > 0, batch.teacher_logp.float(), 0.0)).sum() / n_tok),
     }
-    if rl.distillation_mode == "direct":
+    if opd.distillation_mode == "direct":
         return batch, stats
-    if rl.distillation_mode != "advantage":
-        raise ValueError(f"rl.distillation_mode={rl.distillation_mode!r}; expected one of {DISTILLATION_MODES}")
     adv = opd_token_advantages(batch.rollout_logp, batch.teacher_logp, batch.loss_mask,
-                               kl_coef=rl.opd_kl_coef, discount=rl.opd_discount).float()
+                               kl_coef=opd.kl_coef, discount=opd.discount).float()
     stats["opd/kl_advantage_mean"] = float((adv * mask).sum() / n_tok)
-    if rl.opd_task_reward_weight > 0:
+    if opd.task_reward_weight > 0:
         from rl_core.annotators.advantage import group_advantages
 
-        group = group_advantages(batch.rewards.float(), batch.group_ids, unbiased=rl.unbiased_advantage,
-                                 eps=rl.advantage_eps).float()
-        adv = adv + rl.opd_task_reward_weight * group.unsqueeze(-1) * mask
+        group = group_advantages(batch.rewards.float(), batch.group_ids, unbiased=opd.unbiased_advantage,
+                                 eps=opd.advantage_eps).float()
+        adv = adv + opd.task_reward_weight * group.unsqueeze(-1) * mask
     return batch.replace(advantages=adv), stats
 
 
 # -------------------------------------------------------------------------------------- objective
-
-
-@dataclass(frozen=True)
-class OPDSettings:
-    distillation_mode: str
-    discount: float
-    epsilon_low: float
-    epsilon_high: float
-    lower_bound_ratio: float
-    loss_type: str
-    max_response_length: int
-    temperature: float
 
 
 class OPDLoss:
@@ -273,7 +266,7 @@ class OPDLoss:
     the same reduction, so it combines over chunks to the unsplit value.
     """
 
-    def __init__(self, settings: OPDSettings, old_logp_cache: OldLogpCache | None):
+    def __init__(self, settings: LossSettings, old_logp_cache: OldLogpCache | None):
         self.settings = settings
         self.old_logp_cache = old_logp_cache
 
@@ -284,7 +277,7 @@ class OPDLoss:
         if not direct:
             adv = batch.advantages
             if adv is None or adv.dim() != 2:
-                raise ValueError("batch.advantages must be per token ([B, T]) for rl.distillation_mode=advantage: "
+                raise ValueError("batch.advantages must be per token ([B, T]) for rl.objective.distillation_mode=advantage: "
                                  "annotate the batch with rl_core.algorithms.opd.opd_annotate(batch, rl) first"
                                  + ("" if adv is None else f" (got shape {list(adv.shape)})"))
         logp, entropy = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
@@ -299,7 +292,7 @@ class OPDLoss:
             old = batch.old_logp if batch.old_logp is not None else logp.detach()
         else:
             old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
-        per_token, stats = SURROGATES["clipped"].fn(logp, old, adv, mask, s)  # token level: OPDSettings has no other
+        per_token, stats = SURROGATES["clipped"].fn(logp, old, adv, mask, s)  # token level: OPD has no other
         numerator, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                         max_response_length=s.max_response_length)
         with torch.no_grad():
@@ -310,70 +303,94 @@ class OPDLoss:
                                 own={"reverse_kl": kl_num})
 
 
-def opd_identity(rl, context: ObjectiveContext) -> dict[str, Any]:
-    """Every value that changes the math of OPD (docs/objectives.md), as plain data."""
-    ident: dict[str, Any] = {
-        "objective": "opd",
-        "distillation_mode": rl.distillation_mode,
-        "opd_discount": rl.opd_discount,
-        "grpo_surrogate": "clipped",
-        "importance_sampling_level": "token",
-        "epsilon_low": rl.epsilon_low,
-        "epsilon_high": rl.epsilon_high,
-        "lower_bound_ratio": rl.lower_bound_ratio,
-        "loss_type": rl.loss_type,
-        "fixed_divisor": context.max_response_length if rl.loss_type == "seq-mean-token-sum-fixed" else None,
-        "temperature": rl.temperature,
-    }
-    if rl.distillation_mode == "advantage":
-        ident["opd_kl_coef"] = rl.opd_kl_coef
-        ident["opd_task_reward_weight"] = rl.opd_task_reward_weight
-        if rl.opd_task_reward_weight > 0:
-            ident["unbiased_advantage"] = rl.unbiased_advantage
-            if not rl.unbiased_advantage:
-                ident["advantage_eps"] = rl.advantage_eps
-    ident["policy"] = dict(context.policy_identity)
-    return ident
+class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
+    """On-policy distillation: the clipped surrogate (token ratios) against a frozen teacher's log-probs.
+
+    The teacher model is `model.teacher`; `cluster.teacher_replicas` places its copies. The group-advantage knobs
+    are read only in advantage mode with `task_reward_weight > 0`.
+    """
+
+    TOPOLOGY: ClassVar = "teacher"
+    SUMMARY: ClassVar[str] = "on-policy distillation: the clipped surrogate against a frozen teacher's log-probs"
+    type: Literal["opd"] = "opd"
+    importance_sampling_level: Literal["token"] = Field("token", description="OPD's advantages are per token, so its ratios are too (fixed by the type).")
+    distillation_mode: Literal["advantage", "direct"] = Field("advantage", description="Teacher signal as per-token advantage, or direct reverse-KL minimisation.")
+    kl_coef: float = Field(1.0, gt=0, description="Advantage mode: per-token advantage -kl_coef * (logp - teacher_logp).")
+    discount: float = Field(0.0, ge=0, le=1, description="Discount over future tokens' teacher log-ratios; 0 is per token, 1 the undiscounted sum to the end.")
+    task_reward_weight: float = Field(0.0, ge=0, description="Advantage mode: weight of the task-reward group advantage added to the teacher advantage; 0 disables.")
+
+    @model_validator(mode="after")
+    def _mode_reads(self):
+        unread = []
+        if self.distillation_mode == "direct":
+            unread = ["kl_coef", "task_reward_weight", "unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens"]
+            why = "not read by distillation_mode=direct"
+        elif non_default(self, "shared_prefix_min_tokens"):
+            unread, why = ["shared_prefix_min_tokens"], ("not read by OPD (the teacher's per-token signal is not shared "
+                                                         "across a group's common prefix)")
+        elif self.task_reward_weight == 0:
+            unread, why = ["unbiased_advantage", "advantage_eps"], "a group-advantage knob, read only when task_reward_weight > 0"
+        for knob in unread:
+            if non_default(self, knob):
+                raise ValueError(f"{knob}={getattr(self, knob)!r}: {why}")
+        return self
+
+    @property
+    def min_group_size(self) -> int:
+        return 1 if self.distillation_mode == "direct" else 2  # direct mode reads no group advantage
+
+    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+        super().check(cfg, err, warn)
+        if self.distillation_mode == "direct":
+            warn("rl.objective.distillation_mode=direct: task reward and group advantage are logged but are not "
+                 "training signals")
+
+    def identity(self, rl: Any, context: ObjectiveContext) -> dict[str, Any]:
+        ident: dict[str, Any] = {
+            "objective": "opd",
+            "distillation_mode": self.distillation_mode,
+            "opd_discount": self.discount,
+            "grpo_surrogate": "clipped",
+            "importance_sampling_level": "token",
+            "epsilon_low": self.epsilon_low,
+            "epsilon_high": self.epsilon_high,
+            "lower_bound_ratio": self.lower_bound_ratio,
+            "loss_type": self.loss_type,
+            "fixed_divisor": context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None,
+            "temperature": rl.temperature,
+        }
+        if self.distillation_mode == "advantage":
+            ident["opd_kl_coef"] = self.kl_coef
+            ident["opd_task_reward_weight"] = self.task_reward_weight
+            if self.task_reward_weight > 0:
+                ident["unbiased_advantage"] = self.unbiased_advantage
+                if not self.unbiased_advantage:
+                    ident["advantage_eps"] = self.advantage_eps
+        ident["policy"] = dict(context.policy_identity)
+        return ident
+
+    def build(self, rl: Any, context: ObjectiveContext) -> Objective:
+        """The teacher is not part of the objective: its log-probs arrive as `batch.teacher_logp`
+        (see `teacher_logprobs`)."""
+        cache = OldLogpCache(LogprobScorer(rl.temperature),
+                             certified_deterministic_forward=self.certified_deterministic_forward,
+                             accelerator_atol=self.certified_forward_atol)
+        return Objective(
+            fn=OPDLoss(LossSettings(self, rl.temperature, context.max_response_length), cache),
+            reduction=Reduction.TOKEN_SUM,
+            metric_adapter=MetricAdapter(dict(OPD_METRIC_NAMES)),
+            old_logp_cache=cache,
+            reference_scorer=None,
+            identity=self.identity(rl, context),
+        )
+
+
+def _opd(rl) -> OPD:
+    if not isinstance(rl.objective, OPD):
+        raise ValueError(f"rl.objective.type={rl.objective.type}: not an OPD objective (rl.objective.type=opd)")  # noqa: TRY004 - a config error
+    return rl.objective
 
 
 def build_objective(rl, context: ObjectiveContext) -> Objective:
-    """OPD from the `rl` config section (an `RLConfig`) and the context.
-
-    Reads `distillation_mode`, `opd_discount`, (advantage mode: `opd_kl_coef`,
-    `opd_task_reward_weight` and the group-advantage knobs, through `opd_annotate`), the clipped
-    surrogate's `epsilon_low/high`, `lower_bound_ratio`, `certified_deterministic_forward`, and
-    `loss_type`, `temperature`. The teacher is not part of the objective: its log-probs arrive as
-    `batch.teacher_logp` (see `teacher_logprobs`).
-    """
-    if rl.distillation_mode not in DISTILLATION_MODES:
-        raise ValueError(f"rl.distillation_mode={rl.distillation_mode!r}; expected one of {DISTILLATION_MODES}")
-    if rl.grpo_surrogate != "clipped":
-        raise ValueError(f"rl.grpo_surrogate={rl.grpo_surrogate!r}: OPD trains through the clipped surrogate; "
-                         "use rl.grpo_surrogate=clipped")
-    if rl.importance_sampling_level != "token":
-        raise ValueError("rl.importance_sampling_level=sequence: OPD's advantages are per token; use token")
-    if rl.kl_beta > 0:
-        raise ValueError(f"rl.kl_beta={rl.kl_beta}: OPD has no KL anchor to a reference; set rl.kl_beta=0")
-    if problem := clip_settings_problem(rl.lower_bound_ratio, prefix="rl."):
-        raise ValueError(problem)
-    settings = OPDSettings(
-        distillation_mode=rl.distillation_mode,
-        discount=rl.opd_discount,
-        epsilon_low=rl.epsilon_low,
-        epsilon_high=rl.epsilon_high,
-        lower_bound_ratio=rl.lower_bound_ratio,
-        loss_type=rl.loss_type,
-        max_response_length=context.max_response_length,
-        temperature=rl.temperature,
-    )
-    cache = OldLogpCache(LogprobScorer(rl.temperature),
-                         certified_deterministic_forward=rl.certified_deterministic_forward,
-                             accelerator_atol=rl.certified_forward_atol)
-    return Objective(
-        fn=OPDLoss(settings, cache),
-        reduction=Reduction.TOKEN_SUM,
-        metric_adapter=MetricAdapter(dict(OPD_METRIC_NAMES)),
-        old_logp_cache=cache,
-        reference_scorer=None,
-        identity=opd_identity(rl, context),
-    )
+    """The OPD Objective of an `rl` config section whose `objective` is an `OPD`."""
+    return _opd(rl).build(rl, context)

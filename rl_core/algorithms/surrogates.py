@@ -1,4 +1,4 @@
-"""Policy-gradient surrogates by name (`rl.grpo_surrogate`): a registered function each, not a branch.
+"""Policy-gradient surrogates by name (`rl.objective.surrogate`): a function registered with `@register_surrogate`.
 
 A surrogate maps the current log-probs `ℓ [B, T]`, π_old's `ℓ^old [B, T]` (None when it reads none),
 the advantages (`[B]` or `[B, T]`), the loss mask and the objective's settings to
@@ -8,9 +8,8 @@ the pure functions of `rl_core.primitives.policy_gradient` (docs/objectives.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,28 +34,39 @@ class Surrogate:
     reads_old_logp: bool
 
 
+SURROGATES: dict[str, Surrogate] = {}
+
+
+def register_surrogate(name: str, *, reads_old_logp: bool):
+    """Register `fn(logp, old_logp, advantages, mask, settings)` as the surrogate `name` (`rl.objective.surrogate`)."""
+    def register(fn: SurrogateFn) -> SurrogateFn:
+        if name in SURROGATES:
+            raise ValueError(f"surrogate {name!r} is registered twice")
+        SURROGATES[name] = Surrogate(fn, reads_old_logp)
+        return fn
+    return register
+
+
+@register_surrogate("clipped", reads_old_logp=True)
 def _clipped(logp, old_logp, advantages, mask, s):
+    """PPO's clipped ratio surrogate with the dual clip (token or sequence ratios)."""
     return clipped_policy_gradient_loss(
         logp, old_logp, advantages, mask, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
         lower_bound_ratio=s.lower_bound_ratio,
         importance_sampling_level=getattr(s, "importance_sampling_level", "token"))
 
 
+@register_surrogate("legacy_pg", reads_old_logp=False)
 def _legacy(logp, old_logp, advantages, mask, s):
+    """−A·ℓ: on-policy only, no ratio."""
     return legacy_policy_gradient_loss(logp, advantages, mask), {}
-
-
-SURROGATES: Mapping[str, Surrogate] = MappingProxyType({
-    "clipped": Surrogate(_clipped, reads_old_logp=True),
-    "legacy_pg": Surrogate(_legacy, reads_old_logp=False),
-})
 
 
 def surrogate(name: str) -> Surrogate:
     try:
         return SURROGATES[name]
     except KeyError:
-        raise ValueError(f"rl.grpo_surrogate={name!r}; expected one of {', '.join(SURROGATES)}") from None
+        raise ValueError(f"surrogate {name!r} is not registered; one of {', '.join(SURROGATES)}") from None
 
 
 # The metrics every surrogate-trained objective (GRPO family, OPD) publishes as train/<name>; each

@@ -7,14 +7,15 @@ from rl_core.annotators.shared_prefix import shared_prefix_lengths, shared_prefi
 
 
 def annotate_group_advantages(batch, rl) -> tuple[object, dict[str, float]]:
-    """Apply `rl`'s advantage annotators to a complete-group Trajectory.
+    """Apply the advantage annotators of `rl.objective` (its group-advantage knobs) to a complete-group Trajectory.
 
     Returns `(batch with advantages [B] (and the shared-prefix loss mask), stats)`; stats hold
     `zero_adv_group_frac` and `shared_prefix_masked_frac` (fraction of loss tokens masked).
     """
-    adv = group_advantages(batch.rewards, batch.group_ids, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)
+    knobs = rl.objective
+    adv = group_advantages(batch.rewards, batch.group_ids, unbiased=knobs.unbiased_advantage, eps=knobs.advantage_eps)
     mask = shared_prefix_loss_mask(batch.input_ids, batch.loss_mask, batch.rewards, batch.group_ids,
-                                   rl.shared_prefix_min_tokens)
+                                   knobs.shared_prefix_min_tokens)
     before = float(batch.loss_mask.sum())
     stats = {
         "zero_adv_group_frac": zero_advantage_group_fraction(batch.rewards, batch.group_ids),

@@ -25,32 +25,34 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from rl_core.config.legacy import MOVED_KEYS, moved_key_message, translate
 from rl_core.config.schema import PosttrainConfig
 from rl_core.redact import redact_text, redact_uri
+from rl_core.registry import OBJECTIVES
 
 # Retired keys are unknown keys: nothing is aliased, the error names the replacement.
 RETIRED_KEYS: dict[str, dict[str | None, str]] = {
-    "rl.objective": {
-        "degenerate": "rl.grpo_surrogate=legacy_pg",
-        "clipped": "rl.grpo_surrogate=clipped",
-        None: "rl.grpo_surrogate=clipped|legacy_pg",
+    "rl.objective": {  # once a name, now the objective's section
+        "degenerate": "rl.objective.type=legacy_pg",
+        "clipped": "rl.objective.type=grpo",
+        None: "rl.objective.type=grpo|dr_grpo|gspo|legacy_pg|opd|dpo|custom",
     },
     "model.dtype": {
         "float16": "model.compute_dtype=bfloat16 (float16 without loss scaling is not supported)",
         None: "model.compute_dtype=float32|bfloat16 (parameters and optimizer state are always float32)",
     },
     "rl.objective_mode": {
-        "direct": "rl.distillation_mode=direct",
-        "advantage": "rl.distillation_mode=advantage",
-        None: "rl.distillation_mode=advantage|direct",
+        "direct": "rl.objective.distillation_mode=direct",
+        "advantage": "rl.objective.distillation_mode=advantage",
+        None: "rl.objective.distillation_mode=advantage|direct",
     },
 }
 # Values that name a variant which is a knob of another key, not a value of this one.
 ENUM_HINTS: dict[tuple[str, str], str] = {
-    ("rl.grpo_surrogate", "gspo"): "GSPO is rl.grpo_surrogate=clipped with rl.importance_sampling_level=sequence "
-    "(recipes/gspo_gsm8k.py applies all its knobs)",
-    ("rl.grpo_surrogate", "dr_grpo"): "Dr-GRPO is rl.unbiased_advantage=true with rl.loss_type=seq-mean-token-sum-fixed",
+    ("rl.objective.importance_sampling_level", "sequence"): "sequence-level ratios are GSPO: rl.objective.type=gspo",
+    ("rl.objective.surrogate", "legacy_pg"): "the ratio-free policy gradient is rl.objective.type=legacy_pg",
 }
+OBJECTIVE_KEY = "rl.objective"
 
 
 class ConfigError(ValueError):
@@ -76,17 +78,31 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def objective_keys() -> dict[str, Any]:
+    """The keys of `rl.objective`: every objective class's fields (the first class that declares one)."""
+    fields: dict[str, Any] = {}
+    for cls in OBJECTIVES.values():
+        for name, field in cls.model_fields.items():
+            fields.setdefault(name, field)
+    return fields
+
+
 def all_keys(model: type[BaseModel] = PosttrainConfig, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the config tree, e.g. `rl.optimizer.lr`."""
+    """Every dotted leaf key of the config tree, e.g. `rl.optimizer.lr` (`rl.objective.*`: of every objective)."""
     keys: list[str] = []
     for name, field in _section_fields(model).items():
         sub = _submodel(field.annotation)
         dotted = f"{prefix}{name}"
-        keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
+        if dotted == OBJECTIVE_KEY:
+            keys.extend(f"{dotted}.{k}" for k in objective_keys())
+        else:
+            keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
     return keys
 
 
 def _field_for(dotted: str) -> Any | None:
+    if dotted.startswith(OBJECTIVE_KEY + "."):
+        return objective_keys().get(dotted[len(OBJECTIVE_KEY) + 1:])
     model: type[BaseModel] | None = PosttrainConfig
     field = None
     for part in dotted.split("."):
@@ -110,6 +126,8 @@ def closest_keys(dotted: str, n: int = 3) -> list[str]:
 
 
 def _unknown_key_message(dotted: str, value: Any) -> str:
+    if dotted in MOVED_KEYS:
+        return moved_key_message(dotted, value)
     if dotted in RETIRED_KEYS:
         table = RETIRED_KEYS[dotted]
         repl = table.get(str(value) if value is not None else None) or table[None]
@@ -172,11 +190,21 @@ def parse_dotlist(overrides: Iterable[str]) -> list[tuple[str, Any, str]]:
 
 
 def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err["loc"])
+    parts = [str(p) for p in err["loc"]]
+    if parts[:2] == ["rl", "objective"] and len(parts) > 2 and parts[2] in OBJECTIVES:
+        del parts[2]  # the union's tag: the key is rl.objective.<field> whatever the type
+    loc = ".".join(parts)
     value = err.get("input")
     kind = err["type"]
     ctx = err.get("ctx", {}) or {}
     shown = redact_uri(repr(value))  # never echo credentials embedded in a URI
+    if kind == "extra_forbidden" and loc.startswith(OBJECTIVE_KEY + ".") and loc not in MOVED_KEYS:
+        known = objective_keys()
+        owners = [t for t, c in OBJECTIVES.items() if loc.rsplit(".", 1)[-1] in c.model_fields]
+        if loc.rsplit(".", 1)[-1] in known:
+            return (f"{loc}={shown}: not a knob of {err['loc'][2] if len(err['loc']) > 2 else 'this objective'} "
+                    f"(read by rl.objective.type={'|'.join(owners)}); remove it")
+        return _unknown_key_message(loc, value)
     if kind == "extra_forbidden":
         return _unknown_key_message(loc, value)
     if isinstance(value, bool) and kind in ("int_type", "float_type"):
@@ -185,6 +213,10 @@ def _describe(err: dict) -> str:
         if math.isfinite(value) and value != int(value):
             return f"{loc}={shown}: fractional value for an integer field"
         return f"{loc}={shown}: expected an integer"
+    if loc == OBJECTIVE_KEY and isinstance(value, str):  # a name where the section goes
+        return _unknown_key_message(loc, value).replace(": retired key;", ": retired value;")
+    if kind == "value_error" and loc == OBJECTIVE_KEY:  # an objective's own rule: its message starts "<knob>=..."
+        return f"{loc}.{err['msg'].removeprefix('Value error, ')}"
     if kind == "finite_number":
         return f"{loc}={shown}: NaN and infinity are not allowed"
     if kind == "literal_error":
@@ -214,15 +246,17 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> bool:
 
 def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | None = None) -> PosttrainConfig:
     """Validate a plain dict (e.g. a parsed config_resolved.yaml) plus overrides, strictly."""
-    data = json.loads(json.dumps(data))  # deep copy, plain types only
+    data = translate(json.loads(json.dumps(data)))  # deep copy, plain types only, in the current shape
     problems: list[str] = []
     for key, value, raw in parse_dotlist(overrides):
-        if key in RETIRED_KEYS or _field_for(key) is None:
+        if (key in RETIRED_KEYS and key != OBJECTIVE_KEY) or key in MOVED_KEYS or _field_for(key) is None:
             problems.append(_unknown_key_message(key, raw))
             continue
         if _submodel(_field_for(key).annotation) is not None:
             problems.append(f"{key}: is a section; set one of its keys, e.g. {all_keys(_submodel(_field_for(key).annotation), key + '.')[0]}")
             continue
+        if key == OBJECTIVE_KEY + ".type":
+            _switch_objective(data, value)
         _set_dotted(data, key, value)
     try:
         cfg = PosttrainConfig.model_validate(data)
@@ -232,6 +266,33 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | No
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def _switch_objective(data: dict, kind: Any) -> None:
+    """`rl.objective.type=<other>` on a config whose objective is of another type: keep the knobs the recipe set
+    (values other than their type's default) that the new type also has; the rest take the new type's defaults."""
+    rl = data.get("rl")
+    old = rl.get("objective") if isinstance(rl, dict) else None
+    if not isinstance(old, dict) or old.get("type") == kind or kind not in OBJECTIVES:
+        return
+    before = OBJECTIVES.get(old.get("type"))
+    after = OBJECTIVES[kind].model_fields
+    rl["objective"] = {k: v for k, v in old.items() if k in after and k != "type" and before is not None
+                       and k in before.model_fields and v != before.model_fields[k].default}
+
+
+SECTION_OF = {"JobConfig": "job", "RLConfig": "rl"}
+
+
+def _moved_key_in(exc: Exception) -> str | None:
+    """A recipe that sets an old key (`cfg.job.algorithm = ...`) fails inside build_config: name the new key."""
+    if not isinstance(exc, ValidationError):
+        return None
+    for e in exc.errors():
+        dotted = f"{SECTION_OF.get(exc.title, '?')}.{e['loc'][0] if e['loc'] else ''}"
+        if e["type"] == "no_such_attribute" and dotted in MOVED_KEYS:
+            return moved_key_message(dotted, e.get("input"))
+    return None
 
 
 def load_recipe_module(recipe_path: str | os.PathLike):
@@ -259,7 +320,14 @@ def load_config(recipe_path: str | os.PathLike, overrides: Iterable[str] = ()) -
         if not path.is_file():
             raise ConfigError([f"config {str(path)!r}: no such file"])
         return config_from_dict(yaml.safe_load(path.read_text()) or {}, overrides, str(path))
-    base = load_recipe_module(path).build_config()
+    module = load_recipe_module(path)
+    try:
+        base = module.build_config()
+    except ValueError as exc:
+        moved = _moved_key_in(exc)
+        if moved is None:
+            raise
+        raise ConfigError([moved], str(path)) from None
     if not isinstance(base, PosttrainConfig):
         raise ConfigError([f"recipe {str(path)!r}: build_config() returned {type(base).__name__}, not PosttrainConfig"])
     # Re-validate the recipe's own values too: assignment inside a recipe is validated, but a

@@ -1,8 +1,9 @@
 """Preflight (docs/config.md): cross-field rules checked before any placement or model construction.
 
-Errors: the temperature contract, knobs that the selected objective never reads set to non-default
-values, group size, batch divisibility. Warnings: knobs that are honoured but inert or risky; each
-distinct warning is emitted once per process through `logging` and `warnings`.
+Errors: the temperature contract, group size, batch divisibility, placement; what involves the
+objective and another section is the objective class's own `check` (rl_core/algorithms/), called
+from here. Warnings: knobs that are honoured but inert or risky; each distinct warning is emitted
+once per process through `logging` and `warnings`.
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 
-from rl_core.config.schema import PosttrainConfig, RLConfig
+from rl_core.config.schema import PosttrainConfig
 from rl_core.lora import lora_problems
-from rl_core.primitives.policy_gradient import clip_settings_problem
-from rl_core.registry import ALGORITHMS, algorithm, names, user_code_problems
+from rl_core.user_code import user_code_problems
 
 log = logging.getLogger("posttrain.preflight")
-_RL_DEFAULTS = RLConfig()
 _EMITTED: set[str] = set()
-OPD_ADVANTAGE_ONLY_KNOBS = ("opd_kl_coef", "opd_task_reward_weight")
 
 
 class PreflightWarning(UserWarning):
@@ -44,7 +42,7 @@ class PreflightReport:
 
 def rows_per_prompt(cfg: PosttrainConfig) -> int:
     """Training rows per prompt: `rollout.n` completions, or DPO's two rows (chosen, rejected) per pair."""
-    return 2 if cfg.job.algorithm == "dpo" else cfg.rollout.n
+    return cfg.rl.objective.rows_per_prompt(cfg.rollout.n)
 
 
 def per_replica_batch(cfg: PosttrainConfig) -> int:
@@ -87,7 +85,7 @@ TEACHER_GPU_SHARE = 0.01
 
 def teacher_replicas(cfg: PosttrainConfig) -> int:
     """OPD teacher replicas: `cluster.teacher_replicas`, default one per trainer rank; 0 for a run without a teacher."""
-    if algorithm(cfg.job.algorithm).topology != "teacher":
+    if cfg.rl.objective.topology != "teacher":
         return 0
     return cfg.cluster.teacher_replicas or cfg.cluster.num_workers
 
@@ -110,140 +108,49 @@ def num_mini_batches(cfg: PosttrainConfig) -> int:
     return max(per // mini, 1) if per else 1
 
 
-def _non_default(rl: RLConfig, name: str) -> bool:
-    return getattr(rl, name) != getattr(_RL_DEFAULTS, name)
-
-
-def _show(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _matching(knob: str, value: object) -> str:
-    """The registered algorithms whose `requires` accepts rl.<knob>=value (for the error's hint)."""
-    fits = [n for n, s in ALGORITHMS.items() if s.requires.get(knob, value) == value]
-    return "one of " + ", ".join(fits) if fits else "none is registered"
-
-
 def preflight(cfg: PosttrainConfig) -> PreflightReport:
     rep = PreflightReport()
     err, warn = rep.errors.append, rep.warnings.append
-    rl, ro, algo = cfg.rl, cfg.rollout, cfg.job.algorithm
-    sequence = rl.importance_sampling_level == "sequence"
-    clipped = rl.grpo_surrogate == "clipped"
-    opd_advantage = algo == "opd" and rl.distillation_mode == "advantage"
-    opd_direct = algo == "opd" and rl.distillation_mode == "direct"
-    n_mini = num_mini_batches(cfg)
-    spec = algorithm(algo)
+    rl, ro, cl, objective = cfg.rl, cfg.rollout, cfg.cluster, cfg.rl.objective
+    kind, topology = objective.type, objective.topology
 
-    # -- the registry's rules: what job.algorithm fixes, owns and never reads (rl_core/registry.py)
-    for knob, required in spec.requires.items():
-        if getattr(rl, knob) != required:
-            err(f"rl.{knob}={_show(getattr(rl, knob))}: job.algorithm={algo} requires rl.{knob}={_show(required)}; set "
-                f"it, or pick the job.algorithm that matches ({_matching(knob, getattr(rl, knob))})")
-    for other in ALGORITHMS.values():
-        if other.name != algo:
-            for knob in other.owns:
-                if _non_default(rl, knob):
-                    err(f"rl.{knob}={getattr(rl, knob)!r}: only read by job.algorithm={other.name}")
-    for knob in spec.unread:
-        if _non_default(rl, knob):
-            err(f"rl.{knob}={getattr(rl, knob)!r}: not read by job.algorithm={algo} ({spec.summary}); remove it")
-    rep.errors.extend(user_code_problems(cfg))  # rl.custom_objective / data.custom_reward: imported and checked
+    objective.check(cfg, err, warn)  # what involves the objective and another section (rl_core/algorithms/)
+    rep.errors.extend(user_code_problems(cfg))  # data.rewards / data.task by import path: imported and checked
 
     # -- the temperature contract
-    if algo != "dpo":
-        if clipped and ro.temperature != rl.temperature:
-            err(f"rollout.temperature={ro.temperature} != rl.temperature={rl.temperature}: the clipped surrogate "
-                "compares sampling and training log-probs, which must use the same temperature; set both equal")
-        if not clipped:
-            if ro.temperature != 1.0:
-                err(f"rollout.temperature={ro.temperature}: rl.grpo_surrogate=legacy_pg needs rollout.temperature=1.0")
-            if _non_default(rl, "temperature"):
-                err(f"rl.temperature={rl.temperature}: rl.grpo_surrogate=legacy_pg reads no rl.temperature; leave it at "
-                    f"its default {_RL_DEFAULTS.temperature}")
-
-    # -- knobs the selected objective never reads
-    if not clipped:
-        for knob in ("importance_sampling_level", "epsilon_low", "epsilon_high", "lower_bound_ratio",
-                     "certified_deterministic_forward", "certified_forward_atol"):
-            if _non_default(rl, knob):
-                err(f"rl.{knob}={getattr(rl, knob)!r}: not read by rl.grpo_surrogate=legacy_pg (no ratio, no clip, no "
-                    f"pi_old); remove it or use rl.grpo_surrogate=clipped")
-        if n_mini > 1:
-            err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
-                "rl.grpo_surrogate=legacy_pg is on-policy only (one update per rollout); remove it or use clipped")
+    if topology != "offline" and objective.reads_old_logp and ro.temperature != rl.temperature:
+        err(f"rollout.temperature={ro.temperature} != rl.temperature={rl.temperature}: rl.objective.type={kind} "
+            "compares sampling and training log-probs, which must use the same temperature; set both equal")
     if rl.async_steps:
-        if spec.topology != "on_policy":
-            err(f"rl.async_steps={rl.async_steps}: only the GRPO family's step loop overlaps rollout and training, not "
-                f"job.algorithm={algo}; set rl.async_steps=0")
-        elif not clipped:
-            err(f"rl.async_steps={rl.async_steps}: a stale batch needs the importance ratio against the rollout's "
-                "log-probs, which rl.grpo_surrogate=legacy_pg does not have; use rl.grpo_surrogate=clipped "
-                "(job.algorithm=grpo) or rl.async_steps=0")
-        if cfg.cluster.placement != "separate":
-            err(f"rl.async_steps={rl.async_steps} with cluster.placement={cfg.cluster.placement}: colocated engines run "
+        if topology != "on_policy":
+            err(f"rl.async_steps={rl.async_steps}: only the on-policy step loop overlaps rollout and training, not "
+                f"rl.objective.type={kind}; set rl.async_steps=0")
+        if cl.placement != "separate":
+            err(f"rl.async_steps={rl.async_steps} with cluster.placement={cl.placement}: colocated engines run "
                 "inside the trainer actors, which serve one call at a time, so nothing would overlap; set "
                 "cluster.placement=separate")
-        if rl.certified_deterministic_forward:
-            err("rl.certified_deterministic_forward=true with rl.async_steps: pi_old of a stale batch is the rollout's "
-                "log-probs, not a trainer forward that could be certified; turn one of them off")
-    if clipped and (problem := clip_settings_problem(rl.lower_bound_ratio, rl.importance_sampling_level, "rl.")):
-        err(problem)
-    if sequence and opd_advantage:
-        err("rl.importance_sampling_level=sequence: OPD's advantage mode gives per-token advantages, which a sequence "
-            "ratio cannot take; use rl.importance_sampling_level=token")
-    if rl.kl_beta == 0 and algo != "dpo":
-        for knob in ("kl_estimator", "reference"):
-            if _non_default(rl, knob):
-                err(f"rl.{knob}={getattr(rl, knob)!r}: not read while rl.kl_beta=0; set rl.kl_beta > 0 or remove it")
-    if opd_direct:
-        for knob in ("unbiased_advantage", "advantage_eps", "shared_prefix_min_tokens") + OPD_ADVANTAGE_ONLY_KNOBS:
-            if _non_default(rl, knob):
-                err(f"rl.{knob}={getattr(rl, knob)!r}: an advantage knob, not read by rl.distillation_mode=direct")
-    if spec.topology != "teacher" and cfg.model.teacher is not None:
-        err(f"model.teacher={cfg.model.teacher!r}: only read by job.algorithm={','.join(names(topology='teacher'))} "
-            "(the teacher role)")
-    if algo == "opd":
-        if opd_advantage and _non_default(rl, "shared_prefix_min_tokens"):
-            err(f"rl.shared_prefix_min_tokens={rl.shared_prefix_min_tokens}: not read by OPD (the teacher's "
-                "per-token signal is not shared across a group's common prefix)")
-        if opd_advantage and rl.opd_task_reward_weight == 0:
-            for knob in ("unbiased_advantage", "advantage_eps"):
-                if _non_default(rl, knob):
-                    err(f"rl.{knob}={getattr(rl, knob)!r}: a group-advantage knob, only read by OPD when "
-                        "rl.opd_task_reward_weight > 0")
-    if algo == "dpo" and rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
-        err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
-            "pairs, so a micro-batch must hold an even number of rows")
+    if rl.reference is not None and not objective.reads_reference:
+        err(f"rl.reference={rl.reference!r}: not read by rl.objective.type={kind} without a KL anchor; set "
+            "rl.objective.kl_beta > 0 or remove it")
+    if topology != "teacher" and cfg.model.teacher is not None:
+        err(f"model.teacher={cfg.model.teacher!r}: only read by an objective with a teacher (rl.objective.type=opd)")
     if rl.micro_batch_max_tokens is not None and rl.micro_batch_max_tokens <= ro.max_tokens:
         err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: a micro-batch must hold at least one whole row, "
             f"a prompt plus up to rollout.max_tokens={ro.max_tokens} response tokens; set it above the longest prompt "
             "+ rollout.max_tokens")
-    if algo == "dpo" and rl.micro_batch_max_tokens is not None:
-        err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a chunk "
-            "(Reduction.MEAN), so its chunks must hold equal numbers of pairs; use rl.micro_batch_per_replica")
     rep.errors.extend(data_problems(cfg))
 
-    if _non_default(rl, "certified_forward_atol") and not rl.certified_deterministic_forward:
-        err(f"rl.certified_forward_atol={rl.certified_forward_atol:g}: read only with "
-            "rl.certified_deterministic_forward=true; set that, or remove this")
-
     # -- group size and batch shape
-    if spec.group_relative and ro.n < 2 and not opd_direct:
-        err(f"rollout.n={ro.n}: group-relative advantages need at least 2 completions per prompt")
+    if ro.n < objective.min_group_size:
+        err(f"rollout.n={ro.n}: group-relative advantages need at least {objective.min_group_size} completions per "
+            "prompt")
     total = ro.prompts_per_step * rows_per_prompt(cfg)
-    if algo == "dpo" and ro.prompts_per_step % cfg.cluster.num_workers:
-        err(f"rollout.prompts_per_step={ro.prompts_per_step} (DPO: pairs per step) does not split into whole pairs "
-            f"across cluster.num_workers={cfg.cluster.num_workers}")
-    elif total % cfg.cluster.num_workers:
-        err(f"rollout.prompts_per_step x rollout.n = {total} completions do not split evenly across "
-            f"cluster.num_workers={cfg.cluster.num_workers}")
+    if total % cl.num_workers:
+        err(f"rollout.prompts_per_step x {rows_per_prompt(cfg)} rows = {total} rows do not split evenly across "
+            f"cluster.num_workers={cl.num_workers}")
     else:
-        per = total // cfg.cluster.num_workers
+        per = total // cl.num_workers
         mini = rl.mini_batch_per_replica or per
-        if algo == "dpo" and mini % 2:
-            err(f"rl.mini_batch_per_replica={mini}: DPO rows come in (chosen, rejected) pairs, so a mini-batch must "
-                "hold an even number of rows")
         if per % mini:
             err(f"rl.mini_batch_per_replica={mini} does not divide the {per} completions per worker "
                 f"(prompts_per_step x n / num_workers)")
@@ -252,7 +159,6 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
                 "completions per worker")
 
     # -- placement
-    cl = cfg.cluster
     if cl.placement == "colocated" and ro.num_engines not in (None, cl.num_workers):
         err(f"rollout.num_engines={ro.num_engines} with cluster.placement=colocated: colocated engines are one per "
             f"trainer rank (cluster.num_workers={cl.num_workers}); leave rollout.num_engines unset, or set "
@@ -270,14 +176,14 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         err(f"cluster.gpus_per_engine={cl.gpus_per_engine:g} with rollout.backend={ro.backend}: the HF engine runs on "
             "one GPU; an engine over several GPUs is vLLM with tensor_parallel_size=cluster.gpus_per_engine "
             "(rollout.backend=vllm), or set cluster.gpus_per_engine=1")
-    if spec.topology != "teacher" and cl.teacher_replicas is not None:
-        err(f"cluster.teacher_replicas={cl.teacher_replicas}: only read by job.algorithm="
-            f"{','.join(names(topology='teacher'))} (the teacher role); remove it")
-    if spec.topology == "teacher" and cl.gpus_per_worker > 1:
-        err(f"cluster.gpus_per_worker={cl.gpus_per_worker:g} with job.algorithm={algo}: the teacher replicas share a "
-            "trainer rank's GPU, and Ray splits a GPU between actors only below one whole GPU; use "
+    if topology != "teacher" and cl.teacher_replicas is not None:
+        err(f"cluster.teacher_replicas={cl.teacher_replicas}: only read by an objective with a teacher "
+            "(rl.objective.type=opd); remove it")
+    if topology == "teacher" and cl.gpus_per_worker > 1:
+        err(f"cluster.gpus_per_worker={cl.gpus_per_worker:g} with rl.objective.type={kind}: the teacher replicas share "
+            "a trainer rank's GPU, and Ray splits a GPU between actors only below one whole GPU; use "
             "cluster.gpus_per_worker=1")
-    elif spec.topology == "teacher" and 0 < cl.gpus_per_worker <= teachers_per_rank(cfg) * TEACHER_GPU_SHARE:
+    elif topology == "teacher" and 0 < cl.gpus_per_worker <= teachers_per_rank(cfg) * TEACHER_GPU_SHARE:
         err(f"cluster.teacher_replicas={teacher_replicas(cfg)} on cluster.num_workers={cl.num_workers} ranks of "
             f"cluster.gpus_per_worker={cl.gpus_per_worker:g}: {teachers_per_rank(cfg)} teacher(s) per rank leave the "
             "rank no GPU share in Ray; lower cluster.teacher_replicas or raise cluster.gpus_per_worker")
@@ -306,24 +212,6 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     if ro.backend == "vllm" and cl.placement == "colocated" and cl.gpus_per_worker == 0:
         warn("rollout.backend=vllm with cluster.placement=colocated on CPU: vLLM's CPU build then runs inside the "
              "trainer process, which it changes (thread binding, the global seed); prefer cluster.placement=separate")
-    if clipped and sequence:
-        if n_mini == 1:
-            warn("rl.importance_sampling_level=sequence at one update per batch (n_mini=1) is inert: on-policy both "
-                 "levels give the same value and gradient; set rl.mini_batch_per_replica to take several updates")
-        if max(rl.epsilon_low, rl.epsilon_high) >= 0.05:
-            warn(f"rl.epsilon_low/high={rl.epsilon_low}/{rl.epsilon_high} are token-scale; sequence ratios want "
-                 "~3e-4/4e-4 (GSPO paper)")
-        if rl.loss_type != "seq-mean-token-mean":
-            warn(f"rl.loss_type={rl.loss_type}: a sequence ratio under a token-weighted reduction weights sequences "
-                 "by length; GSPO's setting is seq-mean-token-mean")
-    if clipped and ro.top_p < 1 and algo != "dpo":
-        warn(f"rollout.top_p={ro.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
-             "truncated distribution the trainer does not model")
-    if algo == "dpo" and ro.max_logp_abs_diff is not None:
-        err(f"rollout.max_logp_abs_diff={ro.max_logp_abs_diff:g}: job.algorithm=dpo samples nothing, so there is no "
-            "sampler-vs-trainer log-prob gap to bound; remove it")
-    if opd_direct:
-        warn("rl.distillation_mode=direct: task reward and group advantage are logged but are not training signals")
     return rep
 
 

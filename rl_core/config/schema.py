@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from rl_core.algorithms.grpo import GRPO
+from rl_core.config.legacy import translate, translate_rl
 from rl_core.redact import has_userinfo
-
-LossType = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
-LOSS_TYPES: tuple[str, ...] = LossType.__args__  # type: ignore[attr-defined]
+from rl_core.registry import ObjectiveSpec
 
 
 class _Section(BaseModel):
@@ -25,16 +25,6 @@ class _Section(BaseModel):
 
 
 class JobConfig(_Section):
-    algorithm: str = Field("grpo", description="A name in rl_core.registry.ALGORITHMS (grpo, dr_grpo, gspo, legacy_pg, opd, dpo): selects the objective, the rl knobs it fixes and the step loop that runs it.")
-
-    @field_validator("algorithm")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from rl_core.registry import ALGORITHMS
-
-        if value not in ALGORITHMS:
-            raise ValueError(f"{value!r} is not a registered algorithm; one of: {', '.join(ALGORITHMS)}")
-        return value
     name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
     out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="The one seed behind data order, sampling and initialisation (< 2^32).")
@@ -96,36 +86,24 @@ class ValidationConfig(_Section):
 
 
 class RLConfig(_Section):
-    grpo_surrogate: Literal["clipped", "legacy_pg"] = Field("clipped", description="Policy-gradient surrogate (docs/objectives.md).")
-    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Ratio level of the clipped surrogate; 'sequence' is GSPO (docs/objectives.md).")
-    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip range: ratio >= 1 - epsilon_low.")
-    epsilon_high: float = Field(0.2, gt=0, description="Upper clip range: ratio <= 1 + epsilon_high.")
-    lower_bound_ratio: float = Field(3.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 disables.")
-    loss_type: LossType = Field("token-mean", description="Reduction of per-token losses over the step (docs/objectives.md).")
-    unbiased_advantage: bool = Field(False, description="Dr-GRPO advantages r - mean instead of (r - mean)/(std + eps).")
-    advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in the advantage denominator.")
+    objective: ObjectiveSpec = Field(default_factory=GRPO, description="The objective and its knobs, told apart by type: grpo, dr_grpo, gspo, legacy_pg, opd, dpo or custom (docs/objectives.md).")
     temperature: float = Field(1.0, gt=0, description="Temperature of the trainer's log-probs log_softmax(logits / T).")
-    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL anchor to the reference; 0 disables it.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (docs/objectives.md).")
     reference: str | None = Field(None, description="Reference model for the KL anchor/DPO; None is a frozen copy of the initial policy.")
-    shared_prefix_min_tokens: int = Field(0, ge=0, description="Mask shared group prefixes at least this long whose rewards differ; 0 disables.")
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
     micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch. With rl.micro_batch_max_tokens: the most rows of one chunk.")
     micro_batch_max_tokens: int | None = Field(None, gt=0, description="Token budget of one forward/backward chunk per worker (verl's ppo_max_token_len_per_gpu): rows grouped by length, rows x longest row <= this many unpadded tokens; at least the longest prompt + response. None: chunks of rl.micro_batch_per_replica rows. Not for DPO (its mean over pairs needs equal chunks).")
-    certified_deterministic_forward: bool = Field(False, description="Check that the pi_old pass and the first training forward agree: bit for bit on CPU, within rl.certified_forward_atol on a GPU.")
-    certified_forward_atol: float = Field(1e-5, ge=0, allow_inf_nan=False, description="rl.certified_deterministic_forward on a GPU: the largest |difference| of a token's log-prob between the two forwards (CUDA kernels need not give bitwise-equal results); CPU checks are always bitwise.")
     async_steps: int = Field(0, ge=0, le=1, description="1 overlaps rollout with training: step k+1's batch is sampled with policy version k-1 while step k trains, so each batch after the first is one version stale and pi_old is the rollout's log-probs (behaviour policy); 0 is on-policy. Needs cluster.placement=separate and the clipped surrogate.")
     max_steps: int = Field(100, gt=0, description="Training steps (one rollout batch each).")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     resume: Literal["off", "auto", "must"] = Field("auto", description="auto: continue from the newest valid checkpoint; must: fail without one; off: start fresh.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out evaluation cadence.")
-    distillation_mode: Literal["advantage", "direct"] = Field("advantage", description="OPD: teacher signal as per-token advantage, or direct reverse-KL minimisation.")
-    opd_kl_coef: float = Field(1.0, gt=0, description="OPD advantage mode: per-token advantage -opd_kl_coef * (logp - teacher_logp).")
-    opd_discount: float = Field(0.0, ge=0, le=1, description="OPD: discount over future tokens' teacher log-ratios; 0 is per token, 1 the undiscounted sum to the end.")
-    opd_task_reward_weight: float = Field(0.0, ge=0, description="OPD advantage mode: weight of the task-reward group advantage added to the teacher advantage; 0 disables.")
-    dpo_beta: float = Field(0.1, gt=0, description="DPO: beta of the implicit reward beta * (logp - ref_logp) of a response.")
-    custom_objective: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", description="Your own objective: 'package.module:build_objective', called as build_objective(rl, context) -> Objective in place of job.algorithm's (which still picks the step loop); see docs/objectives.md.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_shape(cls, data):
+        """A section of the flat shape (objective knobs directly under rl) loads through the one translation."""
+        return translate_rl(data) if isinstance(data, dict) else data
 
 
 IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
@@ -207,6 +185,13 @@ class PosttrainConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_shape(cls, data):
+        """A saved config of the flat shape (`job.algorithm`, objective knobs under rl) loads through the one
+        translation (rl_core/config/legacy.py)."""
+        return translate(data) if isinstance(data, dict) else data
 
     @property
     def run_dir(self) -> str:

@@ -7,12 +7,14 @@ Every function keeps the dtype of `logp` (tests run them in float64).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd.function import once_differentiable
 
 LOG_RATIO_CLAMP = 20.0  # ρ = exp(clamp(ℓ − ℓ_old, −20, 20)): keeps exp finite for any log-prob gap
 SEQUENCE_LOG_RATIO_MAX = 10.0  # GSPO: λ ≤ 10, from above only
-LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed")
+LOSS_TYPES: list[str] = []  # filled by @loss_reduction below
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -262,6 +264,56 @@ def legacy_policy_gradient_loss(logp: torch.Tensor, advantages: torch.Tensor, ma
     return -_broadcast_advantages(advantages, logp) * logp
 
 
+# loss_type -> `reduce(seq_sum [B], lengths [B], max_response_length) -> (numerator, weight)`, registered with
+# `@loss_reduction(name)` next to its formula; `LOSS_TYPES` lists them in registration order.
+REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def loss_reduction(name: str):
+    """Register a loss reduction under `loss_type=name` (the config validates against the registered names)."""
+    def register(fn):
+        if name in REDUCTIONS:
+            raise ValueError(f"loss_type={name!r} is registered twice")
+        REDUCTIONS[name] = fn
+        LOSS_TYPES.append(name)
+        return fn
+    return register
+
+
+def _sequences_with_tokens(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    has_tokens = lengths > 0
+    return has_tokens, has_tokens.to(lengths.dtype).sum()
+
+
+@loss_reduction("token-mean")
+def _token_mean(seq_sum, lengths, max_response_length):
+    """numerator Σ_i S_i, weight Σ_i L_i."""
+    return seq_sum.sum(), lengths.sum()
+
+
+@loss_reduction("seq-mean-token-mean")
+def _seq_mean_token_mean(seq_sum, lengths, max_response_length):
+    """numerator Σ_{i: L_i>0} S_i / L_i, weight B."""
+    has_tokens, n_seq = _sequences_with_tokens(lengths)
+    return torch.where(has_tokens, seq_sum / lengths.clamp_min(1), 0.0).sum(), n_seq
+
+
+@loss_reduction("seq-mean-token-sum")
+def _seq_mean_token_sum(seq_sum, lengths, max_response_length):
+    """numerator Σ_i S_i, weight B."""
+    return seq_sum.sum(), _sequences_with_tokens(lengths)[1]
+
+
+@loss_reduction("seq-mean-token-sum-fixed")
+def _seq_mean_token_sum_fixed(seq_sum, lengths, max_response_length):
+    """numerator Σ_i S_i / max_len (the fixed divisor rollout.max_tokens), weight B."""
+    n_seq = _sequences_with_tokens(lengths)[1]
+    if max_response_length is None or max_response_length <= 0:
+        raise ValueError("loss_type='seq-mean-token-sum-fixed' needs max_response_length (= rollout.max_tokens) > 0, "
+                         f"got {max_response_length!r}")
+    return seq_sum.sum() / max_response_length, n_seq
+
+
 def reduce_policy_gradient_loss(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -285,27 +337,14 @@ def reduce_policy_gradient_loss(
     """
     if mask.shape != per_token_loss.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(per_token_loss.shape)}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; expected one of {LOSS_TYPES}")
+    reduce = REDUCTIONS.get(loss_type)
+    if reduce is None:
+        raise ValueError(f"loss_type={loss_type!r}; expected one of {tuple(LOSS_TYPES)}")
     m = _float_mask(mask, per_token_loss)
     # a bool mask is 1 on every loss token: M · loss = loss there, exactly, so the product is skipped
     weighted = per_token_loss if mask.dtype == torch.bool else per_token_loss * m
     masked = torch.where(_loss_tokens(mask, m), weighted, 0.0)
-    seq_sum = masked.sum(-1)  # S_i
-    lengths = m.sum(-1)  # L_i
-    if loss_type == "token-mean":
-        return seq_sum.sum(), lengths.sum()
-    has_tokens = lengths > 0
-    n_seq = has_tokens.to(per_token_loss.dtype).sum()
-    if loss_type == "seq-mean-token-mean":
-        per_seq = torch.where(has_tokens, seq_sum / lengths.clamp_min(1), 0.0)
-        return per_seq.sum(), n_seq
-    if loss_type == "seq-mean-token-sum":
-        return seq_sum.sum(), n_seq
-    if max_response_length is None or max_response_length <= 0:
-        raise ValueError("loss_type='seq-mean-token-sum-fixed' needs max_response_length (= rollout.max_tokens) > 0, "
-                         f"got {max_response_length!r}")
-    return seq_sum.sum() / max_response_length, n_seq
+    return reduce(masked.sum(-1), m.sum(-1), max_response_length)  # S_i, L_i
 
 
 def sampled_batch_diagnostics(logp: torch.Tensor, rollout_logp: torch.Tensor, entropy: torch.Tensor,

@@ -162,7 +162,7 @@ def score(functions: Sequence[RewardFunction], inputs: RewardInputs) -> tuple[li
 
 def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
     """`data.rewards` (imported and checked), or the task's own rewards when it is empty."""
-    from rl_core.registry import REWARD_PARAMS, load_callable
+    from rl_core.user_code import REWARD_PARAMS, load_callable
 
     if not data.rewards:
         if task is None:

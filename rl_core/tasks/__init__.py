@@ -103,7 +103,7 @@ def get_task(name: str) -> Task:
             raise ValueError(f"data.task={name!r} is not a built-in task ({', '.join(sorted(TASKS))}) nor an "
                              "import path 'package.module:TASK' of your own")
         return TASKS[name]
-    from rl_core.registry import load_object
+    from rl_core.user_code import load_object
 
     obj = load_object(name, "data.task")
     if isinstance(obj, type) and issubclass(obj, Task):

@@ -16,7 +16,7 @@ from tests.conftest import recipe
 
 pytestmark = pytest.mark.slow
 
-CLIPPED = ["job.algorithm=grpo", "rl.grpo_surrogate=clipped", "rollout.prompts_per_step=8", "rollout.n=4",
+CLIPPED = ["rl.objective.type=grpo", "rollout.prompts_per_step=8", "rollout.n=4",
            "rl.validation.before_training=false", "rl.validation.every_steps=0", "rl.validation.max_prompts=8",
            "rl.resume=auto"]
 ASYNC = [*CLIPPED, "cluster.placement=separate", "rollout.num_engines=1", "rl.async_steps=1"]

@@ -91,7 +91,7 @@ def test_gpu_recipe_without_gpu_fails_preflight_naming_the_fix(monkeypatch):
 
 
 def test_environment_is_probed_only_after_the_config_is_clean():
-    cfg = load_config(recipe("gspo_gsm8k"), ["rl.lower_bound_ratio=3", "rollout.temperature=0.5"])
+    cfg = load_config(recipe("gspo_gsm8k"), ["model.teacher=artifacts/teacher", "rollout.temperature=0.5"])
     with pytest.raises(ConfigError) as info:
         check(cfg)
     assert len(info.value.problems) == 2 and not any("GPU" in p for p in info.value.problems)
@@ -523,7 +523,7 @@ def test_import_paths_models_and_endpoints_are_refused_from_the_api(services, de
     listener = Listener()
     try:
         there = f"127.0.0.1:{listener.port}"
-        refused = ["data.rewards=[{path: 'timeit:timeit'}]", "data.task=timeit:Timer", "rl.custom_objective=timeit:timeit",
+        refused = ["data.rewards=[{path: 'timeit:timeit'}]", "data.task=timeit:Timer", "rl.objective.import_path=timeit:timeit",
                    "model.name_or_path=/tmp/model", "rl.reference=/tmp/model", f"cluster.address=ray://{there}",
                    f"tracking.mlflow_uri=http://{there}", f"tracking.checkpoint_uri=s3://bucket/{there}",
                    "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd"]
@@ -670,7 +670,7 @@ def test_deployment_parameters_run_project_recipes_only_and_overrides_from_an_al
     # code, models, data, endpoints (the worker's credentials go there), outputs and pruning: not from the API
     unsafe = ["model.trust_remote_code=true", "job.out_dir=/", " job.overwrite = true", "data.task=timeit:Timer",
               "data.rewards=[{path: 'timeit:timeit'}]",
-              "rl.custom_objective=timeit:timeit", "model.name_or_path=/x", "model.teacher=/x", "rl.reference=/x",
+              "rl.objective.import_path=timeit:timeit", "model.name_or_path=/x", "model.teacher=/x", "rl.reference=/x",
               "cluster.address=ray://evil:10001", "tracking.mlflow_uri=http://evil", "tracking.checkpoint_uri=s3://b/p",
               "tracking.keep_checkpoints=1", "job.name=other", "data.train=/etc/passwd", "data.val=/x", "rl={}",
               "rl.max_steps=3"]

@@ -96,7 +96,7 @@ def test_checkpoints_and_mlflow_run(dpo_run):
     run_id = json.loads((run_dir / "run_state.json").read_text())["mlflow_run_id"]
     client = MlflowClient(tracking_uri="sqlite:///" + str((run_dir.parents[1] / "mlflow.db").resolve()))
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.params["job.algorithm"] == "dpo"
+    assert run.info.status == "FINISHED" and run.data.params["rl.objective.type"] == "dpo"
     assert [m.step for m in client.get_metric_history(run_id, "val/reward_accuracy")] == [0, 2, 3]
 
 

@@ -192,7 +192,7 @@ def test_one_and_two_workers_agree(in_workdir, tmp_path):
     # model gives the step a non-zero gradient to compare.
     reference = build_tiny_model(tmp_path / "reference", seed=1)
     common = [*FAST, "rl.max_steps=1", "rl.validation.before_training=false", "rollout.prompts_per_step=4",
-              "rl.kl_beta=0.1", f"rl.reference={reference}", "rl.optimizer.lr=1e-3"]
+              "rl.objective.kl_beta=0.1", f"rl.reference={reference}", "rl.optimizer.lr=1e-3"]
     grpo(recipe("arithmetic"), [*common, "job.name=w1", "cluster.num_workers=1"])
     grpo(recipe("arithmetic"), [*common, "job.name=w2", "cluster.num_workers=2"])
     one, two = read_metrics(in_workdir / "runs" / "w1")[0], read_metrics(in_workdir / "runs" / "w2")[0]

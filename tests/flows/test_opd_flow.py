@@ -102,7 +102,7 @@ def test_checkpoints_and_mlflow_run(opd_run):
     client = MlflowClient(tracking_uri="sqlite:///" + str((run_dir.parents[1] / "mlflow.db").resolve()))
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params["job.algorithm"] == "opd"
+    assert run.data.params["rl.objective.type"] == "opd"
     assert [m.step for m in client.get_metric_history(run_id, "opd/teacher_reverse_kl")] == [1, 2, 3]
 
 

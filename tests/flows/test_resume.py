@@ -72,7 +72,7 @@ def test_plan_resume_policies(tmp_path, monkeypatch):
         plan_resume(small_config("rl.optimizer.lr=2e-3", "job.seed=5"), store)
     assert "rl.optimizer.lr" in str(info.value) and "job.seed" in str(info.value)
     assert "rl.max_steps" not in str(info.value)
-    for key in ("rl.kl_beta=0.2", "rollout.n=2", "data.train=data/arithmetic/val.jsonl",
+    for key in ("rl.objective.kl_beta=0.2", "rollout.n=2", "data.train=data/arithmetic/val.jsonl",
                 "model.name_or_path=artifacts/tiny-model/ref"):
         with pytest.raises(ConfigError, match=key.split("=")[0].replace(".", r"\.")):
             plan_resume(small_config(key), store)

@@ -119,7 +119,7 @@ def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, s
     tags = mlrun.data.tags
     identity = build_objective(cfg, ObjectiveContext.from_config(cfg)).identity
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
-    assert tags["posttrain.algorithm"] == cfg.job.algorithm == "legacy_pg"
+    assert tags["posttrain.algorithm"] == cfg.rl.objective.type == "legacy_pg"
     assert tags["posttrain.job_name"] == cfg.job.name
     assert tags["posttrain.recipe"] == recipe("arithmetic")
     assert tags["posttrain.config_hash"] == config_hash(cfg)

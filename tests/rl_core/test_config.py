@@ -12,7 +12,7 @@ import pytest
 
 from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_config, preflight, write_resolved
 from rl_core.config.loader import all_keys, config_from_dict
-from rl_core.config.preflight import PreflightWarning, check, emit_warnings
+from rl_core.config.preflight import PreflightReport, PreflightWarning, check, emit_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
@@ -27,8 +27,12 @@ def errors_of(recipe: Path, *overrides: str) -> list[str]:
     return info.value.problems
 
 
-def preflight_of(recipe: Path, *overrides: str):
-    return preflight(load_config(recipe, overrides))
+def preflight_of(recipe: Path, *overrides: str) -> PreflightReport:
+    """Preflight's report, with the errors of loading (an objective's own rules) as its errors."""
+    try:
+        return preflight(load_config(recipe, overrides))
+    except ConfigError as exc:
+        return PreflightReport(errors=exc.problems)
 
 
 # ------------------------------------------------------------------------------------ recipes
@@ -60,37 +64,38 @@ def test_recipes_keep_variants_apart():
 
 def test_gspo_recipe_resolves_to_the_paper_knobs():
     rl = load_config(GSPO).rl
-    assert rl.grpo_surrogate == "clipped"
-    assert rl.importance_sampling_level == "sequence"
-    assert rl.lower_bound_ratio == 0
-    assert (rl.epsilon_low, rl.epsilon_high) == (3e-4, 4e-4)
-    assert rl.loss_type == "seq-mean-token-mean"
-    assert rl.certified_deterministic_forward is True
+    assert (rl.objective.type, rl.objective.surrogate) == ("gspo", "clipped")
+    assert rl.objective.importance_sampling_level == "sequence"
+    assert rl.objective.lower_bound_ratio == 0
+    assert (rl.objective.epsilon_low, rl.objective.epsilon_high) == (3e-4, 4e-4)
+    assert rl.objective.loss_type == "seq-mean-token-mean"
+    assert rl.objective.certified_deterministic_forward is True
     assert rl.mini_batch_per_replica is not None
 
 
-def test_apply_gspo_knobs_is_the_one_place_and_returns_a_copy():
-    from recipes.gspo_gsm8k import apply_gspo_knobs
-
-    base = load_config(GRPO).rl
-    gspo = apply_gspo_knobs(base, mini_batch_per_replica=16)
-    assert base.importance_sampling_level == "token", "apply_gspo_knobs mutated its input"
-    assert gspo.importance_sampling_level == "sequence" and gspo.mini_batch_per_replica == 16
+def test_the_gspo_type_is_the_one_place_of_its_knobs():
+    """`rl.objective.type=gspo` on the GRPO recipe gives the paper's knobs (the GSPO class's defaults), except
+    what the recipe set itself and GSPO has too."""
+    gspo = load_config(GRPO, ["rl.objective.type=gspo", "rl.objective.epsilon_low=3e-4",
+                              "rl.objective.epsilon_high=4e-4", "rl.objective.lower_bound_ratio=0"]).rl.objective
+    assert gspo == load_config(GSPO).rl.objective
 
 
 def test_dr_grpo_recipe_is_grpo_plus_config_only():
     dr, grpo = load_config(ROOT / "recipes" / "dr_grpo_gsm8k.py"), load_config(GRPO)
-    assert dr.rl.unbiased_advantage is True
-    assert dr.rl.loss_type == "seq-mean-token-sum-fixed"
-    assert (dr.job.algorithm, dr.job.name) == ("dr_grpo", "dr-grpo-gsm8k")
+    assert dr.rl.objective.unbiased_advantage is True
+    assert dr.rl.objective.loss_type == "seq-mean-token-sum-fixed"
+    assert (dr.rl.objective.type, dr.job.name) == ("dr_grpo", "dr-grpo-gsm8k")
     # nothing else about the math differs from GRPO
-    changed = {k for k in type(dr.rl).model_fields if getattr(dr.rl, k) != getattr(grpo.rl, k)}
-    assert changed == {"unbiased_advantage", "loss_type"}
+    changed = {k for k in type(grpo.rl.objective).model_fields
+               if getattr(dr.rl.objective, k) != getattr(grpo.rl.objective, k)}
+    assert changed == {"type", "unbiased_advantage", "loss_type"}
+    assert {k for k in type(dr.rl).model_fields if k != "objective" and getattr(dr.rl, k) != getattr(grpo.rl, k)} == set()
 
 
 def test_arithmetic_root_pins_legacy_pg():
     cfg = load_config(ARITH)
-    assert cfg.rl.grpo_surrogate == "legacy_pg"
+    assert cfg.rl.objective.type == "legacy_pg" and cfg.rl.objective.surrogate == "legacy_pg"
     assert cfg.rollout.temperature == 1.0
     assert cfg.rollout.backend == "hf" and cfg.cluster.gpus_per_worker == 0
 
@@ -144,10 +149,10 @@ def test_unknown_key_in_a_yaml_file_is_reported(tmp_path):
 
 @pytest.mark.parametrize(
     "override, replacement",
-    [("rl.objective=degenerate", "rl.grpo_surrogate=legacy_pg"),
-     ("rl.objective=clipped", "rl.grpo_surrogate=clipped"),
-     ("rl.objective_mode=direct", "rl.distillation_mode=direct"),
-     ("rl.objective_mode=advantage", "rl.distillation_mode=advantage")],
+    [("rl.objective=degenerate", "rl.objective.type=legacy_pg"),
+     ("rl.objective=clipped", "rl.objective.type=grpo"),
+     ("rl.objective_mode=direct", "rl.objective.distillation_mode=direct"),
+     ("rl.objective_mode=advantage", "rl.objective.distillation_mode=advantage")],
 )
 def test_retired_keys_name_the_replacement_and_are_not_aliased(override, replacement):
     (msg,) = errors_of(ARITH, override)
@@ -157,11 +162,11 @@ def test_retired_keys_name_the_replacement_and_are_not_aliased(override, replace
 def test_retired_key_in_a_resolved_file_is_refused():
     data = PosttrainConfig().model_dump(mode="json")
     data["rl"]["objective"] = "degenerate"
-    with pytest.raises(ConfigError, match="rl.grpo_surrogate=legacy_pg"):
+    with pytest.raises(ConfigError, match="rl.objective.type=legacy_pg"):
         config_from_dict(data)
 
 
-@pytest.mark.parametrize("override", ["rl.epsilon_low=true", "rollout.n=false", "rl.kl_beta=True"])
+@pytest.mark.parametrize("override", ["rl.objective.advantage_eps=true", "rollout.n=false", "rl.objective.kl_beta=True"])
 def test_bools_are_not_numbers(override):
     (msg,) = errors_of(ARITH, override)
     assert override.split("=")[0] in msg and "bool" in msg
@@ -174,29 +179,29 @@ def test_fractional_ints_are_refused(override):
 
 
 @pytest.mark.parametrize("override", ["rollout.n=0", "rollout.max_tokens=-4", "rl.optimizer.lr=0", "rl.temperature=-1.0",
-                                      "cluster.num_workers=0", "rl.advantage_eps=0"])
+                                      "cluster.num_workers=0", "rl.objective.advantage_eps=0"])
 def test_positive_fields_reject_zero_and_negatives(override):
     key, _ = override.split("=")
     (msg,) = errors_of(ARITH, override)
     assert msg.startswith(f"{key}=") and "must be >" in msg
 
 
-@pytest.mark.parametrize("override", ["rl.temperature=nan", "rl.optimizer.lr=inf", "rl.kl_beta=-inf", "rollout.top_p=NaN"])
+@pytest.mark.parametrize("override", ["rl.temperature=nan", "rl.optimizer.lr=inf", "rl.objective.kl_beta=-inf", "rollout.top_p=NaN"])
 def test_nan_and_inf_are_refused(override):
     (msg,) = errors_of(ARITH, override)
     assert override.split("=")[0] in msg and "NaN" in msg
 
 
 def test_enum_errors_list_the_allowed_values():
-    (msg,) = errors_of(ARITH, "rl.loss_type=sum")
+    (msg,) = errors_of(ARITH, "rl.objective.loss_type=sum")
     for allowed in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"):
         assert allowed in msg
-    assert "rl.loss_type" in msg
+    assert "rl.objective.loss_type" in msg
 
 
 def test_gspo_as_a_surrogate_points_to_the_sequence_level():
-    (msg,) = errors_of(ARITH, "rl.grpo_surrogate=gspo")
-    assert "rl.importance_sampling_level=sequence" in msg
+    (msg,) = errors_of(GRPO, "rl.objective.surrogate=gspo")
+    assert msg.startswith("rl.objective.surrogate=") and "rl.objective.type=dr_grpo|gspo" in msg
 
 
 def test_several_errors_are_reported_together():
@@ -243,8 +248,8 @@ def test_temperature_contract_legacy_pg():
     assert preflight_of(ARITH, "rollout.temperature=1.0").ok
 
 
-@pytest.mark.parametrize("knob", ["rl.epsilon_low=0.1", "rl.epsilon_high=0.3", "rl.lower_bound_ratio=2.0",
-                                  "rl.importance_sampling_level=sequence", "rl.certified_deterministic_forward=true",
+@pytest.mark.parametrize("knob", ["rl.objective.epsilon_low=0.1", "rl.objective.epsilon_high=0.3", "rl.objective.lower_bound_ratio=2.0",
+                                  "rl.objective.importance_sampling_level=sequence", "rl.objective.certified_deterministic_forward=true",
                                   "rl.mini_batch_per_replica=16"])
 def test_legacy_pg_rejects_ratio_and_pi_old_knobs(knob):
     report = preflight_of(ARITH, knob)
@@ -252,36 +257,36 @@ def test_legacy_pg_rejects_ratio_and_pi_old_knobs(knob):
 
 
 def test_dual_clip_at_sequence_level_is_rejected_and_its_neighbour_passes():
-    report = preflight_of(GSPO, "rl.lower_bound_ratio=3")
-    assert len(report.errors) == 1 and "dual clip" in report.errors[0] and "rl.lower_bound_ratio" in report.errors[0]
-    assert preflight_of(GSPO, "rl.lower_bound_ratio=0").ok
+    report = preflight_of(GSPO, "rl.objective.lower_bound_ratio=3")
+    assert len(report.errors) == 1 and "dual clip" in report.errors[0] and "rl.objective.lower_bound_ratio" in report.errors[0]
+    assert preflight_of(GSPO, "rl.objective.lower_bound_ratio=0").ok
 
 
 def test_dual_clip_constant_must_exceed_one():
-    assert any("must be > 1" in e for e in preflight_of(GRPO, "rl.lower_bound_ratio=0.5").errors)
-    assert preflight_of(GRPO, "rl.lower_bound_ratio=1.5").ok
+    assert any("must be > 1" in e for e in preflight_of(GRPO, "rl.objective.lower_bound_ratio=0.5").errors)
+    assert preflight_of(GRPO, "rl.objective.lower_bound_ratio=1.5").ok
 
 
 def test_kl_knobs_without_kl_beta_are_rejected():
-    assert any(e.startswith("rl.kl_estimator") for e in preflight_of(GRPO, "rl.kl_estimator=k1").errors)
+    assert any(e.startswith("rl.objective.kl_estimator") for e in preflight_of(GRPO, "rl.objective.kl_estimator=k1").errors)
     assert any(e.startswith("rl.reference") for e in preflight_of(GRPO, "rl.reference=some/model").errors)
-    assert preflight_of(GRPO, "rl.kl_estimator=k1", "rl.kl_beta=0.01").ok
+    assert preflight_of(GRPO, "rl.objective.kl_estimator=k1", "rl.objective.kl_beta=0.01").ok
 
 
 def test_distillation_mode_outside_opd_is_rejected():
-    assert any(e.startswith("rl.distillation_mode") for e in preflight_of(GRPO, "rl.distillation_mode=direct").errors)
+    assert any(e.startswith("rl.objective.distillation_mode") for e in preflight_of(GRPO, "rl.objective.distillation_mode=direct").errors)
 
 
 def test_opd_direct_rejects_advantage_knobs_and_warns():
-    report = preflight_of(GRPO, "job.algorithm=opd", "rl.distillation_mode=direct", "rl.unbiased_advantage=true")
-    assert any(e.startswith("rl.unbiased_advantage") for e in report.errors)
-    ok = preflight_of(GRPO, "job.algorithm=opd", "rl.distillation_mode=direct")
+    report = preflight_of(GRPO, "rl.objective.type=opd", "rl.objective.distillation_mode=direct", "rl.objective.unbiased_advantage=true")
+    assert any(e.startswith("rl.objective.unbiased_advantage") for e in report.errors)
+    ok = preflight_of(GRPO, "rl.objective.type=opd", "rl.objective.distillation_mode=direct")
     assert ok.ok and any("not training signals" in w for w in ok.warnings)
 
 
 def test_sequence_level_with_per_token_advantages_is_rejected():
-    report = preflight_of(GSPO, "job.algorithm=opd")
-    assert any("per-token advantages" in e for e in report.errors)
+    report = preflight_of(GRPO, "rl.objective.type=opd", "rl.objective.importance_sampling_level=sequence")
+    assert any(e.startswith("rl.objective.importance_sampling_level=") and "'token'" in e for e in report.errors)
 
 
 def test_reward_mode_only_for_gsm8k():
@@ -308,12 +313,12 @@ def test_warned_rows_and_their_neighbours():
     assert any("n_mini=1" in x for x in w)
     assert not preflight_of(GSPO).warnings
     # token-scale epsilons at sequence level
-    assert any("token-scale" in x for x in preflight_of(GSPO, "rl.epsilon_low=0.2", "rl.epsilon_high=0.2").warnings)
+    assert any("token-scale" in x for x in preflight_of(GSPO, "rl.objective.epsilon_low=0.2", "rl.objective.epsilon_high=0.2").warnings)
     # top_p < 1 under a ratio surrogate
     assert any("top_p" in x for x in preflight_of(GRPO, "rollout.top_p=0.9").warnings)
     assert not preflight_of(GRPO, "rollout.top_p=1.0").warnings
     # GSPO under a token-weighted reduction
-    assert any("weights sequences by length" in x for x in preflight_of(GSPO, "rl.loss_type=token-mean").warnings)
+    assert any("weights sequences by length" in x for x in preflight_of(GSPO, "rl.objective.loss_type=token-mean").warnings)
 
 
 def test_warnings_are_emitted_once_each():
@@ -327,7 +332,7 @@ def test_warnings_are_emitted_once_each():
 
 
 def test_check_raises_with_every_preflight_error():
-    cfg = load_config(GSPO, ["rl.lower_bound_ratio=3", "rollout.temperature=0.5"])
+    cfg = load_config(GSPO, ["model.teacher=artifacts/teacher", "rollout.temperature=0.5"])
     with pytest.raises(ConfigError) as info:
         check(cfg)
     assert len(info.value.problems) == 2
@@ -342,9 +347,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_validate_refuses_dual_clip_on_gspo():
-    out = run_cli("validate", "recipes/gspo_gsm8k.py", "--", "rl.lower_bound_ratio=3")
+    out = run_cli("validate", "recipes/gspo_gsm8k.py", "--", "rl.objective.lower_bound_ratio=3")
     assert out.returncode == 1
-    assert "dual clip" in out.stderr and "rl.lower_bound_ratio" in out.stderr
+    assert "dual clip" in out.stderr and "rl.objective.lower_bound_ratio" in out.stderr
 
 
 def test_cli_validate_prints_the_resolved_config():
@@ -353,14 +358,14 @@ def test_cli_validate_prints_the_resolved_config():
     out = run_cli("validate", "recipes/arithmetic.py", "--", "rl.max_steps=5")
     assert out.returncode == 0, out.stderr
     body = yaml.safe_load(out.stdout.split("# config hash")[0])
-    assert body["rl"]["max_steps"] == 5 and body["rl"]["grpo_surrogate"] == "legacy_pg"
+    assert body["rl"]["max_steps"] == 5 and body["rl"]["objective"]["type"] == "legacy_pg"
     assert config_hash(load_config(ARITH, ["rl.max_steps=5"])) in out.stdout
 
 
 def test_cli_validate_reports_config_errors():
     out = run_cli("validate", "recipes/arithmetic.py", "--", "rl.objective=degenerate", "rollout.n=true")
     assert out.returncode == 1
-    assert "rl.grpo_surrogate=legacy_pg" in out.stderr and "rollout.n" in out.stderr
+    assert "rl.objective.type=legacy_pg" in out.stderr and "rollout.n" in out.stderr
 
 
 def test_cli_validate_missing_recipe():
@@ -368,7 +373,7 @@ def test_cli_validate_missing_recipe():
     assert out.returncode == 1 and "recipes/nope.py" in out.stderr
 
 
-ASYNC_BASE = ("job.algorithm=grpo", "rl.grpo_surrogate=clipped", "cluster.placement=separate", "rl.async_steps=1")
+ASYNC_BASE = ("rl.objective.type=grpo", "rl.objective.surrogate=clipped", "cluster.placement=separate", "rl.async_steps=1")
 
 
 def test_async_steps_needs_separate_engines_the_clipped_surrogate_and_the_grpo_loop():
@@ -376,12 +381,12 @@ def test_async_steps_needs_separate_engines_the_clipped_surrogate_and_the_grpo_l
     colocated = preflight_of(ARITH, *ASYNC_BASE, "cluster.placement=colocated").errors
     assert len(colocated) == 1 and "cluster.placement=separate" in colocated[0]
     legacy = preflight_of(ARITH, "cluster.placement=separate", "rl.async_steps=1").errors  # the quickstart: legacy PG
-    assert len(legacy) == 1 and "rl.grpo_surrogate=clipped" in legacy[0]
-    certified = preflight_of(ARITH, *ASYNC_BASE, "rl.certified_deterministic_forward=true").errors
-    assert len(certified) == 1 and certified[0].startswith("rl.certified_deterministic_forward")
+    assert len(legacy) == 1 and "rl.objective.type=grpo" in legacy[0]
+    certified = preflight_of(ARITH, *ASYNC_BASE, "rl.objective.certified_deterministic_forward=true").errors
+    assert len(certified) == 1 and certified[0].startswith("rl.objective.certified_deterministic_forward")
     for other in ("opd_arithmetic.py", "dpo_arithmetic.py"):
         errors = preflight_of(ROOT / "recipes" / other, "cluster.placement=separate", "rl.async_steps=1").errors
-        assert any(e.startswith("rl.async_steps=1: only the GRPO family") for e in errors), (other, errors)
+        assert any(e.startswith("rl.async_steps=1: only the on-policy step loop") for e in errors), (other, errors)
     assert errors_of(ARITH, "rl.async_steps=2")  # one step of overlap is what the loop implements
 
 

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.dpo import (
+    DPO,
     DPO_METRIC_NAMES,
     build_objective,
     dpo_loss,
@@ -23,7 +24,7 @@ from rl_core.algorithms.dpo import (
     sequence_logps,
     with_reference_logps,
 )
-from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, preflight
+from rl_core.config import ConfigError, OptimizerConfig, RLConfig, config_from_dict, preflight
 from rl_core.data.preferences import (
     PreferencePairsError,
     check_pair_layout,
@@ -237,7 +238,7 @@ def test_identity_and_build():
     ident = build_objective(RLConfig(dpo_beta=0.25, temperature=0.9, reference="ref/model"), ctx).identity
     assert ident["objective"] == "dpo" and ident["dpo_beta"] == 0.25 and ident["temperature"] == 0.9
     assert ident["reference"] == "ref/model" and ident["policy"] == {"name_or_path": "policy"}
-    objective = build_objective(RLConfig(), ctx)
+    objective = build_objective(RLConfig(objective=DPO()), ctx)
     assert objective.reduction.value == "mean" and objective.reference_scorer is None and objective.old_logp_cache is None
 
 
@@ -353,24 +354,27 @@ def test_arithmetic_pairs_with_the_model_use_its_wrong_answers(tmp_path, workdir
 
 
 def dpo_cfg(**rl):
-    cfg = PosttrainConfig()
-    cfg.job.algorithm = "dpo"
-    for k, v in rl.items():
-        setattr(cfg.rl, k, v)
-    return cfg
+    return config_from_dict({"rl": {"objective": {"type": "dpo", "beta": rl.pop("beta", 0.1)}, **rl}})
+
+
+def problems(**objective) -> list[str]:
+    """The config errors of an `rl.objective`, each naming its key."""
+    try:
+        cfg = config_from_dict({"rl": {"objective": objective}})
+    except ConfigError as exc:
+        return exc.problems
+    return preflight(cfg).errors
 
 
 def test_preflight_dpo_rules():
     assert preflight(dpo_cfg()).ok
-    assert preflight(dpo_cfg(dpo_beta=0.5, reference="some/model", temperature=0.8, micro_batch_per_replica=4)).ok
-    grpo = PosttrainConfig()
-    grpo.rl.dpo_beta = 0.5
-    assert any(e.startswith("rl.dpo_beta=") and "job.algorithm=dpo" in e for e in preflight(grpo).errors)
+    assert preflight(dpo_cfg(beta=0.5, reference="some/model", temperature=0.8, micro_batch_per_replica=4)).ok
+    found = [e for e in problems(type="grpo", beta=0.5) if e.startswith("rl.objective.beta=")]
+    assert found and "rl.objective.type=dpo" in found[0]
     for knob, value in (("epsilon_high", 0.28), ("kl_beta", 0.1), ("loss_type", "seq-mean-token-mean"),
-                        ("grpo_surrogate", "legacy_pg"), ("unbiased_advantage", True), ("kl_estimator", "k1")):
-        report = preflight(dpo_cfg(**{knob: value}))
-        assert any(e.startswith(f"rl.{knob}=") and "dpo" in e for e in report.errors), knob
-    for knob, value in (("opd_kl_coef", 2.0), ("distillation_mode", "direct")):
-        assert any(e.startswith(f"rl.{knob}=") for e in preflight(dpo_cfg(**{knob: value})).errors), knob
+                        ("surrogate", "legacy_pg"), ("unbiased_advantage", True), ("kl_estimator", "k1"),
+                        ("kl_coef", 2.0), ("distillation_mode", "direct")):
+        report = problems(type="dpo", **{knob: value})
+        assert any(e.startswith(f"rl.objective.{knob}=") and "dpo" in e for e in report), knob
     odd = preflight(dpo_cfg(micro_batch_per_replica=3))
     assert any(e.startswith("rl.micro_batch_per_replica=3") and "pairs" in e for e in odd.errors)

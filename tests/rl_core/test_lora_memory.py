@@ -37,7 +37,7 @@ def test_3b_plan_with_lora_r16_counts_gradients_and_adamw_of_the_adapters_only(t
     h, kv, inter, L, r = 2048, 2 * 128, 11008, 36, 16  # kv: 2 heads x head_dim 128
     A = L * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))  # q, k, v, o, gate, up, down
     base = [f"model.name_or_path={tmp_path}", *ON_4X80, "model.compute_dtype=bfloat16", "cluster.sharding=none",
-            "model.gradient_checkpointing=true", "rl.kl_beta=0.04"]
+            "model.gradient_checkpointing=true", "rl.objective.kl_beta=0.04"]
 
     def trainer(*extra):
         plan = memory_plan(load_config(GRPO, [*base, *extra]), shape, prompt_tokens=ASSUMED_PROMPT_TOKENS,

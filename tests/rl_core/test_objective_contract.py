@@ -11,11 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from recipes.dr_grpo_gsm8k import build_config as dr_grpo_config
-from recipes.gspo_gsm8k import apply_gspo_knobs
 from recipes.gspo_gsm8k import build_config as gspo_config
 from rl_core.algorithms import grpo
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.grpo import build_objective
+from rl_core.algorithms.grpo import GSPO, build_objective
 from rl_core.annotators.advantage import group_advantages
 from rl_core.config import OptimizerConfig, RLConfig
 from rl_core.primitives.objective import (
@@ -109,7 +108,7 @@ def test_surrogate_and_reference_selected_from_config():
     clipped = build_objective(RLConfig(), CTX)
     assert clipped.old_logp_cache is not None and clipped.old_logp_cache.certified_deterministic_forward is False
     assert build_objective(RLConfig(kl_beta=0.1), CTX).reference_scorer == LogprobScorer(1.0)
-    gspo = build_objective(apply_gspo_knobs(RLConfig(), 4), CTX)
+    gspo = build_objective(RLConfig(objective=GSPO(), mini_batch_per_replica=4), CTX)
     assert gspo.old_logp_cache.certified_deterministic_forward is True
     with pytest.raises(ValueError, match="lower_bound_ratio"):
         build_objective(RLConfig(importance_sampling_level="sequence", lower_bound_ratio=3.0), CTX)
@@ -313,7 +312,7 @@ def test_missing_reference_named():
 def test_per_token_advantages_refused_at_sequence_level():
     batch = make_batch()
     per_token = batch.replace(advantages=batch.advantages.unsqueeze(-1) * batch.loss_mask)
-    gspo = build_objective(apply_gspo_knobs(RLConfig(), 4), CTX)
+    gspo = build_objective(RLConfig(objective=GSPO(), mini_batch_per_replica=4), CTX)
     with pytest.raises(ValueError, match="importance_sampling_level=sequence"):
         LLMTrainer(tiny_model(), gspo, OPT).train_step(per_token, 4, mini_batch_size=4)
     # token level takes them (OPD's advantage mode)

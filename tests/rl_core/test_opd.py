@@ -22,7 +22,14 @@ from rl_core.algorithms.opd import (
     reverse_kl_surrogate,
     teacher_logprobs,
 )
-from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, preflight
+from rl_core.config import (
+    ConfigError,
+    OptimizerConfig,
+    PosttrainConfig,
+    RLConfig,
+    config_from_dict,
+    preflight,
+)
 from rl_core.gate import BatchValidationError, validate_teacher_logp
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
@@ -243,17 +250,18 @@ def closed_form_opd(model, batch, rl):
     logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=rl.temperature)
     m = batch.loss_mask
     lengths = m.sum(-1)
-    if rl.loss_type == "token-mean":
+    knobs = rl.objective
+    if knobs.loss_type == "token-mean":
         coeff, w = torch.ones_like(lengths), lengths.sum()
     else:
         w = (lengths > 0).float().sum()
         coeff = {"seq-mean-token-mean": 1 / lengths.clamp_min(1), "seq-mean-token-sum": torch.ones_like(lengths),
-                 "seq-mean-token-sum-fixed": torch.full_like(lengths, 1 / MAX_LEN)}[rl.loss_type]
-    if rl.distillation_mode == "advantage":
+                 "seq-mean-token-sum-fixed": torch.full_like(lengths, 1 / MAX_LEN)}[knobs.loss_type]
+    if knobs.distillation_mode == "advantage":
         adv = batch.advantages
     else:
         adv = -torch.tensor(hand_discounted(((logp.detach() - batch.teacher_logp) * m).double(), m.double(),
-                                            rl.opd_discount).numpy()).float()
+                                            knobs.discount).numpy()).float()
     total = (coeff * ((-adv * (logp - logp.detach() + 1.0)) * m).sum(-1)).sum() / w
     total.backward()
     return total.item(), grads_of(model)
@@ -407,21 +415,24 @@ def test_identity_holds_every_value_that_changes_the_math():
 # ------------------------------------------------------------------------------ preflight
 
 
-def opd_cfg(**rl):
-    cfg = PosttrainConfig()
-    cfg.job.algorithm = "opd"
-    for k, v in rl.items():
-        setattr(cfg.rl, k, v)
-    return cfg
+def opd_cfg(**objective):
+    return config_from_dict({"rl": {"objective": {"type": "opd", **objective}}})
+
+
+def problems(**objective) -> list[str]:
+    """The config errors of an `rl.objective` (its own rules, or preflight's), each naming its key."""
+    try:
+        cfg = config_from_dict({"rl": {"objective": objective}})
+    except ConfigError as exc:
+        return exc.problems
+    return preflight(cfg).errors
 
 
 def test_preflight_opd_knobs_only_under_opd():
-    grpo = PosttrainConfig()
-    assert preflight(grpo).ok
-    for knob, value in (("opd_kl_coef", 2.0), ("opd_discount", 0.5), ("opd_task_reward_weight", 0.1)):
-        cfg = PosttrainConfig()
-        setattr(cfg.rl, knob, value)
-        assert any(e.startswith(f"rl.{knob}=") and "job.algorithm=opd" in e for e in preflight(cfg).errors), knob
+    assert preflight(PosttrainConfig()).ok
+    for knob, value in (("kl_coef", 2.0), ("discount", 0.5), ("task_reward_weight", 0.1)):
+        found = [e for e in problems(type="grpo", **{knob: value}) if e.startswith(f"rl.objective.{knob}=")]
+        assert found and "rl.objective.type=opd" in found[0], knob
         assert preflight(opd_cfg(**{knob: value})).ok, knob
     cfg = PosttrainConfig()
     cfg.model.teacher = "artifacts/teacher"
@@ -429,21 +440,21 @@ def test_preflight_opd_knobs_only_under_opd():
     cfg = opd_cfg()
     cfg.model.teacher = "artifacts/teacher"
     assert preflight(cfg).ok
-    assert any(e.startswith("rl.dpo_beta=") for e in preflight(opd_cfg(dpo_beta=0.5)).errors)
+    assert any(e.startswith("rl.objective.beta=") for e in problems(type="opd", beta=0.5))
 
 
 def test_preflight_direct_mode_rejects_advantage_only_knobs_and_warns():
-    for knob, value in (("opd_kl_coef", 2.0), ("opd_task_reward_weight", 0.1)):
-        report = preflight(opd_cfg(distillation_mode="direct", **{knob: value}))
-        assert any(e.startswith(f"rl.{knob}=") and "direct" in e for e in report.errors), knob
-    ok = preflight(opd_cfg(distillation_mode="direct", opd_discount=1.0))
+    for knob, value in (("kl_coef", 2.0), ("task_reward_weight", 0.1)):
+        found = problems(type="opd", distillation_mode="direct", **{knob: value})
+        assert any(e.startswith(f"rl.objective.{knob}=") and "direct" in e for e in found), knob
+    ok = preflight(opd_cfg(distillation_mode="direct", discount=1.0))
     assert ok.ok and any("not training signals" in w for w in ok.warnings)
 
 
 def test_preflight_opd_refuses_what_it_never_reads():
-    assert any(e.startswith("rl.kl_beta=") for e in preflight(opd_cfg(kl_beta=0.1)).errors)
-    assert any(e.startswith("rl.grpo_surrogate=legacy_pg") for e in preflight(opd_cfg(grpo_surrogate="legacy_pg")).errors)
-    assert any(e.startswith("rl.shared_prefix_min_tokens=") for e in preflight(opd_cfg(shared_prefix_min_tokens=4)).errors)
-    report = preflight(opd_cfg(unbiased_advantage=True))
-    assert any(e.startswith("rl.unbiased_advantage=") and "opd_task_reward_weight" in e for e in report.errors)
-    assert preflight(opd_cfg(unbiased_advantage=True, opd_task_reward_weight=0.5)).ok
+    assert any(e.startswith("rl.objective.kl_beta=") for e in problems(type="opd", kl_beta=0.1))
+    assert any(e.startswith("rl.objective.surrogate=") for e in problems(type="opd", surrogate="legacy_pg"))
+    assert any(e.startswith("rl.objective.shared_prefix_min_tokens=") for e in problems(type="opd", shared_prefix_min_tokens=4))
+    found = problems(type="opd", unbiased_advantage=True)
+    assert any(e.startswith("rl.objective.unbiased_advantage=") and "task_reward_weight" in e for e in found)
+    assert preflight(opd_cfg(unbiased_advantage=True, task_reward_weight=0.5)).ok

@@ -73,14 +73,14 @@ def test_teacher_replicas_default_to_one_per_rank_and_share_the_ranks_gpu():
 def test_preflight_refuses_impossible_teacher_replicas():
     cfg = load_config(OPD, [])
     cfg.cluster.gpus_per_worker = 2
-    assert any(e.startswith("cluster.gpus_per_worker=2 with job.algorithm=opd") and "cluster.gpus_per_worker=1" in e
+    assert any(e.startswith("cluster.gpus_per_worker=2 with rl.objective.type=opd") and "cluster.gpus_per_worker=1" in e
                for e in preflight(cfg).errors)
     cfg = load_config(OPD, [])
     cfg.cluster.gpus_per_worker, cfg.cluster.teacher_replicas = 0.02, 2
     assert any(e.startswith("cluster.teacher_replicas=2") and "no GPU share" in e for e in preflight(cfg).errors)
     cfg = load_config(GRPO, [])
     cfg.cluster.teacher_replicas = 2
-    assert any(e.startswith("cluster.teacher_replicas=2: only read by job.algorithm=opd")
+    assert any(e.startswith("cluster.teacher_replicas=2: only read by an objective with a teacher")
                for e in preflight(cfg).errors)
     ok = load_config(OPD, ["cluster.num_workers=2", "cluster.gpus_per_worker=1", "cluster.teacher_replicas=4"])
     assert preflight(ok).errors == []

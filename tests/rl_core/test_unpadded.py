@@ -341,7 +341,7 @@ def test_gspo_recipe_computes_in_bf16_with_ratios_within_tolerance_of_float32():
     one small update away from π_old (weights perturbed by 1e-3 relative).
     """
     cfg = load_config(ROOT / "recipes" / "gspo_gsm8k.py", [])
-    assert cfg.model.compute_dtype == "bfloat16" and cfg.rl.importance_sampling_level == "sequence"
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.rl.objective.importance_sampling_level == "sequence"
     old_model = llama()
     model = copy.deepcopy(old_model)
     g = torch.Generator().manual_seed(3)
@@ -361,10 +361,10 @@ def test_gspo_recipe_computes_in_bf16_with_ratios_within_tolerance_of_float32():
         assert cur.dtype == torch.float32  # log-probs are float32 whatever the compute dtype
         m = batch.loss_mask
         ratio = (((cur - old) * m).sum(-1) / m.sum(-1)).exp()
-        per, _ = clipped_policy_gradient_loss(cur, old, adv, m, epsilon_low=rl.epsilon_low,
-                                              epsilon_high=rl.epsilon_high, lower_bound_ratio=rl.lower_bound_ratio,
+        per, _ = clipped_policy_gradient_loss(cur, old, adv, m, epsilon_low=rl.objective.epsilon_low,
+                                              epsilon_high=rl.objective.epsilon_high, lower_bound_ratio=rl.objective.lower_bound_ratio,
                                               importance_sampling_level="sequence")
-        num, w = reduce_policy_gradient_loss(per, m, rl.loss_type)
+        num, w = reduce_policy_gradient_loss(per, m, rl.objective.loss_type)
         return ratio, float(num / w)
 
     r32, l32 = ratios_and_loss(torch.float32)

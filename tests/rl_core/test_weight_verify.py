@@ -150,6 +150,6 @@ def test_the_bound_is_a_positive_number_and_dpo_refuses_it():
     with pytest.raises(ConfigError, match="rollout.max_logp_abs_diff"):
         load_config(recipe("arithmetic"), ["rollout.max_logp_abs_diff=0"])
     dpo = preflight(load_config(recipe("dpo_arithmetic"), ["rollout.max_logp_abs_diff=0.01"]))
-    assert any(e.startswith("rollout.max_logp_abs_diff=0.01: job.algorithm=dpo samples nothing") for e in dpo.errors)
+    assert any(e.startswith("rollout.max_logp_abs_diff=0.01: rl.objective.type=dpo samples nothing") for e in dpo.errors)
     assert not any("max_logp_abs_diff" in e for e in preflight(load_config(
         recipe("arithmetic"), ["rollout.max_logp_abs_diff=0.01"])).errors)

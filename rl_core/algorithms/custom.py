@@ -1,0 +1,69 @@
+"""Your own objective by import path: `rl.objective.type=custom` (docs/objectives.md).
+
+    rl.objective = {type: custom, import_path: "package.module:build_objective", kwargs: {clip: 2.0}}
+
+`build_objective(rl, context, **kwargs) -> Objective` is imported and its signature checked when the
+config is checked, so a wrong path or parameter fails before anything is placed, naming the key.
+`step_loop` picks the loop that runs it; the group-advantage knobs are those of the annotate step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rl_core.algorithms.base import GroupAdvantageKnobs, Report, Topology
+from rl_core.user_code import ImportPathError, load_callable
+
+IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+OBJECTIVE_PARAMS = ("rl", "context")
+
+
+class CustomObjective(GroupAdvantageKnobs):
+    """An objective from your code, called as `build_objective(rl, context, **kwargs)`."""
+
+    type: Literal["custom"] = "custom"
+    import_path: str = Field(pattern=IMPORT_PATH, description="'package.module:build_objective', called as build_objective(rl, context, **kwargs) -> Objective (docs/objectives.md).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of your builder: your objective's own knobs, recorded in the objective's identity.")
+    step_loop: Topology = Field("on_policy", description="The loop that runs it: on_policy (rollout, reward, group advantages, train), teacher (plus a frozen teacher, model.teacher) or offline (fixed pairs).")
+    group_advantages: bool = Field(True, description="Its batches carry group-relative advantages (the gate checks the groups).")
+
+    @property
+    def topology(self) -> Topology:
+        return self.step_loop
+
+    @property
+    def group_relative(self) -> bool:
+        return self.group_advantages
+
+    @property
+    def reads_reference(self) -> bool:
+        return True  # its builder may declare a reference_scorer (rl.reference, or the initial policy)
+
+    def rows_per_prompt(self, n: int) -> int:
+        return 2 if self.step_loop == "offline" else n
+
+    def builder(self):
+        """The imported builder, checked to take `(rl, context, **kwargs)`; ImportPathError naming the key."""
+        return load_callable(self.import_path, "rl.objective.import_path", OBJECTIVE_PARAMS, kwargs=self.kwargs)
+
+    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+        try:
+            self.builder()
+        except ImportPathError as exc:
+            err(str(exc))
+
+    def identity(self, rl: Any, context: Any) -> dict[str, Any]:
+        return {"custom_objective": self.import_path, **({"kwargs": dict(self.kwargs)} if self.kwargs else {})}
+
+    def build(self, rl: Any, context: Any) -> Any:
+        from rl_core.primitives.objective import Objective
+
+        objective = self.builder()(rl, context, **self.kwargs)
+        if not isinstance(objective, Objective):
+            raise ImportPathError(f"rl.objective.import_path={self.import_path!r}: the builder returned a "
+                                  f"{type(objective).__name__}, not an rl_core.primitives.objective.Objective")
+        # provenance: which user code, with which arguments, made the math
+        return dataclasses.replace(objective, identity={**self.identity(rl, context), **objective.identity})

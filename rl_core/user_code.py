@@ -1,0 +1,81 @@
+"""User code by import path: `rl.objective.import_path`, `data.rewards[i].path` and `data.task` name a
+function or task as `package.module:function`, imported and checked (`load_callable`) when the config is
+checked, so a wrong path or signature fails before anything is placed, naming the key (docs/objectives.md,
+docs/data.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class ImportPathError(ValueError):
+    """A `module:function` path that does not import, or a function with the wrong signature."""
+
+
+def load_object(path: str, key: str) -> Any:
+    """Import `module:attr` for config key `key`; ImportPathError naming the key, the path and what to fix."""
+    module_name, sep, attr = str(path).partition(":")
+    if not sep or not module_name or not attr:
+        raise ImportPathError(f"{key}={path!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix; say which
+        raise ImportPathError(f"{key}={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+                              "install it or put its directory on PYTHONPATH (Ray workers need it too)") from None
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ImportPathError(f"{key}={path!r}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def load_callable(path: str, key: str, params: tuple[str, ...], *, by_keyword: bool = False,
+                  kwargs: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """Import `module:function` for config key `key` and check it can be called with `params` (positionally, or
+    as keywords with `by_keyword`), plus `kwargs` by keyword.
+
+    Raises ImportPathError naming the key, the path and what to fix.
+    """
+    attr = str(path).partition(":")[2]
+    fn = load_object(path, key)
+    if not callable(fn):
+        raise ImportPathError(f"{key}={path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    try:
+        if by_keyword:  # the other arguments (dataset columns) are known only when the data is loaded
+            inspect.signature(fn).bind_partial(**dict.fromkeys(params))
+        else:
+            inspect.signature(fn).bind(*params, **(kwargs or {}))
+    except TypeError as exc:
+        call = ", ".join(f"{p}=..." for p in params) if by_keyword else ", ".join(params)
+        call += "".join(f", {k}=..." for k in (kwargs or {}))
+        raise ImportPathError(f"{key}={path!r}: {attr}{inspect.signature(fn)} cannot be called as "
+                              f"{attr}({call}) ({exc})") from None
+    except ValueError:  # a builtin without a signature: accept, it is checked when called
+        pass
+    return fn
+
+
+REWARD_PARAMS = ("completions",)  # by keyword, as TRL calls reward_funcs; prompts and columns when it takes them
+
+
+def user_code_problems(cfg: Any) -> list[str]:
+    """Import and signature problems of the config's reward functions and task by import path (the objective's
+    own code is checked by its class)."""
+    problems = []
+    for i, entry in enumerate(cfg.data.rewards):
+        try:
+            load_callable(entry.path, f"data.rewards[{i}].path", REWARD_PARAMS, by_keyword=True)
+        except ImportPathError as exc:
+            problems.append(str(exc))
+    from rl_core.tasks import get_task
+
+    try:
+        get_task(cfg.data.task)
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
