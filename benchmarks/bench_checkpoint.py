@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
+from report import write_section  # benchmarks/ is this script's sys.path[0]
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -184,12 +185,17 @@ def main() -> int:
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; 2 gloo ranks, FSDP2, one thread each")
     print(f"{'model':<10} {'way':<9} {'blocked s':>9} {'on disk s':>9} {'driver peak MiB':>15} {'checkpoint MiB':>14}")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as root:
         for name in args.models.split(","):
             for way in ("gathered", "sharded"):
                 r = measure(name, way, Path(root) / name)
                 print(f"{name:<10} {way:<9} {r['blocked_s']:>9.2f} {r['written_s']:>9.2f} {r['driver_peak_mib']:>15.1f} "
                       f"{r['checkpoint_mib']:>14.1f}", flush=True)
+                rows.append([name, way, f"{r['blocked_s']:.2f}", f"{r['written_s']:.2f}",
+                             f"{r['driver_peak_mib']:,.1f}", f"{r['checkpoint_mib']:,.1f}"])
+    write_section("checkpoint", ["model", "way", "blocked s", "on disk s", "driver peak MiB", "checkpoint MiB"], rows,
+                  ["Two gloo ranks, FSDP2, one torch thread each."])
     return 0
 
 

@@ -128,14 +128,16 @@ def posttrain_step(logp_data, old, adv_tokens, mask):
     return loss.detach(), logp.grad
 
 
-def compare_shape(verl, b: int, t: int, repeats: int) -> bool:
-    """One shape: ours vs verl interleaved (or ours alone without verl); False when the values disagree."""
+def compare_shape(verl, b: int, t: int, repeats: int, lines: list[str]) -> bool:
+    """One shape: ours vs verl interleaved (or ours alone without verl), its line appended to `lines`; False
+    when the values disagree."""
     logp, old, adv, mask = make_inputs(b, t)
     inputs = (logp, old, adv.unsqueeze(-1).expand(b, t).contiguous(), mask)  # verl takes per-token advantages
     ours = functools.partial(posttrain_step, *inputs)
     ours_value, ours_grad = ours()  # warm-up, and the values to compare
     if verl is None:
-        print(f"B={b}, T={t}: posttrain {median_ms(ours, repeats):.2f} ms")
+        lines.append(f"B={b}, T={t}: posttrain {median_ms(ours, repeats):.2f} ms")
+        print(lines[-1])
         return True
     theirs = functools.partial(verl_step, verl, *inputs)
     verl_value, verl_grad = theirs()
@@ -149,19 +151,23 @@ def compare_shape(verl, b: int, t: int, repeats: int) -> bool:
             times[fn].append(time.perf_counter() - t0)
     ours_ms, verl_ms = (statistics.median(times[fn]) * 1e3 for fn in (ours, theirs))
     agree = diff <= VERL_VALUE_ATOL
-    print(f"B={b}, T={t}: posttrain {ours_ms:.2f} ms, verl {verl_ms:.2f} ms, ratio {ours_ms / verl_ms:.2f}x "
-          f"(|loss diff| {diff:.1e} {'<=' if agree else '>'} {VERL_VALUE_ATOL:g}, max |grad diff| {grad_diff:.1e})")
+    lines.append(f"B={b}, T={t}: posttrain {ours_ms:.2f} ms, verl {verl_ms:.2f} ms, ratio {ours_ms / verl_ms:.2f}× "
+                 f"(|loss diff| {diff:.1e} {'<=' if agree else '>'} {VERL_VALUE_ATOL:g}, max |grad diff| "
+                 f"{grad_diff:.1e})")
+    print(lines[-1])
     return agree
 
 
-def compare_with_verl(repeats: int) -> int:
-    """Ours vs verl on identical tensors at VERL_SHAPES; exit status 1 when the values disagree."""
+def compare_with_verl(repeats: int, lines: list[str] | None = None) -> int:
+    """Ours vs verl on identical tensors at VERL_SHAPES, a line per shape appended to `lines`; exit status 1
+    when the values disagree."""
+    lines = [] if lines is None else lines
     verl, why = load_verl()
     print(f"\nvs verl: dual clip c={VERL_DUAL_CLIP}, eps {VERL_EPS_LOW}/{VERL_EPS_HIGH}, token-mean, per-token "
           f"advantages [B, T], forward + backward, median of {repeats}, {torch.get_num_threads()} thread(s)")
     if verl is None:
         print(f"verl is not importable ({why}); posttrain alone:")
-    agree = [compare_shape(verl, b, t, repeats) for b, t in VERL_SHAPES]
+    agree = [compare_shape(verl, b, t, repeats, lines) for b, t in VERL_SHAPES]
     return 0 if all(agree) else 1
 
 
@@ -188,6 +194,7 @@ def main(argv=None) -> int:
     shapes = [(16, 256)] if args.quick else [(64, 1024), (256, 2048)]
     repeats = args.repeats or (5 if args.quick else 7)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32 CPU, median of {repeats}")
+    table = []
     for b, t in shapes:
         print(f"\nB={b}, T={t}: forward + backward, ms")
         rows = bench(b, t, repeats)
@@ -196,9 +203,18 @@ def main(argv=None) -> int:
         for surrogate in SURROGATES:
             cells = [ms for s, _, ms in rows if s == surrogate]
             print(f"{surrogate:<{width}}  " + "  ".join(f"{ms:>24.2f}" for ms in cells))
-    if args.quick:
-        return 0
-    return compare_with_verl(max(repeats, 15))
+            table.append([f"{b} × {t}", surrogate, *[f"{ms:.2f}" for ms in cells]])
+    verl_lines: list[str] = []
+    status = 0 if args.quick else compare_with_verl(max(repeats, 15), verl_lines)
+    from report import write_section  # benchmarks/ is this script's sys.path[0]
+
+    notes = [(f"Forward + backward of the loss math, ms, median of {repeats}; {torch.get_num_threads()} torch "
+             "thread(s), float32.")]
+    if verl_lines:
+        notes.append("Against verl's `compute_policy_loss_vanilla` + `agg_loss` (dual clip 3, token-mean): "
+                     + "; ".join(verl_lines) + ".")
+    write_section("objectives", ["B × T", "surrogate", *[f"`{lt}`" for lt in LOSS_TYPES]], table, notes)
+    return status
 
 
 if __name__ == "__main__":

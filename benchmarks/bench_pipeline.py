@@ -68,9 +68,18 @@ CONFIGS = {  # name -> overrides
 }
 
 
+def posttrain_command() -> list[str]:
+    """The `posttrain` console script of this interpreter's environment (bench_vs_trl uses it too)."""
+    beside = Path(sys.executable).with_name("posttrain")
+    found = str(beside) if beside.exists() else shutil.which("posttrain")
+    if found is None:
+        raise SystemExit("the `posttrain` command is not installed in this environment: pip install -e .")
+    return [found]
+
+
 def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float, float]:
     env = {**os.environ, **QUIET_ENV}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
+    cmd = [*posttrain_command(), "run", str(REPO / "recipes" / "arithmetic.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
            "rl.resume=off", "job.overwrite=true"]
@@ -113,6 +122,43 @@ def rollout_tokens_per_s(records: list[dict]) -> float:
     rates = [r["rollout/response_len_mean"] * COMPLETIONS_PER_STEP / r["perf/generate_s"]
              for r in records if r.get("perf/generate_s")]
     return statistics.median(rates) if rates else float("nan")
+
+
+LABELS = {  # the section's names of CONFIGS
+    "colocated-w1": "colocated, 1 rank (default)",
+    "colocated-w1-t2": "colocated, 1 rank, 2 torch threads",
+    "colocated-w2": "colocated, 2 ranks",
+    "separate-hf-e1": "separate HF, 1 engine",
+    "separate-hf-e2": "separate HF, 2 engines",
+    "separate-hf-e1-clipped": "separate HF, 1 engine, clipped GRPO",
+    "separate-hf-e1-async": "same, `rl.async_steps=1`",
+    "colocated-vllm-w1": "colocated vLLM-CPU, 1 rank",
+    "colocated-vllm-w2": "colocated vLLM-CPU, 2 ranks",
+    "separate-vllm-e1": "separate vLLM-CPU, 1 engine",
+    "separate-vllm-e2": "separate vLLM-CPU, 2 engines",
+}
+
+
+def report(rows: list, steps: int) -> None:
+    """docs/benchmarks.md's section: the step table's main columns, start-up to the first rollout as a note."""
+    from report import write_section  # benchmarks/ is this script's sys.path[0]
+
+    header = ["placement", "step ms", "wall / step ms", *[f"{p} ms" for p in PHASES], "inside generate ms",
+              "rollout tokens/s", "inside fwd/bwd ms", "weight sync ms", "MB / sync", "overhead ms"]
+    table = []
+    for name, steady, _, _, _ in rows:
+        table.append([LABELS.get(name, name), f"{1e3 * median(steady, 'perf/step_s'):.0f}",
+                      f"{1e3 * median(steady, 'perf/wall_per_step_s'):.0f}",
+                      *[f"{1e3 * median(steady, f'perf/{p}_s'):.0f}" for p in PHASES],
+                      f"{1e3 * median(steady, 'perf/generate_s'):.0f}", f"{rollout_tokens_per_s(steady):,.0f}",
+                      f"{1e3 * median(steady, 'perf/train_compute_s'):.0f}",
+                      f"{1e3 * median(steady, 'perf/weight_sync_s'):.0f}",
+                      f"{median(steady, 'perf/weight_sync_bytes') / 1e6:.2f}",
+                      f"{1e3 * median(steady, 'perf/overhead_s'):.0f}"])
+    startup = ", ".join(f"{LABELS.get(name, name)} {first.get('perf/startup/first_rollout_s', float('nan')):.1f} s"
+                        for name, _, _, first, _ in rows)
+    write_section("pipeline", header, table,
+                  [f"Medians over steps 4..{steps - 1}. First rollout after the process started: {startup}."])
 
 
 def main() -> int:
@@ -164,6 +210,7 @@ def main() -> int:
             print(" | ".join([name, *[f"{first.get(f'perf/startup/{m}_s', float('nan')):.2f}" for m in STARTUP],
                               f"{wall:.1f}"]))
         print(f"(seconds since the posttrain process started; the run is {args.steps} steps, with one evaluation)")
+        report(rows, args.steps)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

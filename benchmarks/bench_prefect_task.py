@@ -79,20 +79,27 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(REPO))
+    from report import write_section  # benchmarks/ is this script's sys.path[0]
+
     from infra.services import PREFECT_SERVER_DEFAULTS
 
     variants = {"Prefect's defaults": {}, "posttrain's server settings": PREFECT_SERVER_DEFAULTS}
     print("server settings | driver ms / task | API server CPU ms / task | per step (6 tasks): driver ms | "
           "server CPU ms")
     print("--- | --- | --- | --- | ---")
+    rows = []
     for name, settings in variants.items():
         env = {**{k: v for k, v in os.environ.items() if k not in PREFECT_SERVER_DEFAULTS}, **settings}
         out = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)], env=env, check=True,
                              capture_output=True, text=True)
         driver, server = map(float, out.stdout.split()[-2:])
-        print(f"{name} | {1e3 * driver:.2f} | {1e3 * server:.2f} | {6e3 * driver:.1f} | {6e3 * server:.1f}")
-    print(f"(no-op task, NO_CACHE, retries=2; {args.calls} calls; the server's CPU includes its other work in that "
-          "window, which is idle here)")
+        rows.append([name, f"{1e3 * driver:.2f}", f"{1e3 * server:.2f}", f"{6e3 * driver:.1f}", f"{6e3 * server:.1f}"])
+        print(" | ".join(rows[-1]))
+    note = (f"No-op task, NO_CACHE, retries=2; {args.calls} calls; the server's CPU includes its other work in that "
+            "window, which is idle here.")
+    print(f"({note})")
+    write_section("prefect-task", ["API server settings", "driver ms / task", "API server CPU ms / task",
+                                   "per step (6 tasks): driver ms", "server CPU ms"], rows, [note])
     return 0
 
 

@@ -236,7 +236,46 @@ def main(argv=None) -> int:
                   f"{by[v]['peak_bytes'] / by['trl']['peak_bytes']:.2f}x peak memory")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    report(args, rows)
     return 0
+
+
+LABELS = {  # the section's names of VARIANTS
+    "padded": "`padded` (every row at full width, `[rows, T, V]` float32 log-softmax)",
+    "unpadded": "`unpadded` (real tokens, fused LM head on the loss tokens)",
+    "unpadded-budget": "`unpadded-budget` (`rl.micro_batch_max_tokens={budget}`)",
+    "trl": "`trl` (TRL {trl} `GRPOTrainer._compute_loss`, fused LM head)",
+}
+
+
+def report(args, rows: list[dict]) -> None:
+    """docs/benchmarks.md's section: the table printed above, with the batch and the versions as notes."""
+    import importlib.metadata
+
+    from report import write_section  # benchmarks/ is this script's sys.path[0]
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    base, first = rows[0], rows[0]
+    table = [[LABELS[r["variant"]].format(budget=args.budget, trl=version("trl")), f"{r['step_s']:.2f}",
+              f"{r['tokens_per_s']:,.0f}", f"{r['peak_bytes'] / 2**20:,.0f}",
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×", f"{r['peak_bytes'] / base['peak_bytes']:.2f}×"]
+             for r in rows]
+    notes = [(f"The batch: {first['rows']} rows ({args.prompts} GSM8K prompts × {args.n}), {first['width']} columns "
+             f"when padded, {first['real_tokens']:,} real tokens, {first['loss_tokens']:,} loss tokens; Qwen2 "
+             f"vocabulary {VOCAB:,}, hidden {args.hidden}, {args.layers} layers, {args.threads} torch threads; "
+             f"torch {version('torch')}, transformers {version('transformers')}.")]
+    by = {r["variant"]: r for r in rows}
+    if "trl" in by and "unpadded" in by:
+        notes.append(f"`unpadded` against TRL: {by['unpadded']['tokens_per_s'] / by['trl']['tokens_per_s']:.2f}× the "
+                     f"loss tokens per second at {by['unpadded']['peak_bytes'] / by['trl']['peak_bytes']:.2f}× the "
+                     "peak memory.")
+    write_section("train", ["variant", "s / step", "loss tokens / s", "peak MiB", "tokens/s vs padded",
+                            "peak vs padded"], table, notes)
 
 
 if __name__ == "__main__":

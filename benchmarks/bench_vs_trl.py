@@ -11,7 +11,7 @@ reward, rollout.max_tokens new tokens).
 - TRL runs in this process (`trl.GRPOTrainer`, float32 on CPU, torch's default thread count). A
   TrainerCallback times every optimizer step (generation included) and, at the evaluation steps,
   scores the trainer's model with `evaluate_accuracy` outside the timed span.
-- posttrain runs as a subprocess, `python -m flows.cli run recipes/arithmetic.py -- <overrides>`, in a
+- posttrain runs as a subprocess, `posttrain run recipes/arithmetic.py -- <overrides>`, in a
   scratch directory (the way benchmarks/bench_pipeline.py runs it); its figures come from
   `runs/<name>/metrics.jsonl` (`val/accuracy`) and the run's MLflow store: each step's wall time is the
   gap between consecutive steps' metrics writes less any evaluation or checkpoint inside it
@@ -221,10 +221,10 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
 
 
 def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> dict:
-    from bench_pipeline import QUIET_ENV, wall_per_step  # benchmarks/ is this script's sys.path[0]
+    from bench_pipeline import QUIET_ENV, posttrain_command, wall_per_step  # benchmarks/ is sys.path[0]
 
     env = {**os.environ, **QUIET_ENV}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(RECIPE), "--", *run_overrides]
+    cmd = [*posttrain_command(), "run", str(RECIPE), "--", *run_overrides]
     log = workdir / "posttrain.log"
     started = time.perf_counter()
     with open(log, "w") as fh:
@@ -269,13 +269,12 @@ def summarize(result: dict, early_step: int) -> dict:
             "reached": reached}
 
 
-def print_table(results: dict[str, dict], summaries: dict[str, dict]) -> None:
+def table_rows(results: dict[str, dict], summaries: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     early = {s["early_step"] for s in summaries.values()}
     early_label = f"held-out @{early.pop()}" if len(early) == 1 else "held-out @~25"
     header = ["system", "s/step (median)", early_label, "held-out @final",
               *[f"to {t:.2f}: steps / train s" for t in THRESHOLDS], "train s (all steps)", "threads"]
-    print(" | ".join(header))
-    print(" | ".join("---" for _ in header))
+    rows = []
     for name, s in summaries.items():
         cells = [name, f"{s['step_s_median']:.3f}",
                  "-" if s["acc_early"] is None else f"{s['acc_early']:.3f}",
@@ -284,6 +283,15 @@ def print_table(results: dict[str, dict], summaries: dict[str, dict]) -> None:
             hit = s["reached"][str(t)]
             cells.append("not reached" if hit is None else f"{hit['step']} / {hit['train_s']:.1f}")
         cells += [f"{s['train_s']:.1f}", str(results[name]["threads"])]
+        rows.append(cells)
+    return header, rows
+
+
+def print_table(results: dict[str, dict], summaries: dict[str, dict]) -> None:
+    header, rows = table_rows(results, summaries)
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for cells in rows:
         print(" | ".join(cells))
     if {"trl", "posttrain"} <= summaries.keys():
         ratio = summaries["posttrain"]["step_s_median"] / summaries["trl"]["step_s_median"]
@@ -382,6 +390,15 @@ def main() -> int:
                      f"replayed sampler: {'yes' if r['same_prompts'] else 'NO'}")
     for note in notes:
         print(f"({note})")
+    from report import write_section  # benchmarks/ is this script's sys.path[0]
+
+    header, rows = table_rows(results, summaries)
+    if {"trl", "posttrain"} <= summaries.keys():
+        ratio = summaries["posttrain"]["step_s_median"] / summaries["trl"]["step_s_median"]
+        notes.insert(0, f"posttrain/TRL step time (median): {ratio:.2f}×")
+    notes.insert(0, f"Warm start held-out accuracy {warm_acc:.3f}; {args.steps} steps, evaluation every "
+                    f"{args.eval_every}; TRL {version('trl')}, transformers {version('transformers')}")
+    write_section("vs-trl", header, rows, [f"{note[0].upper()}{note[1:]}." for note in notes])
     if args.json:
         payload = {"config": {"steps": args.steps, "eval_every": args.eval_every, "seed": args.seed,
                               "posttrain_overrides": args.posttrain_overrides, "warm_accuracy": warm_acc,

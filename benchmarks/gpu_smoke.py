@@ -166,16 +166,17 @@ def main() -> int:
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     recipe = str(REPO / "recipes" / "grpo_gsm8k.py")
+    posttrain = str(Path(sys.executable).with_name("posttrain"))  # the console script of this environment
     failures: list[str] = []
     try:
         for name, layout in layouts(gpus):
             print(f"\n== {name} ==")
             ovr = overrides(args, workdir / "gsm8k-smoke", workdir / "runs", f"gpu-smoke-{name}", layout)
-            plan = subprocess.run([sys.executable, "-m", "flows.cli", "validate", recipe, "--", *ovr], cwd=workdir,
+            plan = subprocess.run([posttrain, "validate", recipe, "--", *ovr], cwd=workdir,
                                   env=env, capture_output=True, text=True, check=False)
             text = plan.stdout + plan.stderr
             print(text[text.find("preflight:"):] if "preflight:" in text else text)
-            proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", recipe, "--", *ovr], cwd=workdir,
+            proc = subprocess.run([posttrain, "run", recipe, "--", *ovr], cwd=workdir,
                                   env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
