@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import make_cwd, recipe
 from tests.run_helpers import (
     MATH,
-    STARTUP_TIMEOUT_S,
     VENV_BIN,
     artifact_paths,
     assert_same_math,
@@ -87,7 +87,7 @@ def _kill_all(proc: subprocess.Popen, marker: str) -> None:
 def start_cli(cwd: Path, prefect_home: Path, log: Path, marker: str, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S, MARKER_ENV: marker}
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(STARTUP_TIMEOUT_S), MARKER_ENV: marker}
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)
     with open(log, "wb") as out:
