@@ -115,6 +115,7 @@ def straight(exact_cwd) -> tuple[list[dict], dict]:
     return read_metrics(run_dir), load_file(run_dir / "final_model" / "model.safetensors")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3, 1], ids=["k2-checkpoint", "k3-between-checkpoints", "k1-before-first-checkpoint"])
 def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatch):
@@ -169,6 +170,7 @@ def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatc
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
     """SIGKILL of a PolicyWorker (a Ray actor) after step 3 of 6 (checkpoints every 2 steps): the flow places
@@ -208,6 +210,7 @@ def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
     assert new_pid != killed["pid"]
 
 
+@pytest.mark.e2e
 def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_it(cwd, monkeypatch):
     """Evaluation fails at step 2 on every try (1 retry): step 2's checkpoint is already written, so nothing is
     lost; the resumed run does not train step 2 again, it evaluates it (with step 2's weights) and completes the
@@ -275,6 +278,7 @@ print("teardown ok")
 """
 
 
+@pytest.mark.e2e
 def test_cluster_teardown_survives_dead_actors_and_a_ray_that_is_already_gone(tmp_path):
     """A restart tears the old cluster down after an actor died, sometimes after Ray itself went away: every
     clean-up call (shutdown.remote, ray.kill) then raises, and each is skipped so the rest still runs. In a

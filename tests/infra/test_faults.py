@@ -33,7 +33,7 @@ from tests.conftest import REPO, recipe
 from tests.run_helpers import MATH, read_metrics, run_flow
 from tests.servers import _started, start_moto, stop_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 OUTAGE_S = 30.0
 
 

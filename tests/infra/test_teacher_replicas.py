@@ -14,7 +14,7 @@ from tests.builders import tiny_model
 from tests.conftest import recipe
 from tests.rl_core.test_opd import make_batch
 
-pytestmark = pytest.mark.slow  # Ray actors loading the model: ~20 s
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # Ray actors loading the model: ~20 s
 
 
 def test_two_replicas_score_what_one_scores(workdir):

@@ -23,6 +23,8 @@ from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import FAST, recipe
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e  # in-process flows on Ray, an MLflow server
 SECRETS = {
     "HF_TOKEN": "hf_supersecret-xyz-5d1c9a",
     "AWS_SECRET_ACCESS_KEY": "aws-secret-0b7e4f2a9c-do-not-log",
