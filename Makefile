@@ -28,11 +28,16 @@ demo: venv
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 # Two test processes (one module each at a time): most end-to-end tests wait on Prefect and Ray start-up.
+# Markers (pyproject.toml): `e2e` tests start Ray, a Prefect server or flow, or a subprocess; `slow` ones take more
+# than a few seconds (most e2e tests, and a few in-process ones such as the 800-step warm start).
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
+# The unit tests only: no Ray, no Prefect server, no subprocess. POSTTRAIN_TEST_QUICK=1 makes any process a test
+# starts fail it, naming the marker to add (tests/conftest.py). `pytest -m "not slow"` still leaves out only the
+# slow tests (fast e2e tests included).
 test-quick: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+	POSTTRAIN_TEST_QUICK=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not e2e and not slow" --durations=10
 
 # A benchmark that lacks what it measures exits 2 and is reported as skipped, not failed: bench_vs_trl.py without
 # the `bench` extra (TRL), bench_train.py without the GSM8K data (`dvc repro pipelines/gsm8k/dvc.yaml`).

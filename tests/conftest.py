@@ -2,17 +2,29 @@
 
 Flow tests run real Prefect (ephemeral API), real local Ray and MLflow on SQLite inside a temporary
 working directory; nothing is written to the user's ~/.prefect or the repository.
+
+Unit tests and end-to-end tests: a test that starts Ray, runs a Prefect flow (the ephemeral API is a server
+subprocess) or starts any other process carries the `e2e` marker; only those get the session's local Ray.
+`make test-quick` (POSTTRAIN_TEST_QUICK=1, `-m "not e2e and not slow"`) runs the rest, and there any process
+a test starts fails it with a message naming the marker (`pytest_runtest_protocol` below).
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing.process
 import os
+import platform
+import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from infra.services import use_prefect_server_defaults
+from tests.builders import STARTUP_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
 _PREFECT_HOME = tempfile.mkdtemp(prefix="posttrain-test-prefect-")
@@ -27,9 +39,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Ray on 127.0.0.1 only (it would otherwise advertise the outward interface): read by ray at import
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # the ephemeral Prefect API may take longer than its default 20 s to start on a loaded 2-core machine
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(STARTUP_TIMEOUT_S))
 # the API server settings `posttrain run` and `posttrain services` start Prefect with (batched task-run recording)
 use_prefect_server_defaults()
+# platform.processor() runs `uname -p` once per process and caches it (MLflow's run tags ask for it): asked here,
+# before any test, so that no unit test starts that process
+platform.processor()
 
 
 @pytest.fixture(scope="session")
@@ -44,15 +59,82 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session", autouse=True)
+E2E = "e2e"
+
+
+def quick_mode(config: pytest.Config) -> bool:
+    """Unit tests only: `make test-quick` (POSTTRAIN_TEST_QUICK=1), or a marker expression that leaves e2e out."""
+    return os.environ.get("POSTTRAIN_TEST_QUICK") == "1" or "not e2e" in (config.option.markexpr or "")
+
+
+class StartsAProcess(RuntimeError):
+    """A test without the `e2e` marker started Ray, Prefect's API server or another process (quick mode)."""
+
+
+_STARTED: list[str] = []  # what the running unit test started, reported by pytest_runtest_makereport
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every `e2e` test gets the session's local Ray (`ray_session`) before any other fixture, so a module-scoped
+    fixture that runs a flow joins it too."""
+    for item in items:
+        if item.get_closest_marker(E2E) is not None and "ray_session" not in item.fixturenames:
+            item.fixturenames.insert(0, "ray_session")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In quick mode a test without the `e2e` marker may start no process, in its fixtures (of any scope) either:
+    subprocess.Popen (what subprocess.run, `ray.init`'s GCS and raylet, Prefect's ephemeral API server and the
+    test servers start with), os.system, multiprocessing's Process.start (process pools, torch.multiprocessing)
+    and an imported `ray.init` raise StartsAProcess, and the test fails even if the code under test caught it."""
+    if not quick_mode(item.config) or item.get_closest_marker(E2E) is not None:
+        return (yield)
+
+    def refuse(what: Callable[..., str]):
+        def call(*args, **kwargs):
+            message = (f"{item.nodeid} {what(*args, **kwargs)}, which a unit test must not: mark it "
+                       f"`@pytest.mark.{E2E}` (it starts Ray, a Prefect server or flow, or a subprocess) "
+                       f"so that `make test-quick` leaves it out")
+            _STARTED.append(message)
+            raise StartsAProcess(message)
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child",
+                   refuse(lambda self, args, *_, **__: f"started a subprocess ({args!r:.300})"))
+        mp.setattr(os, "system", refuse(lambda command: f"ran os.system({command!r:.300})"))
+        mp.setattr(multiprocessing.process.BaseProcess, "start",
+                   refuse(lambda self: f"started a multiprocessing process ({self!r:.300})"))
+        if "ray" in sys.modules:
+            mp.setattr(sys.modules["ray"], "init", refuse(lambda *_, **__: "called ray.init"))
+        try:
+            return (yield)
+        finally:
+            _STARTED.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if _STARTED:
+        report.outcome = "failed"
+        report.longrepr = "\n".join([*_STARTED, "", str(report.longrepr or "")])
+        _STARTED.clear()
+    return report
+
+
+@pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray (127.0.0.1) for the in-process flows of the session, stopped at its end.
+    """One local Ray (127.0.0.1) for the in-process flows of the session, stopped at its end; started by the
+    first `e2e` test.
 
     `Cluster` joins a Ray that is already initialised instead of starting its own, so each flow
     still places and kills its own worker (and teacher) actors, but does not pay Ray's start and
     stop (~4 s) every time. The start-your-own path (`Cluster` starting and stopping a local Ray)
     is exercised by every test that runs `posttrain` in a subprocess: the SIGKILL resumes, the
-    deployments' worker, `dvc repro`. With RAY_ADDRESS set the flows join that cluster instead.
+    deployments' worker, `dvc repro`. With RAY_ADDRESS set the flows join that cluster instead. Requested by
+    `e2e` tests only (pytest_collection_modifyitems): unit tests run without Ray.
     """
     import ray
 
@@ -81,19 +163,44 @@ def _build_warm(start: Path, root: Path, workdir: Path, which: str) -> tuple[Pat
     return out, metrics
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], tuple[Path, dict]]) -> tuple[Path, dict]:
+    """`build(root)` -> (directory, JSON-able metrics), run once per test run: under pytest-xdist the first worker
+    to ask builds it in the run's base temp dir (shared by the workers) under a file lock, and the others wait and
+    read what it saved. Without xdist it is built in this session's own temp dir. Either way the metrics come
+    back through JSON, so every worker sees the same values (floats round-trip exactly)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        root = tmp_path_factory.mktemp(name)
+        path, metrics = build(root)
+        return path, json.loads(json.dumps(metrics))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "built-once"  # pytest-of-<user>/pytest-<n>/: this run's
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.is_file():
+            path, metrics = build(shared / name)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"path": str(path), "metrics": metrics}))
+            tmp.replace(done)
+    saved = json.loads(done.read_text())
+    return Path(saved["path"]), saved["metrics"]
+
+
 @pytest.fixture(scope="session")
 def warm_model(workdir, tmp_path_factory) -> tuple[Path, dict]:
-    """The quickstart's warm start (`warm_start` of params.yaml from the init), built once per session:
-    (directory, metrics)."""
-    return _build_warm(workdir / "artifacts" / "tiny-model" / "init", tmp_path_factory.mktemp("warm"), workdir,
-                       "warm_start")
+    """The quickstart's warm start (`warm_start` of params.yaml from the init), built once per test run (one
+    xdist worker builds it, `built_once`): (directory, metrics). Read-only: tests copy it to change it."""
+    return built_once(tmp_path_factory, "warm", lambda root: _build_warm(
+        workdir / "artifacts" / "tiny-model" / "init", root, workdir, "warm_start"))
 
 
 @pytest.fixture(scope="session")
 def teacher_model(workdir, warm_model, tmp_path_factory) -> tuple[Path, dict]:
     """OPD's CPU teacher (`teacher_warm_start` of params.yaml: the warm start trained further), built once per
-    session: (directory, metrics)."""
-    return _build_warm(warm_model[0], tmp_path_factory.mktemp("teacher"), workdir, "teacher_warm_start")
+    test run (`built_once`): (directory, metrics)."""
+    return built_once(tmp_path_factory, "teacher", lambda root: _build_warm(
+        warm_model[0], root, workdir, "teacher_warm_start"))
 
 
 @pytest.fixture(scope="module")

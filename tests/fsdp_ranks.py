@@ -38,12 +38,9 @@ def _free_port() -> int:
 
 
 def base_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.builders import tiny_model
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+    return tiny_model(0)
 
 
 def batch(step: int, rank: int, world: int | None = None):

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import FAST, recipe
 
 VENV_BIN = Path(sys.executable).parent
@@ -19,17 +20,13 @@ MATH = [*FAST, "rl.objective.kl_beta=0.1", "rl.reference=artifacts/tiny-model/re
 
 # ------------------------------------------------------------------------------------------ helpers
 
-# the ephemeral Prefect API server may take longer than its default 20 s to start on a loaded machine
-STARTUP_TIMEOUT_S = "180"
-
-
 def run_flow(*overrides: str) -> dict:
     """The flow in-process (cwd is the working directory), with the MATH overrides first."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     from flows.grpo import grpo
 
-    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: int(STARTUP_TIMEOUT_S)}):
+    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: STARTUP_TIMEOUT_S}):
         return grpo(recipe("arithmetic"), [*MATH, *overrides])
 
 

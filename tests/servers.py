@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.services import free_port, http_ok, signal_group, venv_bin, wait_until
+from tests.builders import STARTUP_TIMEOUT_S
 
 
 def _accepts(port: int) -> bool:
@@ -106,7 +107,7 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, Path]]:
              "--artifacts-destination", str((root / "server-artifacts").resolve())],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=root)
     try:
-        _started(proc, lambda: http_ok(url + "/health"), 120, "mlflow server", log)
+        _started(proc, lambda: http_ok(url + "/health"), STARTUP_TIMEOUT_S, "mlflow server", log)
         yield url, root / "server-artifacts"
     finally:
         stop_group(proc, proc.pid)
@@ -162,7 +163,7 @@ def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None,
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         _started(proc, lambda: _accepts(port) and b"Ray runtime started" in log.read_bytes()
-                 and (dashboard_port is None or _accepts(dashboard_port)), 120, "ray head", log)
+                 and (dashboard_port is None or _accepts(dashboard_port)), STARTUP_TIMEOUT_S, "ray head", log)
         yield f"127.0.0.1:{port}"
     finally:
         stop_group(proc, proc.pid)
@@ -183,7 +184,7 @@ def ray_nodes(temp_dir: Path, *, nodes: int = 2, cpus_per_node: int = 2, token: 
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, token),
                                 start_new_session=True)
     try:
-        _started(proc, address_file.is_file, 180, "ray nodes", log)
+        _started(proc, address_file.is_file, STARTUP_TIMEOUT_S, "ray nodes", log)
         yield address_file.read_text().strip()
     finally:
         stop_group(proc, proc.pid)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CLIPPED = ["rl.objective.type=grpo", "rollout.prompts_per_step=8", "rollout.n=4",
            "rl.validation.before_training=false", "rl.validation.every_steps=0", "rl.validation.max_prompts=8",

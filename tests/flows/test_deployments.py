@@ -126,6 +126,7 @@ def test_too_few_gpus_and_a_missing_vllm_are_named(monkeypatch, in_workdir):
     assert any(p.startswith("rollout.backend=vllm: the vllm package is not installed") for p in problems) != has_vllm
 
 
+@pytest.mark.e2e
 def test_deploy_without_services_fails_clearly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(tmp_path / "none")],
                          capture_output=True, text=True, cwd=REPO, check=False)
@@ -207,6 +208,7 @@ def deployed(services, client_env):
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_services_are_up_with_state_files(services, client_env):
     svc, env = services
@@ -232,6 +234,7 @@ def test_services_are_up_with_state_files(services, client_env):
     assert pools.returncode == 0 and "type='process'" in pools.stdout, pools.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_api_wants_its_password_and_csrf_tokens_and_the_secret_files_are_private(services):
     """`services up` protects the Prefect API: basic auth with a generated password (0600 files only),
@@ -281,6 +284,7 @@ def test_the_api_wants_its_password_and_csrf_tokens_and_the_secret_files_are_pri
     assert allowed not in ("*", "http://evil.example")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed):
     _, env = services
@@ -298,6 +302,7 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
     assert names == DEPLOYMENTS
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_nightly_regression_schedule_produces_scheduled_runs(services, deployed):
     from prefect.client.schemas.filters import (
@@ -345,6 +350,7 @@ def run_deployment(services, client_env, name: str, overrides: list[str], run_di
     return run, metrics
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed, client_env, workdir, tmp_path):
     from mlflow import MlflowClient
@@ -370,6 +376,7 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [1, 2]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
     """The DPO entry through the worker: its own flow (`dpo`), pairs and reference on CPU."""
@@ -389,6 +396,7 @@ def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, t
     assert metrics[0]["val/loss"] == pytest.approx(0.6931471805599453, abs=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_opd_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
     """The OPD entry through the worker: its own flow (`opd`), the teacher Ray actor scoring the student's samples."""
@@ -409,6 +417,7 @@ def test_opd_deployment_run_completes(services, deployed, client_env, workdir, t
     assert all(abs(m["train/reverse_kl"]) > 1e-4 for m in steps)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
 def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, client_env):
@@ -426,6 +435,7 @@ def test_gspo_deployment_without_gpu_fails_in_preflight(services, deployed, clie
     assert (run.end_time - run.start_time).total_seconds() < 60
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_deployment_run_with_a_foreign_recipe_fails_without_running_it(services, deployed, client_env, tmp_path):
     """The attack of the audit: `recipe=/any/file.py` through the API. The run fails in the guard, naming the
@@ -490,6 +500,7 @@ class Listener:
         self.sock.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_flow_runs_job_variables_cannot_run_a_command_or_switch_the_opt_in(services, deployed, tmp_path):
     """The audit's attack: `command=touch FILE` as a flow run's job variable ran the command on the worker, and
@@ -514,6 +525,7 @@ def test_a_flow_runs_job_variables_cannot_run_a_command_or_switch_the_opt_in(ser
     assert not marker.exists() and not out_dir.exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_import_paths_models_and_endpoints_are_refused_from_the_api(services, deployed):
     """`data.rewards=[{path: timeit:timeit}]` would execute on each batch, `data.task=timeit:Timer` on load; `tracking.mlflow_uri` and
@@ -570,6 +582,7 @@ def project_artifacts(workdir, warm_model):
         shutil.rmtree(REPO / "runs" / "regression", ignore_errors=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_nightly_regression_deployment_completes_without_the_opt_in(services, deployed, project_artifacts):
     """The scheduled run as the worker starts it, with no opt-in anywhere (the deployment is not tagged, the
@@ -602,6 +615,7 @@ def test_the_nightly_regression_deployment_completes_without_the_opt_in(services
     assert [m.step for m in client.get_metric_history(training.info.run_id, "train/loss")] == list(range(1, 21))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_down_stops_exactly_the_service_processes(services):
     import psutil
@@ -720,6 +734,7 @@ def test_the_work_pool_template_fixes_the_command_and_environment(monkeypatch):
     jsonschema.validate({"stream_output": False}, template["variables"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("user_value, expected", [(None, 180), ("45", 45)])
 def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expected):
     """Prefect's 20 s default for its temporary API server failed half the runs on a loaded 2-core machine;
@@ -734,6 +749,7 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
     assert int(float(out.stdout.strip().splitlines()[-1])) == expected
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("user_value, expected", [(None, 100), ("7", 7)])
 def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_value, expected, tmp_path,
                                                                           monkeypatch):
@@ -760,6 +776,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
     assert server_env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"] == "1"
 
 
+@pytest.mark.e2e
 def test_a_service_stays_recognised_when_the_system_clock_steps():
     """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
     (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""

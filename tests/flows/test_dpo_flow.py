@@ -46,6 +46,7 @@ def dpo_run(dpo_dir):
     return state, dpo_dir / "runs" / "dpo-fast"
 
 
+@pytest.mark.e2e
 def test_pairs_are_built_when_missing(dpo_run, dpo_dir):
     for split in ("train", "val"):
         lines = (dpo_dir / "data" / "arithmetic-pairs" / f"{split}.jsonl").read_text().splitlines()
@@ -54,6 +55,7 @@ def test_pairs_are_built_when_missing(dpo_run, dpo_dir):
     assert len(lines) == 500  # every held-out problem
 
 
+@pytest.mark.e2e
 def test_every_phase_runs(dpo_run):
     state, _ = dpo_run
     assert state.is_completed(), state.message
@@ -65,6 +67,7 @@ def test_every_phase_runs(dpo_run):
     assert names["rollout"] == 0 and names["reward"] == 0  # offline
 
 
+@pytest.mark.e2e
 def test_metrics_keys_and_reference_identity(dpo_run):
     _, run_dir = dpo_run
     records = read_metrics(run_dir)
@@ -85,6 +88,7 @@ def test_metrics_keys_and_reference_identity(dpo_run):
     assert records[3]["val/loss"] < math.log(2)  # the training pairs' lesson generalises to held-out pairs
 
 
+@pytest.mark.e2e
 def test_checkpoints_and_mlflow_run(dpo_run):
     from mlflow import MlflowClient
 
@@ -100,6 +104,7 @@ def test_checkpoints_and_mlflow_run(dpo_run):
     assert [m.step for m in client.get_metric_history(run_id, "val/reward_accuracy")] == [0, 2, 3]
 
 
+@pytest.mark.e2e
 def test_exact_resume_with_two_workers(dpo_dir, monkeypatch):
     from flows.dpo import dpo
     from tests.run_helpers import assert_same_math
@@ -112,6 +117,7 @@ def test_exact_resume_with_two_workers(dpo_dir, monkeypatch):
     assert_same_math(read_metrics(dpo_dir / "runs" / "dpo-resumed"), read_metrics(dpo_dir / "runs" / "dpo-straight"))
 
 
+@pytest.mark.e2e
 def test_pair_gate_refuses_bad_pairs(dpo_dir, monkeypatch):
     from flows.dpo import dpo
 
@@ -138,6 +144,7 @@ def test_preflight_needs_whole_pairs_per_worker():
     assert any("even number of rows" in e for e in preflight(cfg).errors)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dpo_raises_held_out_preference_and_accuracy(workdir, warm_model, tmp_path, monkeypatch):
     from flows.dpo import dpo

@@ -205,6 +205,7 @@ def pipeline(tmp_path_factory):
 # ------------------------------------------------------------------------------------- the pipeline
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
     root, clone, env, output = pipeline
@@ -261,6 +262,7 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
     assert porcelain <= {" M params.yaml", "M  params.yaml", "?? dvc.lock", "A  dvc.lock"}, porcelain
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
     _, clone, env, _ = pipeline
@@ -288,6 +290,7 @@ def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
     assert _status(clone, env, "dvc.yaml") == {}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
     """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, and the
@@ -328,6 +331,7 @@ def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
 # -------------------------------------------------------------------------------------- the remotes
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_local_remote_push_then_pull_into_a_fresh_clone(pipeline):
     """`dvc push` to the default remote; a clone with no cache gets every output back with `dvc pull`."""
@@ -349,6 +353,7 @@ def test_local_remote_push_then_pull_into_a_fresh_clone(pipeline):
     assert UP_TO_DATE in _dvc(pulled, env_pulled, "status", "dvc.yaml")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_s3_remote_push_and_pull_against_moto(pipeline, moto_server):
     """An S3 remote (moto's server via `endpointurl`): push the data stage, pull it into a clone."""

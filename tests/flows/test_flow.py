@@ -36,6 +36,7 @@ def faulty_run(workdir):
     return state, workdir / "runs" / "faulty"
 
 
+@pytest.mark.e2e
 def test_flow_completes_with_every_phase_per_step(faulty_run):
     state, _ = faulty_run
     assert state.is_completed(), state.message
@@ -47,6 +48,7 @@ def test_flow_completes_with_every_phase_per_step(faulty_run):
     assert names["checkpoint"] == 2  # step 2 (save_every) and the final step 3
 
 
+@pytest.mark.e2e
 def test_injected_failures_are_retried_and_no_step_is_lost(faulty_run):
     state, run_dir = faulty_run
     runs = task_runs(state.state_details.flow_run_id)
@@ -56,6 +58,7 @@ def test_injected_failures_are_retried_and_no_step_is_lost(faulty_run):
     assert steps == [1, 2, 3]
 
 
+@pytest.mark.e2e
 def test_metrics_have_every_key_family(faulty_run):
     _, run_dir = faulty_run
     records = read_metrics(run_dir)
@@ -72,6 +75,7 @@ def test_metrics_have_every_key_family(faulty_run):
     assert len(step1["data/prompt_rows"]) == 4
 
 
+@pytest.mark.e2e
 def test_rollout_and_train_stats_agree(faulty_run):
     """Cross-checks by formula: 16 completions give rewards in sixteenths; a step whose groups all have
     equal rewards has zero advantages (docs/objectives.md), hence a legacy-PG loss of exactly 0."""
@@ -86,6 +90,7 @@ def test_rollout_and_train_stats_agree(faulty_run):
             assert r["train/advantage_std"] > 0.0
 
 
+@pytest.mark.e2e
 def test_rollout_cache_is_pruned_with_each_checkpoint(faulty_run):
     """Each step's rollout is kept in the run directory until a checkpoint makes it unnecessary (one file per step
     used to stay forever: 402 files after 400 steps); the final checkpoint (step 3) leaves none."""
@@ -160,6 +165,7 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
     assert len(third) == 4 and sorted(p.suffix for p in cache.iterdir()) == [".safetensors"] * 3
 
 
+@pytest.mark.e2e
 def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):
     from flows.grpo import grpo
     from rl_core import faults
@@ -184,6 +190,7 @@ def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):
         (in_workdir / "runs" / "gate" / "checkpoints").glob("step_*"))
 
 
+@pytest.mark.e2e
 def test_one_and_two_workers_agree(in_workdir, tmp_path):
     from flows.grpo import grpo
     from rl_core.models import build_tiny_model

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import recipe
 
+pytestmark = pytest.mark.e2e  # whole flows on the GSM8K CPU recipes
+
 PROBLEMS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
     {"question": "A box holds 12 eggs. How many eggs are in 2 boxes?", "answer": "12*2=<<12*2=24>>24\n#### 24"},

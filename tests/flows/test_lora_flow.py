@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.run_helpers import assert_same_math, read_metrics, run_flow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "cluster.placement=separate", "rl.save_every=2"]
 

@@ -56,6 +56,7 @@ def opd_run(opd_dir):
     return state, opd_dir / "runs" / "opd-fast"
 
 
+@pytest.mark.e2e
 def test_every_phase_runs_each_step(opd_run):
     state, _ = opd_run
     assert state.is_completed(), state.message
@@ -66,6 +67,7 @@ def test_every_phase_runs_each_step(opd_run):
     assert names["checkpoint"] == 2
 
 
+@pytest.mark.e2e
 def test_metrics_keys_and_teacher_signal(opd_run):
     _, run_dir = opd_run
     records = read_metrics(run_dir)
@@ -82,6 +84,7 @@ def test_metrics_keys_and_teacher_signal(opd_run):
     assert "val/accuracy" in records[2] and "val/accuracy" in records[3]
 
 
+@pytest.mark.e2e
 def test_the_teacher_replicas_run_beside_the_trainer_rank(opd_run):
     _, run_dir = opd_run
     where = json.loads((run_dir / "placement.json").read_text())
@@ -90,6 +93,7 @@ def test_the_teacher_replicas_run_beside_the_trainer_rank(opd_run):
     assert all(t["node_id"] == trainer["node_id"] and t["device"] == "cpu" for t in teachers)
 
 
+@pytest.mark.e2e
 def test_checkpoints_and_mlflow_run(opd_run):
     from mlflow import MlflowClient
 
@@ -106,6 +110,7 @@ def test_checkpoints_and_mlflow_run(opd_run):
     assert [m.step for m in client.get_metric_history(run_id, "opd/teacher_reverse_kl")] == [1, 2, 3]
 
 
+@pytest.mark.e2e
 def test_exact_resume(opd_dir, monkeypatch):
     from flows.opd import opd
     from tests.run_helpers import assert_same_math
@@ -131,6 +136,7 @@ def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
     assert not (opd_dir / "runs" / "no-teacher" / "metrics.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
     from flows.cli import main
 
@@ -141,6 +147,7 @@ def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
     assert [r["step"] for r in read_metrics(opd_dir / "runs" / "opd-cli")] == [0, 1]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_model, tmp_path, monkeypatch):
     """The recipe's warm student (0.72) and its teacher, the warm start trained further (session fixtures, built

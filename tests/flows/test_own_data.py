@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import recipe
 from tests.run_helpers import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SHORT = ["model.name_or_path=artifacts/tiny-model/init", "rollout.prompts_per_step=4", "rollout.n=4",
          "rl.max_steps=2", "rl.save_every=2", "rl.validation.max_prompts=8", "rl.validation.every_steps=2",

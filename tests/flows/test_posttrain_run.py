@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import FAST, REPO, recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STARTUP = ("imports", "flow", "inputs", "tracking", "cluster", "first_rollout")  # flows/startup.py, in order
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")

@@ -19,7 +19,7 @@ import yaml
 
 from flows.regression import EXPERIMENT, KIND_TAG, RUN_OVERRIDES, load_thresholds, regression
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -98,6 +98,7 @@ def test_plan_resume_policies(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------- policies through the flow
 
+@pytest.mark.e2e
 def test_flow_resume_policies(cwd, tmp_path):
     from rl_core.config import ConfigError
 
@@ -156,6 +157,7 @@ def test_flow_resume_policies(cwd, tmp_path):
 
 # ---------------------------------------------------------------------------- corrupted checkpoint
 
+@pytest.mark.e2e
 def test_corrupted_newest_checkpoint_is_skipped_not_loaded(cwd, tmp_path):
     from infra.storage import CheckpointError, CheckpointStore
 
@@ -204,6 +206,7 @@ def remote_files(bucket: str, prefix: str) -> dict[int, set[str]]:
     return out
 
 
+@pytest.mark.e2e
 def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cwd, bucket, tmp_path):
     import boto3
 
@@ -244,6 +247,7 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
     """A run resumed from a checkpoint at the end of an epoch trains the remaining steps (verl #5725 trained zero
@@ -268,6 +272,7 @@ def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_resume_on_a_fresh_machine_restores_metrics_from_the_s3_checkpoint(cwd, bucket, tmp_path):
     """The whole run directory is gone (another machine): checkpoint, metrics history and MLflow run come from S3."""
@@ -310,6 +315,7 @@ def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
 # ----------------------------------------------------------------- exact resume after a real SIGKILL
 
 
+@pytest.mark.e2e
 def test_overwrite_does_not_leave_the_old_runs_checkpoints_in_s3(bucket, tmp_path, monkeypatch):
     from infra.resume import plan_resume
     from infra.storage import CheckpointStore, checkpoint_step
@@ -394,6 +400,7 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path):
         MetricsLog(path).read()
 
 
+@pytest.mark.e2e
 def test_bad_data_fails_before_an_overwrite_deletes_the_previous_run(cwd, tmp_path):
     """rl.resume=off job.overwrite=true with an empty train file: the flow fails naming data.train, and the run
     directory it would have replaced (checkpoints, metrics) is untouched."""
@@ -411,6 +418,7 @@ def test_bad_data_fails_before_an_overwrite_deletes_the_previous_run(cwd, tmp_pa
     assert (run_dir / "checkpoints" / "step_00000002" / "manifest.json").is_file()
 
 
+@pytest.mark.e2e
 def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_path, monkeypatch):
     """Two jobs with one tracking.checkpoint_uri: each lists, loads and prunes only its own steps."""
     from infra.resume import checkpoint_prefix, plan_resume
@@ -434,6 +442,7 @@ def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_
     assert plan_resume(b, store(b)).run_state == {"mlflow_run_id": "beta-run"}
 
 
+@pytest.mark.e2e
 def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_other(bucket, tmp_path, monkeypatch):
     """The audit's collision: one job.name and one tracking.checkpoint_uri, two job.out_dirs, both running (their
     run locks are per directory). Each run's steps live under its own run id: the second's pruning (keep=2) leaves
@@ -471,6 +480,7 @@ def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_
         assert again.store.remote_uri == first_prefix and checkpoint_step(again.plan.checkpoint) == 200
 
 
+@pytest.mark.e2e
 def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(tmp_path, monkeypatch):
     """The run lock: another process holding it (a deployment triggered twice) makes prepare fail at once,
     naming the holder, with the first run's files untouched; a kill -9 of the holder frees it."""

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import make_cwd, recipe
 from tests.run_helpers import (
     MATH,
-    STARTUP_TIMEOUT_S,
     VENV_BIN,
     artifact_paths,
     assert_same_math,
@@ -87,7 +87,7 @@ def _kill_all(proc: subprocess.Popen, marker: str) -> None:
 def start_cli(cwd: Path, prefect_home: Path, log: Path, marker: str, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S, MARKER_ENV: marker}
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(STARTUP_TIMEOUT_S), MARKER_ENV: marker}
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)
     with open(log, "wb") as out:
@@ -115,6 +115,7 @@ def straight(exact_cwd) -> tuple[list[dict], dict]:
     return read_metrics(run_dir), load_file(run_dir / "final_model" / "model.safetensors")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3, 1], ids=["k2-checkpoint", "k3-between-checkpoints", "k1-before-first-checkpoint"])
 def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatch):
@@ -169,6 +170,7 @@ def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatc
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
     """SIGKILL of a PolicyWorker (a Ray actor) after step 3 of 6 (checkpoints every 2 steps): the flow places
@@ -208,6 +210,7 @@ def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(cwd):
     assert new_pid != killed["pid"]
 
 
+@pytest.mark.e2e
 def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_it(cwd, monkeypatch):
     """Evaluation fails at step 2 on every try (1 retry): step 2's checkpoint is already written, so nothing is
     lost; the resumed run does not train step 2 again, it evaluates it (with step 2's weights) and completes the
@@ -275,6 +278,7 @@ print("teardown ok")
 """
 
 
+@pytest.mark.e2e
 def test_cluster_teardown_survives_dead_actors_and_a_ray_that_is_already_gone(tmp_path):
     """A restart tears the old cluster down after an actor died, sometimes after Ray itself went away: every
     clean-up call (shutdown.remote, ray.kill) then raises, and each is skipped so the rest still runs. In a

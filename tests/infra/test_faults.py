@@ -28,11 +28,12 @@ import pytest
 
 from infra.services import free_port, http_ok, venv_bin
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
+from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import REPO, recipe
-from tests.run_helpers import MATH, STARTUP_TIMEOUT_S, read_metrics, run_flow
+from tests.run_helpers import MATH, read_metrics, run_flow
 from tests.servers import _started, start_moto, stop_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 OUTAGE_S = 30.0
 
 
@@ -204,7 +205,7 @@ def test_a_run_survives_a_prefect_api_restart(cwd, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in ("RAY_ADDRESS",
                                                                                             "MLFLOW_TRACKING_URI")}
     env.update(PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "client-home"), DO_NOT_TRACK="1",
-               RAY_USAGE_STATS_ENABLED="0", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=STARTUP_TIMEOUT_S)
+               RAY_USAGE_STATS_ENABLED="0", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=str(STARTUP_TIMEOUT_S))
     overrides = [*MATH, "job.name=api-restart", f"rl.max_steps={STEPS}", "rl.save_every=10", "rl.validation.every_steps=0",
                  "rl.validation.before_training=false"]
     run_log, run = tmp_path / "run.log", None

@@ -36,6 +36,7 @@ def read_tree(root: Path) -> dict[str, bytes]:
     return {f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()}
 
 
+@pytest.mark.e2e
 def test_upload_dir_and_download_dir_round_trip_a_model_directory(bucket, tmp_path):
     import boto3
 
@@ -85,6 +86,7 @@ print(json.dumps({"seen": seen, "out": out}))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_final_model_is_written_by_rank_0_into_the_run_directory_and_mirrored_to_s3(workdir, bucket, tmp_path):
     import boto3

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e  # gloo ranks in subprocesses, a flow on Ray
 TOL = 1e-6
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.conftest import REPO
 
@@ -30,6 +31,7 @@ def test_the_rendezvous_store_listens_on_the_node_ip_only():
         del store
 
 
+@pytest.mark.e2e
 def test_what_posttrain_writes_is_its_owners_only(tmp_path):
     """A run directory, a model and data built by `posttrain`: directories 0700, files 0600."""
     out = tmp_path / "models" / "tiny"
@@ -52,6 +54,7 @@ def test_a_run_directory_is_made_private(tmp_path, monkeypatch):
     assert stat.S_IMODE((tmp_path / "runs" / "plan").stat().st_mode) == 0o700
 
 
+@pytest.mark.e2e
 def test_the_local_ray_a_run_starts_uses_token_authentication(tmp_path):
     """The local Ray of `posttrain run` (infra.ray_connect, no RAY_AUTH_MODE set) requires a token (Ray turns it on
     for a new local cluster); its workers carry the mode."""

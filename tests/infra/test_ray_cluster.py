@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from tests.conftest import FAST, REPO, recipe
 from tests.servers import ray_head, ray_nodes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def posttrain(workdir: Path, overrides: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import pytest
 from infra.services import free_port, venv_bin
 from tests.conftest import FAST, REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # What the job's copy of the project leaves out (the README's command): what is big or belongs to other runs.
 EXCLUDES = ["/.git", "/.venv", "/runs", "/artifacts", "/data", "/mlruns", "/mlartifacts", "/mlflow.db"]

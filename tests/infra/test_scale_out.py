@@ -30,6 +30,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------ engines
 
 
+@pytest.mark.e2e
 def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_model):
     """1 vs 2 separate HF engine actors, and 2 colocated ones: bitwise-identical completions, log-probs within 1e-5."""
     from infra.cluster import Cluster
@@ -62,6 +63,7 @@ def test_completions_do_not_depend_on_the_number_of_engines(in_workdir, warm_mod
         assert got.finish_reason == ref.finish_reason
 
 
+@pytest.mark.e2e
 def test_each_thread_reads_the_generate_time_of_its_own_call():
     """rl.async_steps: the in-flight rollout (a task thread) and an evaluation (the flow's thread) call the same
     EnginePool at once; each must read back the seconds of its own call, not the other's."""
@@ -97,6 +99,7 @@ def test_each_thread_reads_the_generate_time_of_its_own_call():
     assert seen == [2.0] and pool.last_generate_s == 3.0
 
 
+@pytest.mark.e2e
 def test_engines_and_placements_train_to_identical_weights_with_no_model_in_the_driver(in_workdir, warm_model,
                                                                                        monkeypatch):
     """1 vs 2 separate engines and colocated: identical rollouts, losses and step-3 weights. At every step (after
@@ -176,6 +179,7 @@ def separate_cluster(workdir, warm_model):
         yield cluster
 
 
+@pytest.mark.e2e
 def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
     """What rank 0 broadcasts per sync is exactly the policy's parameters in the wire dtype (float32: 4 bytes)."""
     from rl_core.config.schema import ModelConfig
@@ -191,6 +195,7 @@ def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
     assert {e["pid"] for e in where["engines"]}.isdisjoint({t["pid"] for t in where["trainers"]})
 
 
+@pytest.mark.e2e
 def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(separate_cluster):
     """Engine 1 receives the right bytes but loads one tensor wrong (the `weight_load` fault): its own report of
     what it holds differs from rank 0's, and the sync stops naming the engine and the tensor; the next sync is
@@ -213,6 +218,7 @@ def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(separate_cluster):
     assert stats["rollout/sync_probe_logp_abs_diff"] < 1e-6  # both engines: their probe log-probs are the trainer's
 
 
+@pytest.mark.e2e
 def test_a_corrupted_sync_fails_the_step(separate_cluster):
     """An engine whose received bytes do not match rank 0's checksum stops the sync with WeightSyncError."""
     from infra.cluster import WeightSyncError
@@ -233,6 +239,7 @@ def test_a_corrupted_sync_fails_the_step(separate_cluster):
 # ------------------------------------------------------------------------------------ placement
 
 
+@pytest.mark.e2e
 def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model):
     from infra.cluster import Cluster, PlacementError
     from rl_core.config import load_config
@@ -251,6 +258,7 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
 
+@pytest.mark.e2e
 def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(in_workdir, warm_model):
     """`posttrain run` starts the trainer ranks and the separate engines while Prefect's API starts
     (infra.cluster.start_workers_early): the flow's Cluster takes those very actors, already past their imports,

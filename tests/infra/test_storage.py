@@ -330,6 +330,7 @@ class FlakyUploads:
         return getattr(self._client, name)
 
 
+@pytest.mark.e2e
 def test_s3_keep_last_k_remote_and_restore_after_local_root_deleted(s3, tmp_path):
     root = tmp_path / "run" / "checkpoints"
     store = CheckpointStore(root, keep=2, remote_uri=f"s3://{s3}/run")
@@ -357,6 +358,7 @@ def test_s3_keep_last_k_remote_and_restore_after_local_root_deleted(s3, tmp_path
     assert_same(saved[15], parts)
 
 
+@pytest.mark.e2e
 def test_s3_remote_checkpoint_with_bad_checksum_is_skipped_on_restore(s3, tmp_path):
     store = CheckpointStore(tmp_path / "a", keep=3, remote_uri=f"s3://{s3}/run")
     store.save(1, {"s": small_state(1.0)}, {})
@@ -377,6 +379,7 @@ def truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.e2e
 def test_s3_truncated_newest_local_copy_is_restored_from_its_intact_remote_copy(s3, tmp_path, caplog):
     """The newest local checkpoint torn (a disk filled mid-copy): resume takes the same step from S3 rather than
     falling back to an older step whose next save would overwrite the intact remote copy."""
@@ -397,6 +400,7 @@ def test_s3_truncated_newest_local_copy_is_restored_from_its_intact_remote_copy(
     assert "passing over newer step 2 (local copy damaged" in caplog.text
 
 
+@pytest.mark.e2e
 def test_s3_remote_newer_than_local_wins(s3, tmp_path):
     """A stale local directory (another machine went on and saved step 3 to S3): resume takes step 3."""
     a = CheckpointStore(tmp_path / "a", remote_uri=f"s3://{s3}/run")
@@ -407,6 +411,7 @@ def test_s3_remote_newer_than_local_wins(s3, tmp_path):
     assert b.latest_valid() == tmp_path / "b" / "step_00000003"
 
 
+@pytest.mark.e2e
 def test_s3_unreachable_at_resume_never_falls_back_to_an_older_step(s3, tmp_path, monkeypatch):
     """The newest local copy torn and the endpoint down: resume fails naming the step and the endpoint, instead of
     resuming from step 1 (and later overwriting the intact step 2 on S3). Listing failures fail the same way."""
@@ -440,6 +445,7 @@ def test_s3_unreachable_at_resume_never_falls_back_to_an_older_step(s3, tmp_path
         unlisted.latest_valid()
 
 
+@pytest.mark.e2e
 def test_s3_step_missing_an_object_is_passed_over_with_a_warning(s3, tmp_path, caplog):
     a = CheckpointStore(tmp_path / "a", remote_uri=f"s3://{s3}/run")
     a.save(1, {"s": small_state(1.0)}, {})
@@ -451,6 +457,7 @@ def test_s3_step_missing_an_object_is_passed_over_with_a_warning(s3, tmp_path, c
     assert "passing over newer step 2 (remote copy damaged" in caplog.text
 
 
+@pytest.mark.e2e
 def test_s3_failed_uploads_are_retried_and_succeed(s3, tmp_path):
     flaky = FlakyUploads(boto3.client("s3"), failures=2)
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=flaky, retry_base_delay_s=0.01)
@@ -461,6 +468,7 @@ def test_s3_failed_uploads_are_retried_and_succeed(s3, tmp_path):
     assert store.list_remote() == [3]
 
 
+@pytest.mark.e2e
 def test_s3_upload_that_keeps_failing_keeps_local_copies_and_hides_the_secret(s3, tmp_path, caplog):
     good = CheckpointStore(tmp_path, keep=1, remote_uri=f"s3://{s3}/run")
     first = good.save(1, {"s": small_state(1.0)}, {})
@@ -496,6 +504,7 @@ class GatedUploads:
         return getattr(self._client, name)
 
 
+@pytest.mark.e2e
 def test_s3_background_upload_returns_at_once_supersedes_waiting_steps_and_keeps_busy_ones(s3, tmp_path):
     gate = threading.Event()
     client = GatedUploads(boto3.client("s3"), gate)
@@ -513,6 +522,7 @@ def test_s3_background_upload_returns_at_once_supersedes_waiting_steps_and_keeps
     assert_same(CheckpointStore(tmp_path / "b").load(restored)[0], store.load(three)[0])
 
 
+@pytest.mark.e2e
 def test_s3_background_upload_failure_is_raised_by_flush_or_the_next_save(s3, tmp_path):
     failing = FlakyUploads(boto3.client("s3"), failures=10**9)
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=failing, upload_attempts=2,
@@ -565,6 +575,7 @@ class LosesObjectsOnce:
         return getattr(self._client, name)
 
 
+@pytest.mark.e2e
 def test_s3_objects_lost_mid_upload_are_uploaded_again(s3, tmp_path, caplog):
     client = LosesObjectsOnce(boto3.client("s3"), s3)
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=client)
@@ -576,6 +587,7 @@ def test_s3_objects_lost_mid_upload_are_uploaded_again(s3, tmp_path, caplog):
     assert_same(CheckpointStore(tmp_path / "b").load(restored)[0], store.load(path)[0])
 
 
+@pytest.mark.e2e
 def test_s3_multipart_upload_of_a_large_file(s3, tmp_path):
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", multipart_threshold=1 * MiB,
                             multipart_chunksize=5 * MiB)
@@ -649,6 +661,7 @@ def test_s3_retry_budget_default_env_and_parameter(aws_env, monkeypatch, tmp_pat
         CheckpointStore(tmp_path)
 
 
+@pytest.mark.e2e
 def test_s3_invalid_request_fails_at_once(s3, tmp_path, caplog):
     """A bucket name botocore refuses (ParamValidationError): one try, an error naming the URI and the fix."""
     store = CheckpointStore(tmp_path, remote_uri="s3://not!a!bucket/run", retry_budget_s=60)
@@ -663,6 +676,7 @@ def test_s3_invalid_request_fails_at_once(s3, tmp_path, caplog):
     assert store.list_valid() == [tmp_path / "step_00000001"]  # the local checkpoint stays
 
 
+@pytest.mark.e2e
 def test_s3_missing_bucket_fails_at_once(s3, tmp_path, caplog):
     """NoSuchBucket, from a plain call and wrapped by upload_file (S3UploadFailedError): one try each."""
     missing = f"{s3}-missing"
@@ -683,6 +697,7 @@ def test_s3_missing_bucket_fails_at_once(s3, tmp_path, caplog):
     assert "S3UploadFailedError" in str(info.value) and "not retried" in str(info.value)
 
 
+@pytest.mark.e2e
 def test_s3_transient_errors_are_retried_until_the_budget_is_spent(s3, tmp_path, caplog):
     failing = FlakyUploads(boto3.client("s3"), failures=10**9)  # SlowDown, forever
     store = CheckpointStore(tmp_path, remote_uri=f"s3://{s3}/run", s3_client=failing, retry_budget_s=1.5,
@@ -712,6 +727,7 @@ class OutageAtFirstUpload:
         return getattr(self._client, name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("when", ["before_save", "mid_upload"])
 def test_s3_upload_rides_out_an_endpoint_restart(aws_env, monkeypatch, tmp_path, caplog, when):
     """moto stopped (by its own pid) and started again on the same port ~4 s later, either before a save

@@ -10,10 +10,11 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rl_core.config import load_config
+from tests.builders import tiny_model
 from tests.conftest import recipe
-from tests.rl_core.test_opd import make_batch, tiny_model
+from tests.rl_core.test_opd import make_batch
 
-pytestmark = pytest.mark.slow  # Ray actors loading the model: ~20 s
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # Ray actors loading the model: ~20 s
 
 
 def test_two_replicas_score_what_one_scores(workdir):

@@ -221,6 +221,7 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     assert resolve_tracking_uri(cfg) == "http://mlflow.internal:5000"
 
 
+@pytest.mark.e2e
 def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -236,6 +237,7 @@ def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch):
     assert list((tmp_path / "mlartifacts").rglob("attempt_2.json"))
 
 
+@pytest.mark.e2e
 def test_finish_statuses_and_misuse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from mlflow import MlflowClient
@@ -279,6 +281,7 @@ def test_redact_rule():
     assert redact_text("https://host:8080/path s3://bucket/prefix") == "https://host:8080/path s3://bucket/prefix"
 
 
+@pytest.mark.e2e
 def test_secrets_never_reach_mlflow(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from mlflow import MlflowClient
@@ -339,6 +342,7 @@ def test_secrets_never_reach_mlflow(tmp_path, monkeypatch):
             assert SECRET.encode() not in p.read_bytes(), p
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("userinfo", [f"user:{SECRET}", SECRET], ids=["user-password", "bare-token"])
 def test_connection_error_text_is_redacted(tmp_path, monkeypatch, caplog, capsys, userinfo):
     """$MLFLOW_TRACKING_URI with basic-auth credentials (refused in tracking.mlflow_uri, allowed in the
@@ -364,6 +368,7 @@ def test_connection_error_text_is_redacted(tmp_path, monkeypatch, caplog, capsys
 # ------------------------------------------------------------------------------ mlflow server
 
 
+@pytest.mark.e2e
 def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypatch, capsys):
     url, artifact_root = mlflow_server
     monkeypatch.chdir(tmp_path)  # a fallback to the default store would land here, not in the repo

@@ -19,9 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import FAST, recipe
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e  # in-process flows on Ray, an MLflow server
 SECRETS = {
     "HF_TOKEN": "hf_supersecret-xyz-5d1c9a",
     "AWS_SECRET_ACCESS_KEY": "aws-secret-0b7e4f2a9c-do-not-log",
@@ -29,8 +32,6 @@ SECRETS = {
     "DATABASE_PASSWORD": "db-pass-93be17d0",
 }
 URI_SECRET = "uri-pass-4f0e2b8d71"
-# the ephemeral Prefect API server may take longer than its default 20 s to start on a loaded machine
-STARTUP_TIMEOUT_S = 180
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import FAST, recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def trainer_logprobs(model_dir: Path, completions, temperature: float) -> torch.Tensor:

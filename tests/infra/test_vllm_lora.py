@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TOL = 1e-5  # tests/infra/test_vllm_cpu.py: vLLM's sampling log-probs against the trainer's
 MAX_TOKENS = 6

@@ -110,6 +110,7 @@ def test_overrides_parse_with_the_field_type():
     assert cfg.job.name == "x1" and cfg.model.trust_remote_code is True
 
 
+@pytest.mark.e2e
 def test_another_process_rebuilds_the_identical_config_from_path_and_dotlist():
     overrides = ["rl.max_steps=3", "rollout.n=4", "rl.optimizer.lr=1e-4"]
     here = config_hash(load_config(ARITH, overrides))
@@ -346,12 +347,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+@pytest.mark.e2e
 def test_cli_validate_refuses_dual_clip_on_gspo():
     out = run_cli("validate", "recipes/gspo_gsm8k.py", "--", "rl.objective.lower_bound_ratio=3")
     assert out.returncode == 1
     assert "dual clip" in out.stderr and "rl.objective.lower_bound_ratio" in out.stderr
 
 
+@pytest.mark.e2e
 def test_cli_validate_prints_the_resolved_config():
     import yaml
 
@@ -362,12 +365,14 @@ def test_cli_validate_prints_the_resolved_config():
     assert config_hash(load_config(ARITH, ["rl.max_steps=5"])) in out.stdout
 
 
+@pytest.mark.e2e
 def test_cli_validate_reports_config_errors():
     out = run_cli("validate", "recipes/arithmetic.py", "--", "rl.objective=degenerate", "rollout.n=true")
     assert out.returncode == 1
     assert "rl.objective.type=legacy_pg" in out.stderr and "rollout.n" in out.stderr
 
 
+@pytest.mark.e2e
 def test_cli_validate_missing_recipe():
     out = run_cli("validate", "recipes/nope.py")
     assert out.returncode == 1 and "recipes/nope.py" in out.stderr

@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.dpo import (
@@ -39,6 +39,7 @@ from rl_core.models import build_tiny_tokenizer
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
 from rl_core.trainer import LLMTrainer
+from tests.builders import tiny_model as build_tiny_model
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,12 +58,7 @@ PAIRS = [
 ]
 
 
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+tiny_model = partial(build_tiny_model, vocab_size=len(TOKENIZER))
 
 
 def pair_batch(ref_model, pairs=PAIRS, temperature=1.0):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 import io
+from functools import partial
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_core import lora
 from rl_core.algorithms.context import ObjectiveContext
@@ -17,6 +17,7 @@ from rl_core.algorithms.grpo import build_objective
 from rl_core.config import LoRAConfig, OptimizerConfig, RLConfig, load_config, preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.trainer import LLMTrainer
+from tests.builders import tiny_model
 from tests.rl_core.test_trainer import MAX_LEN, make_batch
 
 ARITH = "recipes/arithmetic.py"
@@ -24,12 +25,7 @@ OPT = OptimizerConfig(lr=1e-2, warmup_steps=2, weight_decay=0.01)
 LORA = LoRAConfig(r=4, alpha=8.0, dropout=0.1)
 
 
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+tiny_llama = partial(tiny_model, intermediate_size=48)
 
 
 def lora_trainer(seed=0, lora_cfg=LORA, kl_beta=0.0, base_seed=0):

@@ -8,7 +8,6 @@ import pickle
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from recipes.dr_grpo_gsm8k import build_config as dr_grpo_config
 from recipes.gspo_gsm8k import build_config as gspo_config
@@ -28,6 +27,7 @@ from rl_core.primitives.objective import (
 )
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory, TrajectoryError
+from tests.builders import tiny_model
 
 CTX = ObjectiveContext(max_response_length=24, policy_identity={"name_or_path": "tiny", "compute_dtype": "float32"})
 OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1e9)
@@ -36,13 +36,6 @@ GRPO_PUBLIC = {"train/" + n for n in ("loss", "pg_loss", "clip_frac", "clip_frac
                                       "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl_old",
                                       "entropy", "advantage_mean", "advantage_std", "rollout_logp_abs_diff",
                                       "rollout_logp_abs_diff_max", "grad_norm", "lr")}
-
-
-def tiny_model(seed=0, dropout=0.0):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        attention_dropout=dropout))
 
 
 def make_batch(resp=RESP, seed=0, policy_version=0):

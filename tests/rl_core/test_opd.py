@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.opd import (
@@ -35,6 +34,7 @@ from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
+from tests.builders import rollout_layout, tiny_model
 from tests.ranks import run_ranks
 
 MAX_LEN = 24
@@ -44,26 +44,11 @@ NO_CLIP = OptimizerConfig(lr=1e-3, max_grad_norm=1e9)
 TOL = 1e-6
 
 
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
-
-
 def make_batch(student, teacher, resp=RESP, prompt=PROMPT, seed=0):
     """A sampled-looking batch: rollout_logp = the student's own log-probs (on-policy), teacher_logp scored."""
     g = torch.Generator().manual_seed(seed)
-    b, p = len(resp), max(prompt)
-    t = p + max(resp)
-    ids = torch.zeros(b, t, dtype=torch.long)
-    att = torch.zeros(b, t, dtype=torch.long)
-    loss = torch.zeros(b, t)
-    for i, (n_p, n_r) in enumerate(zip(prompt, resp)):
-        ids[i, p - n_p:p + n_r] = torch.randint(1, 20, (n_p + n_r,), generator=g)
-        att[i, p - n_p:p + n_r] = 1
-        loss[i, p:p + n_r] = 1
+    ids, att, loss = rollout_layout(prompt, resp, g)
+    b, t = ids.shape
     rewards = torch.randint(0, 2, (b,), generator=g).float()
     rewards[::2] = 1.0 - rewards[1::2]  # no constant group
     batch = Trajectory(ids, att, loss, torch.zeros(b, t), rewards, torch.arange(b) // 2, torch.arange(b) + 100, 0)

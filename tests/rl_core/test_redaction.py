@@ -111,6 +111,7 @@ def test_uris_without_credentials_still_load():
     assert cfg.tracking.checkpoint_uri == "s3://bucket/run"
 
 
+@pytest.mark.e2e
 def test_cli_validate_refuses_a_credentialed_uri_without_printing_it():
     import subprocess
 
@@ -197,6 +198,7 @@ def test_terminating_a_run_prints_the_tracking_uri_scrubbed(capsys):
 URI_KEYS = ("data.train", "data.val", "model.name_or_path", "model.teacher", "rl.reference", "cluster.address")
 
 
+@pytest.mark.e2e
 def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp_path):
     """`posttrain validate` printed `data.train=https://user:pass@...` and `model.name_or_path=https://user:token@...`
     as given; `posttrain run-params` printed a credentialed URI before refusing it."""

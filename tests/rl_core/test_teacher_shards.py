@@ -10,7 +10,8 @@ import torch
 from rl_core.algorithms.opd import row_shards, score_in_shards, teacher_logprobs
 from rl_core.config import load_config, preflight
 from rl_core.config.preflight import TEACHER_GPU_SHARE, teacher_replicas, teachers_per_rank, trainer_gpus
-from tests.rl_core.test_opd import make_batch, tiny_model
+from tests.builders import tiny_model
+from tests.rl_core.test_opd import make_batch
 
 OPD = "recipes/opd_arithmetic.py"
 GRPO = "recipes/arithmetic.py"

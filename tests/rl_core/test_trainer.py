@@ -10,16 +10,15 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
-from rl_core.annotators.advantage import group_advantages
 from rl_core.config import OptimizerConfig, RLConfig
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import MetricAdapter, Objective, Reduction
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
+from tests.builders import grpo_batch, tiny_model
 from tests.ranks import RankReducer, run_ranks
 
 LOSS_TYPES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"]
@@ -30,31 +29,8 @@ NO_CLIP = OptimizerConfig(lr=1e-3, max_grad_norm=1e9)
 TOL = 1e-6
 
 
-def tiny_model(seed=0, dropout=0.0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attention_dropout=dropout, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
-
-
 def make_batch(resp=RESP, prompt=PROMPT, seed=0, policy_version=0):
-    g = torch.Generator().manual_seed(seed)
-    b, p = len(resp), max(prompt)
-    t = p + max(resp)
-    ids = torch.zeros(b, t, dtype=torch.long)
-    att = torch.zeros(b, t, dtype=torch.long)
-    loss = torch.zeros(b, t)
-    for i, (n_p, n_r) in enumerate(zip(prompt, resp)):
-        ids[i, p - n_p:p + n_r] = torch.randint(1, 20, (n_p + n_r,), generator=g)
-        att[i, p - n_p:p + n_r] = 1
-        loss[i, p:p + n_r] = 1
-    rewards = torch.randint(0, 3, (b,), generator=g).float()
-    rewards[::2] += 1  # no all-equal pair
-    groups = torch.arange(b) // 2
-    adv = group_advantages(rewards, groups) if b > 1 else torch.tensor([5.0])
-    return Trajectory(ids, att, loss, torch.zeros(b, t), rewards, groups, torch.arange(b) + 100, policy_version,
-                      advantages=adv)
+    return grpo_batch(resp, prompt, seed, policy_version)
 
 
 def grads_of(model):

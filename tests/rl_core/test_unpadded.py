@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
-from rl_core.annotators.advantage import group_advantages
 from rl_core.config import OptimizerConfig, RLConfig, load_config
 from rl_core.primitives.logprobs import (
     forward_layout,
@@ -25,6 +24,7 @@ from rl_core.primitives.logprobs import (
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, reduce_policy_gradient_loss
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory, TrajectoryError
+from tests.builders import grpo_batch, tiny_model
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,28 +42,12 @@ def qwen(seed=0):
 
 
 def llama(seed=0):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    return tiny_model(seed, vocab_size=V, max_position_embeddings=128)
 
 
 def make_batch(rows=ROWS, seed=0) -> Trajectory:
     """Left-padded prompts, responses padded after their end: the rollout layout."""
-    g = torch.Generator().manual_seed(seed)
-    p, r = max(x for x, _ in rows), max(y for _, y in rows)
-    b, t = len(rows), p + r
-    ids = torch.zeros(b, t, dtype=torch.long)
-    att = torch.zeros(b, t, dtype=torch.long)
-    loss = torch.zeros(b, t)
-    for i, (n_p, n_r) in enumerate(rows):
-        ids[i, p - n_p:p + n_r] = torch.randint(1, V, (n_p + n_r,), generator=g)
-        att[i, p - n_p:p + n_r] = 1
-        loss[i, p:p + n_r] = 1
-    rewards = torch.randint(0, 3, (b,), generator=g).float()
-    rewards[::2] += 1
-    groups = torch.arange(b) // 2
-    return Trajectory(ids, att, loss, torch.zeros(b, t), rewards, groups, torch.arange(b) + 100, 0,
-                      advantages=group_advantages(rewards, groups))
+    return grpo_batch([r for _, r in rows], [p for p, _ in rows], seed, vocab_size=V)
 
 
 def padded_reference(model, batch, temperature):

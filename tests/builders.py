@@ -1,0 +1,67 @@
+"""Builders shared by the tests, defined once: the tiny random Llama, the rollout-layout batch, start-up timeouts.
+
+Each builder reproduces exactly what the modules that used to define their own built (same seeds, same order
+of random draws), so every numeric assertion written against those holds unchanged. torch and transformers
+are imported inside the builders: `tests/conftest.py` imports this module for the timeouts.
+"""
+
+from __future__ import annotations
+
+# How long a test waits for a service it starts to come up on a loaded 2-core machine: Prefect's ephemeral API
+# server (its own default of 20 s is too short there), a Ray cluster of several nodes, an MLflow or moto server.
+STARTUP_TIMEOUT_S = 180
+
+
+def tiny_model(seed: int = 0, dropout: float = 0.0, *, vocab_size: int = 20, intermediate_size: int = 64,
+               max_position_embeddings: int = 64):
+    """A 2-layer random Llama (hidden 32, 4 heads, 2 KV heads, untied embeddings) from `torch.manual_seed(seed)`.
+
+    `dropout` is the attention dropout; the keyword sizes cover the variants the tests need (DPO's vocabulary
+    is the tiny tokenizer's, LoRA's MLP is 48 wide, the unpadded tests use 97 tokens and 128 positions).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                      attention_dropout=dropout, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def rollout_layout(prompt, resp, generator, vocab_size: int = 20):
+    """`(input_ids, attention_mask, loss_mask)` in the rollout layout: row i's `prompt[i]` prompt tokens
+    left-padded to the longest prompt, then its `resp[i]` response tokens padded after their end; token ids
+    drawn from `generator` row by row in [1, vocab_size)."""
+    import torch
+
+    b, p = len(resp), max(prompt)
+    t = p + max(resp)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    att = torch.zeros(b, t, dtype=torch.long)
+    loss = torch.zeros(b, t)
+    for i, (n_p, n_r) in enumerate(zip(prompt, resp)):
+        ids[i, p - n_p:p + n_r] = torch.randint(1, vocab_size, (n_p + n_r,), generator=generator)
+        att[i, p - n_p:p + n_r] = 1
+        loss[i, p:p + n_r] = 1
+    return ids, att, loss
+
+
+def grpo_batch(resp, prompt, seed: int = 0, policy_version: int = 0, vocab_size: int = 20):
+    """A GRPO batch in the rollout layout (`rollout_layout`, generator seeded with `seed`): rewards in {0, 1, 2}
+    with +1 on even rows (no all-equal pair), groups of two rows, group advantages (5.0 for a single row),
+    row ids from 100, sampling log-probs 0."""
+    import torch
+
+    from rl_core.annotators.advantage import group_advantages
+    from rl_core.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    ids, att, loss = rollout_layout(prompt, resp, g, vocab_size)
+    b, t = ids.shape
+    rewards = torch.randint(0, 3, (b,), generator=g).float()
+    rewards[::2] += 1  # no all-equal pair
+    groups = torch.arange(b) // 2
+    adv = group_advantages(rewards, groups) if b > 1 else torch.tensor([5.0])
+    return Trajectory(ids, att, loss, torch.zeros(b, t), rewards, groups, torch.arange(b) + 100, policy_version,
+                      advantages=adv)
