@@ -23,7 +23,7 @@ demo: venv
 	@for r in $(RECIPES); do $(VENV)/bin/posttrain validate $$r > /dev/null || exit 1; done
 	@echo "every recipe validates; running the arithmetic quickstart (builds the tiny model and data first)"
 	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true
-	@# the warm start's accuracy tells which CPU build this machine made (README: "The quickstart, measured")
+	@# the warm start's accuracy tells which CPU build this machine made (docs/quickstart.md)
 	@$(VENV)/bin/posttrain summarize runs/arithmetic
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 

@@ -56,7 +56,7 @@ ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
 METRICS_PART = "metrics_jsonl"  # key of the driver part that carries metrics.jsonl up to the checkpoint's step
 
 
-# Six task runs a step each log "Finished in state Completed()": noise that costs ~3 ms per task.
+# Six task runs a step each log "Finished in state Completed()": noise, at a cost per task.
 # Failures, retries and the flow's own lines still show; set POSTTRAIN_TASK_LOG_LEVEL=INFO to see all.
 logging.getLogger("prefect.task_runs").setLevel(os.environ.get("POSTTRAIN_TASK_LOG_LEVEL", "WARNING"))
 

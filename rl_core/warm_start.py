@@ -2,10 +2,9 @@
 
 RL from a random init barely learns two-digit addition, so the policy first gets a partial skill
 by supervised training on the train split, stopped early on purpose: the defaults (800 steps of
-32 examples, AdamW lr 1e-3, ~45 s on one CPU thread) leave held-out greedy accuracy at 0.72 for
-seed 0 (0.49 at 650 steps, 0.64 at 720), so RL has real work left. Why not ~0.5: from a 0.49-0.64
-start the quickstart's legacy policy gradient plateaus at 0.84-0.90 within 300-400 steps; from
-0.72 it passes 0.9 (measured, see README).
+32 examples, AdamW lr 1e-3) leave held-out greedy accuracy well below 1 (0.72-0.80 for seed 0,
+depending on the CPU's float kernels), so RL has real work left; from a start near 0.5 the
+quickstart's legacy policy gradient plateaus below 0.9 (docs/quickstart.md).
 
 Loss: next-token cross-entropy on the sequence `prompt + answer + <eos>`, counted on the answer
 tokens and `<eos>` only. The prompt tokens are fed but not scored: their operands are uniformly

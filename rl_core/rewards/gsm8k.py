@@ -20,9 +20,9 @@ from decimal import Decimal, InvalidOperation
 
 # A number: optional sign (before or after `$`), thousands-grouped or plain digits, optional decimals.
 # The gaps around `$` are bounded (at most 3 whitespace characters each): with unbounded `\s*` the two
-# gaps make every start position try every split of a whitespace run, which is cubic in its length
-# (500 spaces took 5 s); bounded, the work per position is constant and a completion is scored in
-# linear time. A sign more than 3 spaces away from its number no longer counts.
+# gaps make every start position try every split of a whitespace run, which is cubic in its length;
+# bounded, the work per position is constant and a completion is scored in linear time. A sign more
+# than 3 spaces away from its number does not count.
 _GAP = r"\s{0,3}"
 _NUMBER = (
     r"(?P<sign>[-\u2212]?)" + _GAP + r"\$?" + _GAP

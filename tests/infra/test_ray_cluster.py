@@ -61,7 +61,7 @@ def test_joins_an_external_ray_start_cluster_with_token_auth(workdir, warm_model
     common = [*FAST, f"model.name_or_path={warm_model[0]}", "rl.max_steps=2", "rl.validation.max_prompts=8",
               "rl.resume=off", "job.overwrite=true"]
     with ray_head(short_temp, token=token) as address:
-        # the right token: from the environment, as the README says
+        # the right token: from the environment, as docs/running.md says
         done = posttrain(workdir, [*common, "job.name=external", f"cluster.address={address}"],
                          driver_env(RAY_AUTH_TOKEN=token, RAY_TMPDIR=str(short_temp)))
         assert done.returncode == 0, done.stderr[-4000:]
