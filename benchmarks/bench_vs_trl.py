@@ -98,7 +98,7 @@ def repo_path(p: str) -> Path:
 
 
 def examples(cfg):
-    from rl_core.data import load_examples
+    from rl_core.tasks import load_examples
 
     train = load_examples(repo_path(cfg.data.train), cfg.data.task)
     val = load_examples(repo_path(cfg.data.val), cfg.data.task)
@@ -158,7 +158,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
     from trl import GRPOConfig, GRPOTrainer
 
     from flows.runner import due  # posttrain's evaluation cadence, applied to TRL's steps
-    from rl_core.rewards import reward_functions
+    from rl_core.rewards.configured import reward_functions
 
     if threads:
         torch.set_num_threads(threads)

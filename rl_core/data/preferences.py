@@ -148,10 +148,10 @@ def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
 def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them."""
     from rl_core.config import ModelConfig
-    from rl_core.data import Example, encode_prompts
     from rl_core.models import load_policy
     from rl_core.rollout.base import SamplingParams
     from rl_core.rollout.hf import HFEngine
+    from rl_core.tasks import Example, encode_prompts
 
     model, tokenizer = load_policy(ModelConfig(name_or_path=str(model_dir)))
     engine = HFEngine(model, tokenizer)
@@ -176,8 +176,8 @@ def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed
     first pairs of the file. Writes validated JSONL records `{pair_id, prompt, chosen, rejected,
     source}` (`source`: "off_by_one" | "model") and returns `{"path", "n_pairs", "n_model_negatives"}`.
     """
-    from rl_core.data import load_examples
     from rl_core.rewards.arithmetic import arithmetic_reward
+    from rl_core.tasks import load_examples
 
     examples = load_examples(train_jsonl, "arithmetic")
     if max_pairs is not None:
@@ -204,7 +204,7 @@ def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed
 
 
 def _encode_prompts(tokenizer, prompts: Sequence[str], task: str, template: str, data=None) -> list[list[int]]:
-    from rl_core.data import Example, encode_prompts
+    from rl_core.tasks import Example, encode_prompts
 
     return encode_prompts(tokenizer, [Example(str(p), "") for p in prompts], task, template, data)
 

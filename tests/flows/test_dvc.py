@@ -316,7 +316,7 @@ def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
     output = _dvc(clone, env, "repro", "pipelines/own_data/dvc.yaml")
     assert f"Running stage '{OWN_DATA_STAGE}'" in output and "Running stage 'train'" not in output
     from rl_core.config.schema import DataConfig
-    from rl_core.data import load_examples
+    from rl_core.tasks import load_examples
 
     chat = DataConfig(task="prompts", prompt_template="chat")
     train, val = (load_examples(clone / "data/own-data" / f"{s}.jsonl", "prompts", chat) for s in ("train", "val"))

@@ -148,9 +148,9 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_m
     from flows.opd import opd
     from infra.artifacts import load_params
     from rl_core.config import ModelConfig
-    from rl_core.data import load_examples
     from rl_core.evaluation import evaluate_accuracy
     from rl_core.models import load_policy
+    from rl_core.tasks import load_examples
 
     shutil.copytree(workdir / "data", tmp_path / "data")
     shutil.copytree(warm_model[0], tmp_path / "artifacts" / "tiny-model" / "warm")

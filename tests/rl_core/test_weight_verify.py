@@ -111,7 +111,8 @@ def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_wor
     from infra.roles import RolloutRole
     from rl_core.annotate import annotate
     from rl_core.config import load_config
-    from rl_core.rewards import reward_functions, reward_inputs, score
+    from rl_core.rewards import reward_inputs, score
+    from rl_core.rewards.configured import reward_functions
     from rl_core.trainer import SamplerGapError
 
     def trainer_and_batch(bound: float):
