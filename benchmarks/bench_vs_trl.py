@@ -77,8 +77,9 @@ def load_shared(steps: int, eval_every: int, seed: int, overrides: list[str]):
     model and data built when missing; paths resolve against the repository. A config that posttrain would refuse
     fails here (ConfigError), before either system runs."""
     from infra.artifacts import ensure_quickstart_artifacts
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
     from rl_core.config.loader import ConfigError
+    from rl_core.config.preflight import preflight
 
     run_overrides = [f"job.name={RUN_NAME}", f"job.seed={seed}", f"rl.max_steps={steps}",
                      f"rl.validation.every_steps={eval_every}", "rl.validation.before_training=true",

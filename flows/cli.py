@@ -25,8 +25,9 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from rl_core.config import ConfigError, load_config, preflight
+    from rl_core.config import ConfigError, load_config
     from rl_core.config.loader import config_dict, config_hash
+    from rl_core.config.preflight import preflight
     from rl_core.redact import redact, redact_message
 
     try:
@@ -49,7 +50,7 @@ def print_memory_plan(cfg) -> bool:
     import os
 
     from rl_core.config.environment import planned_memory
-    from rl_core.config.memory import plan_for_config
+    from rl_core.placement.memory import plan_for_config
     from rl_core.redact import redact_message
 
     remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))

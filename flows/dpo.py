@@ -28,9 +28,10 @@ from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.rewards import RewardPool
 from infra.tracking import RunTracker
-from rl_core.config import PosttrainConfig, load_checked
+from rl_core.config import PosttrainConfig
 from rl_core.config.environment import check_memory
 from rl_core.config.loader import ConfigError
+from rl_core.config.preflight import load_checked
 from rl_core.data import PromptSampler
 from rl_core.data.preferences import (
     load_preference_pairs,

@@ -10,7 +10,7 @@ import threading
 
 from flows import startup
 from infra.services import use_prefect_server_defaults
-from rl_core.config import load_checked
+from rl_core.config.preflight import load_checked
 from rl_core.redact import redact_text
 from rl_core.registry import algorithm
 

@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from flows.guard import check_run_parameters
 from flows.on_policy import run_on_policy
 from flows.runner import run_with_restarts
-from rl_core.config import load_checked
+from rl_core.config.preflight import load_checked
 
 
 @flow(name="grpo", log_prints=True)

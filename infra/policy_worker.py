@@ -382,8 +382,8 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core import lora
     from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.config.preflight import shard_mesh
     from rl_core.models import load_policy, torch_dtype
+    from rl_core.placement.run_shape import shard_mesh
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)

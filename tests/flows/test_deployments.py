@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from infra.services import WORK_POOL, Services, http_ok, venv_bin
-from rl_core.config import ConfigError, check, load_config
+from rl_core.config import ConfigError, load_config
 from rl_core.config.environment import environment_problems, visible_gpus
+from rl_core.config.preflight import check
 from tests.conftest import FAST, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",

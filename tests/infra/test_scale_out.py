@@ -308,14 +308,16 @@ def test_actors_get_the_config_as_data_with_absolute_model_paths(in_workdir, tmp
     (["cluster.cpus_per_engine=2"], "read only by cluster.placement=separate"),
 ])
 def test_preflight_refuses_placements_that_cannot_work(overrides, needle):
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
+    from rl_core.config.preflight import preflight
 
     report = preflight(load_config(recipe("arithmetic"), overrides))
     assert any(needle in e for e in report.errors), report.errors
 
 
 def test_preflight_warns_about_vllm_inside_a_cpu_trainer():
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
+    from rl_core.config.preflight import preflight
 
     colocated = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm"]))
     separate = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm", "cluster.placement=separate"]))

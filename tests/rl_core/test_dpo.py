@@ -23,7 +23,8 @@ from rl_core.algorithms.dpo import (
     sequence_logps,
     with_reference_logps,
 )
-from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, preflight
+from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig
+from rl_core.config.preflight import preflight
 from rl_core.data.preferences import (
     PreferencePairsError,
     check_pair_layout,
