@@ -19,7 +19,8 @@ rows and 0.0 on rejected rows (a label, not a reward), `group_ids` is the pair i
 `sample_ids` is `2 · pair_id + (0 | 1)`, `rollout_logp` is 0 (no rollout) and `ref_logp` carries the
 reference model's per-token log-probs once computed (`rl_core.algorithms.dpo.with_reference_logps`).
 Consecutive splits of an even number of rows keep pairs whole (`check_pair_layout` refuses others);
-`pair_rows(k)` gives the rows of a selection of pairs.
+`pair_rows(k)` gives the rows of a selection of pairs. `validate_pair_batch` refuses a batch before dispatch that
+is not whole pairs, lacks finite reference log-probs or does not split into whole pairs per worker.
 """
 
 from __future__ import annotations
@@ -280,3 +281,21 @@ def check_pair_layout(batch: Any) -> None:
                          "batch with rl_core.data.preferences.pairs_to_trajectory")
     if bool((batch.loss_mask.sum(-1) <= 0).any()):
         raise ValueError("a DPO row has no response token in loss_mask")
+
+
+def validate_pair_batch(batch: Any, num_workers: int) -> Any:
+    """Refuse a DPO batch that is not whole (chosen, rejected) pairs, lacks finite reference log-probs, or does
+    not split into whole pairs per worker."""
+    check_pair_layout(batch)
+    pairs = batch.batch_size // 2
+    if pairs % num_workers:
+        raise ValueError(f"{pairs} pairs do not split into whole pairs across cluster.num_workers={num_workers}")
+    ref = batch.ref_logp
+    if ref is None:
+        raise ValueError("batch.ref_logp is missing: score the reference once with with_reference_logps")
+    on = batch.loss_mask > 0
+    bad = on & ~(torch.isfinite(ref) & (ref <= 1e-6))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
+        raise ValueError(f"batch refused before dispatch: ref_logp is not a finite log-prob on rows {rows[:8]}")
+    return batch
