@@ -70,7 +70,7 @@ CONFIGS = {  # name -> overrides
 
 def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float, float]:
     env = {**os.environ, **QUIET_ENV}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
+    cmd = [sys.executable, "-m", "cli.main", "run", str(REPO / "recipes" / "arithmetic.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
            "rl.resume=off", "job.overwrite=true"]

@@ -11,7 +11,7 @@ reward, rollout.max_tokens new tokens).
 - TRL runs in this process (`trl.GRPOTrainer`, float32 on CPU, torch's default thread count). A
   TrainerCallback times every optimizer step (generation included) and, at the evaluation steps,
   scores the trainer's model with `evaluate_accuracy` outside the timed span.
-- posttrain runs as a subprocess, `python -m flows.cli run recipes/arithmetic.py -- <overrides>`, in a
+- posttrain runs as a subprocess, `python -m cli.main run recipes/arithmetic.py -- <overrides>`, in a
   scratch directory (the way benchmarks/bench_pipeline.py runs it); its figures come from
   `runs/<name>/metrics.jsonl` (`val/accuracy`) and the run's MLflow store: each step's wall time is the
   gap between consecutive steps' metrics writes less any evaluation or checkpoint inside it
@@ -225,7 +225,7 @@ def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> 
     from bench_pipeline import QUIET_ENV, wall_per_step  # benchmarks/ is this script's sys.path[0]
 
     env = {**os.environ, **QUIET_ENV}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(RECIPE), "--", *run_overrides]
+    cmd = [sys.executable, "-m", "cli.main", "run", str(RECIPE), "--", *run_overrides]
     log = workdir / "posttrain.log"
     started = time.perf_counter()
     with open(log, "w") as fh:

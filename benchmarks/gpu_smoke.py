@@ -171,11 +171,11 @@ def main() -> int:
         for name, layout in layouts(gpus):
             print(f"\n== {name} ==")
             ovr = overrides(args, workdir / "gsm8k-smoke", workdir / "runs", f"gpu-smoke-{name}", layout)
-            plan = subprocess.run([sys.executable, "-m", "flows.cli", "validate", recipe, "--", *ovr], cwd=workdir,
+            plan = subprocess.run([sys.executable, "-m", "cli.main", "validate", recipe, "--", *ovr], cwd=workdir,
                                   env=env, capture_output=True, text=True, check=False)
             text = plan.stdout + plan.stderr
             print(text[text.find("preflight:"):] if "preflight:" in text else text)
-            proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", recipe, "--", *ovr], cwd=workdir,
+            proc = subprocess.run([sys.executable, "-m", "cli.main", "run", recipe, "--", *ovr], cwd=workdir,
                                   env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)

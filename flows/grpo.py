@@ -29,6 +29,6 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":  # python -m flows.grpo --config recipes/<name>.py -- <overrides>
-    from flows.cli import module_main
+    from cli.main import module_main
 
     sys.exit(module_main(prog="python -m flows.grpo"))

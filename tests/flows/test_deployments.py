@@ -128,7 +128,7 @@ def test_too_few_gpus_and_a_missing_vllm_are_named(monkeypatch, in_workdir):
 
 
 def test_deploy_without_services_fails_clearly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(tmp_path / "none")],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "deploy", "--state-dir", str(tmp_path / "none")],
                          capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 1
     assert "not up" in out.stderr and "posttrain services up" in out.stderr
@@ -192,7 +192,7 @@ def client_env(services) -> dict:
 @pytest.fixture(scope="module")
 def deployed(services, client_env):
     svc, _ = services
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(svc.root)],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "deploy", "--state-dir", str(svc.root)],
                          capture_output=True, text=True, cwd=REPO, env=client_env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # The run tests point model, data and outputs at the test's directories: the operator opts these deployments
@@ -226,7 +226,7 @@ def test_services_are_up_with_state_files(services, client_env):
     text = svc.env_file.read_text()
     assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
     assert f"export MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in text
-    status = subprocess.run([sys.executable, "-m", "flows.cli", "services", "status", "--state-dir", str(svc.root)],
+    status = subprocess.run([sys.executable, "-m", "cli.main", "services", "status", "--state-dir", str(svc.root)],
                             capture_output=True, text=True, cwd=REPO, check=False)
     assert status.returncode == 0 and status.stdout.count(" running ") == 3, status.stdout
     pools = prefect(client_env, "work-pool", "inspect", WORK_POOL)
@@ -728,7 +728,7 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     if user_value is not None:
         env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = user_value
-    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+    code = ("import cli.main, flows.entry\nfrom prefect.settings import get_current_settings\n"
             "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -750,7 +750,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
     if user_value is not None:
         env[key] = user_value
         monkeypatch.setenv(key, user_value)
-    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+    code = ("import cli.main, flows.entry\nfrom prefect.settings import get_current_settings\n"
             "s = get_current_settings().server.services.task_run_recorder\nprint(s.batch_size, s.flush_interval)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=True)

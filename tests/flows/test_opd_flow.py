@@ -121,7 +121,7 @@ def test_exact_resume(opd_dir, monkeypatch):
 
 
 def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     monkeypatch.chdir(opd_dir)
     rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST[:1], "model.teacher=null", "job.name=no-teacher",
@@ -132,7 +132,7 @@ def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
 
 
 def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     monkeypatch.chdir(opd_dir)
     rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST, "job.name=opd-cli", "rl.max_steps=1"])

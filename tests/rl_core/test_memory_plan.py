@@ -425,7 +425,7 @@ def test_the_plan_constants_are_the_code_s():
 
 
 def test_validate_prints_the_plan(qwen3b_dir, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     code = main(["validate", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FSDP_BF16_CKPT])
     out = capsys.readouterr()
@@ -444,7 +444,7 @@ def test_validate_prints_the_plan(qwen3b_dir, capsys):
 
 
 def test_validate_says_why_there_is_no_plan(capsys):
-    from flows.cli import main
+    from cli.main import main
 
     code = main(["validate", str(GRPO), "--", "model.name_or_path=posttrain-tests/no-such-model"])
     out = capsys.readouterr()

@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe's flow")
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
-    from flows.build_commands import add_build_commands
-    from flows.report_commands import add_report_commands
-    from flows.service_commands import add_service_commands
+    from cli.build import add_build_commands
+    from cli.report import add_report_commands
+    from cli.services import add_service_commands
 
     add_build_commands(sub)
     add_report_commands(sub)
