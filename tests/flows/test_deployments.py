@@ -764,7 +764,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
 def test_a_service_stays_recognised_when_the_system_clock_steps():
     """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
     (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""
-    from infra.services import process_alive, process_start_ticks
+    from infra.processes import process_alive, process_start_ticks
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

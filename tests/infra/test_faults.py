@@ -26,7 +26,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from infra.services import free_port, http_ok, venv_bin
+from infra.processes import free_port
+from infra.services import http_ok, venv_bin
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
 from tests.conftest import REPO, recipe
 from tests.run_helpers import MATH, STARTUP_TIMEOUT_S, read_metrics, run_flow

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.services import free_port, venv_bin
+from infra.processes import free_port
+from infra.services import venv_bin
 from tests.conftest import FAST, REPO
 
 pytestmark = pytest.mark.slow
