@@ -84,7 +84,7 @@ class PolicyWorker:
     def setup(self, host: str | None, port: int | None, max_model_len: int | None) -> int:
         """Join the data-parallel group (world > 1), build model, objective and trainer, and the colocated engine."""
         from infra.distributed import connect_store, init_default_group, node_ip
-        from rl_core.trainer import ProcessGroupReducer
+        from rl_core.data_parallel import ProcessGroupReducer
 
         self.max_model_len = max_model_len  # also the length limit of the sync's probe (rl_core.rollout.verify)
         reducer = None
