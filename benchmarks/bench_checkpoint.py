@@ -60,7 +60,8 @@ def build_trainer(name: str):
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.trainer import LLMTrainer, ProcessGroupReducer
+    from rl_core.data_parallel import ProcessGroupReducer
+    from rl_core.trainer import LLMTrainer
 
     h, i, layers, heads, kv, vocab = shape(name)
     torch.manual_seed(0)

@@ -77,8 +77,9 @@ def load_shared(steps: int, eval_every: int, seed: int, overrides: list[str]):
     model and data built when missing; paths resolve against the repository. A config that posttrain would refuse
     fails here (ConfigError), before either system runs."""
     from infra.artifacts import ensure_quickstart_artifacts
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
     from rl_core.config.loader import ConfigError
+    from rl_core.config.preflight import preflight
 
     run_overrides = [f"job.name={RUN_NAME}", f"job.seed={seed}", f"rl.max_steps={steps}",
                      f"rl.validation.every_steps={eval_every}", "rl.validation.before_training=true",
@@ -98,7 +99,7 @@ def repo_path(p: str) -> Path:
 
 
 def examples(cfg):
-    from rl_core.data import load_examples
+    from rl_core.tasks import load_examples
 
     train = load_examples(repo_path(cfg.data.train), cfg.data.task)
     val = load_examples(repo_path(cfg.data.val), cfg.data.task)
@@ -158,7 +159,7 @@ def run_trl(cfg, train, rows, score, workdir: Path, loss_type: str, threads: int
     from trl import GRPOConfig, GRPOTrainer
 
     from flows.runner import due  # posttrain's evaluation cadence, applied to TRL's steps
-    from rl_core.rewards import reward_functions
+    from rl_core.rewards.configured import reward_functions
 
     if threads:
         torch.set_num_threads(threads)

@@ -28,10 +28,11 @@ from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
 from infra.rewards import RewardPool
 from infra.tracking import RunTracker
-from rl_core.config import PosttrainConfig, load_checked
+from rl_core.config import PosttrainConfig
 from rl_core.config.environment import check_memory
 from rl_core.config.loader import ConfigError
-from rl_core.data import Example, PromptSampler
+from rl_core.config.preflight import load_checked
+from rl_core.data import PromptSampler
 from rl_core.data.preferences import (
     load_preference_pairs,
     pair_rows,
@@ -39,7 +40,7 @@ from rl_core.data.preferences import (
     validate_preference_pairs,
 )
 from rl_core.models import load_tokenizer
-from rl_core.tasks import get_task
+from rl_core.tasks import Example, get_task
 from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task
 from tasks.rollout import sync_task

@@ -9,7 +9,7 @@ import threading
 
 from flows import startup
 from infra.services import use_prefect_server_defaults
-from rl_core.config import load_checked
+from rl_core.config.preflight import load_checked
 from rl_core.redact import redact_text
 
 log = logging.getLogger("posttrain.startup")

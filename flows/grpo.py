@@ -4,19 +4,17 @@ Each step runs `rollout -> reward -> annotate -> validate -> train -> sync`, the
 `evaluate` on cadence (the step loop: `flows/on_policy.py`). The flow only orders phases; the work is
 in tasks, rl_core and infra.
 
-    python -m flows.grpo --config recipes/arithmetic.py -- rl.max_steps=50
+    posttrain run recipes/arithmetic.py -- rl.max_steps=50
 """
 
 from __future__ import annotations
-
-import sys
 
 from prefect import flow, get_run_logger
 
 from flows.guard import check_run_parameters
 from flows.on_policy import run_on_policy
 from flows.runner import run_with_restarts
-from rl_core.config import load_checked
+from rl_core.config.preflight import load_checked
 
 
 @flow(name="grpo", log_prints=True)
@@ -27,8 +25,3 @@ def grpo(recipe: str, overrides: list[str] | None = None) -> dict:
     cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
     return run_with_restarts(cfg, lambda c: run_on_policy(c, recipe, overrides), get_run_logger().warning)
 
-
-if __name__ == "__main__":  # python -m flows.grpo --config recipes/<name>.py -- <overrides>
-    from flows.cli import module_main
-
-    sys.exit(module_main(prog="python -m flows.grpo"))

@@ -19,8 +19,9 @@ from prefect import flow, get_run_logger
 from flows.guard import check_run_parameters
 from flows.on_policy import run_on_policy
 from flows.runner import run_with_restarts
-from rl_core.config import PosttrainConfig, load_checked
+from rl_core.config import PosttrainConfig
 from rl_core.config.loader import ConfigError
+from rl_core.config.preflight import load_checked
 
 
 def require_teacher(cfg: PosttrainConfig) -> None:

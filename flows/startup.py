@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from infra.services import process_start_ticks
+from infra.processes import process_start_ticks
 
 MARKS: dict[str, float] = {}
 _taken = False

@@ -166,7 +166,7 @@ def make_arithmetic_pair_splits(data_dir: str | Path, out_dir: str | Path, *, se
     """DPO pairs of both arithmetic splits: `out_dir/train.jsonl` from `train.jsonl`, `out_dir/val.jsonl` from
     `val.jsonl` (chosen: the answer; rejected: an off-by-one-digit answer); what `posttrain make-data
     arithmetic-pairs` and the DVC stage `arithmetic_pairs` run."""
-    from rl_core.data.preferences import make_arithmetic_pairs
+    from rl_core.data.pair_building import make_arithmetic_pairs
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     train = make_arithmetic_pairs(data_dir / "train.jsonl", out_dir / "train.jsonl", seed=seed, max_pairs=max_pairs)

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from infra.checkpoint_format import CheckpointError, fsync_dir, sha256_file, write_json
+from infra.checkpoint_format import CheckpointError, sha256_file, write_json
+from rl_core.atomic import fsync_dir
 
 SHARD_INDEX = "shards.json"
 SHARD_SUFFIX = ".distcp"

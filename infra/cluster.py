@@ -47,12 +47,12 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from infra.engines import EnginePool, RolloutWorker, num_engines
+from infra.engines import EnginePool, RolloutWorker
 from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray
 from infra.storage import FINAL_MODEL, CheckpointStore
 from rl_core.config import PosttrainConfig
-from rl_core.config.preflight import shard_mesh, trainer_gpus
+from rl_core.placement.run_shape import num_engines, shard_mesh, trainer_gpus
 from rl_core.rollout.verify import compare_held, probe_gap
 
 log = logging.getLogger("posttrain.cluster")

@@ -120,7 +120,7 @@ def shard_policy(model: torch.nn.Module, device: torch.device, compute_dtype: to
                  mesh_shape: tuple[int, int] | None = None) -> torch.nn.Module:
     """Shard `model` over the default process group with torch FSDP2: each decoder layer, then the root.
 
-    `mesh_shape` (`rl_core.config.preflight.shard_mesh`): `(replicas, shard group size)`. `(1, world)` (or None)
+    `mesh_shape` (`rl_core.placement.run_shape.shard_mesh`): `(replicas, shard group size)`. `(1, world)` (or None)
     shards over every rank (FSDP); `(R, S)` is HSDP: ranks `[kS, (k+1)S)` shard the state among themselves, and
     the R groups hold replicas of it, so a gradient is reduce-scattered within a group and all-reduced across
     the groups (one all-reduce of a shard per group instead of collectives over every rank).

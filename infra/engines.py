@@ -24,10 +24,7 @@ import torch
 
 from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
-from rl_core.config.preflight import (
-    num_engines,  # noqa: F401 - the one rule, re-exported for infra.cluster
-    tensor_parallel_size,
-)
+from rl_core.placement.run_shape import tensor_parallel_size
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 
 

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from infra.storage import fsync_dir, write_durably
+from infra.storage import write_durably
+from rl_core.atomic import fsync_dir
 
 log = logging.getLogger("posttrain.tracking")
 

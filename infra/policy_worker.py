@@ -84,7 +84,7 @@ class PolicyWorker:
     def setup(self, host: str | None, port: int | None, max_model_len: int | None) -> int:
         """Join the data-parallel group (world > 1), build model, objective and trainer, and the colocated engine."""
         from infra.distributed import connect_store, init_default_group, node_ip
-        from rl_core.trainer import ProcessGroupReducer
+        from rl_core.data_parallel import ProcessGroupReducer
 
         self.max_model_len = max_model_len  # also the length limit of the sync's probe (rl_core.rollout.verify)
         reducer = None
@@ -382,8 +382,8 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
     from rl_core import lora
     from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.config.preflight import shard_mesh
     from rl_core.models import load_policy, torch_dtype
+    from rl_core.placement.run_shape import shard_mesh
     from rl_core.trainer import LLMTrainer
 
     torch.manual_seed(cfg.job.seed)

@@ -14,8 +14,8 @@ from pathlib import Path
 import ray
 import torch
 
-from infra.engines import num_engines
 from rl_core.config import PosttrainConfig
+from rl_core.placement.run_shape import num_engines
 
 log = logging.getLogger("posttrain.cluster")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from infra.storage import META, CheckpointStore, checkpoint_step, fsync_dir, step_dir_name, write_durably
+from infra.storage import META, CheckpointStore, checkpoint_step, step_dir_name, write_durably
+from rl_core.atomic import fsync_dir
 from rl_core.config import ConfigError, PosttrainConfig, flatten
 from rl_core.config.legacy import translate
 from rl_core.config.loader import config_dict

@@ -1,7 +1,7 @@
 """The reward role: the reward functions run in a pool of Ray actors, off the driver process.
 
 `RewardPool` (enter it inside `Cluster`, which joins or starts Ray) places `data.reward_workers` actors;
-each imports the configured functions (`rl_core.rewards.reward_functions`: `data.rewards`, or the task's
+each imports the configured functions (`rl_core.rewards.configured.reward_functions`: `data.rewards`, or the task's
 own). A batch is cut into one contiguous share per actor and every function is called once per share,
 all shares at once. Each actor runs its calls in order, so its k-th call must be back within
 k · `data.reward_timeout_s` of the batch's start; one that is not is named in the error, and the pool's
@@ -22,7 +22,7 @@ import ray
 
 from rl_core.config import PosttrainConfig
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
-from rl_core.rewards import reward_functions as configured_functions
+from rl_core.rewards.configured import reward_functions as configured_functions
 
 
 class RewardWorker:

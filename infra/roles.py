@@ -12,10 +12,10 @@ from typing import Any
 
 from rl_core.config import PosttrainConfig
 from rl_core.config.loader import ConfigError
-from rl_core.data import Example, PromptSampler, encode_for
+from rl_core.data import PromptSampler
 from rl_core.models import load_tokenizer
 from rl_core.rollout import sampling_params_from_config
-from rl_core.tasks import Task, get_task
+from rl_core.tasks import Example, Task, encode_for, get_task
 
 
 @dataclass

@@ -33,12 +33,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.processes import (
+    HOST,
+    free_port,
+    group_alive,
+    port_free,
+    process_alive,
+    process_start_ticks,
+    signal_group,
+    start_time,
+    wait_until,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "POSTTRAIN_STATE_DIR"
 DEFAULT_STATE_DIR = Path(".posttrain") / "services"
 PROJECT_DIR_ENV = "POSTTRAIN_PROJECT_DIR"
 WORK_POOL = "posttrain-process"
-HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
 PORT_ENV = {"prefect": "POSTTRAIN_PREFECT_PORT", "mlflow": "POSTTRAIN_MLFLOW_PORT"}
 # Stop order: the worker before the server it talks to.
@@ -83,99 +94,13 @@ def venv_bin(name: str) -> str:
     return str(local) if local.exists() else name
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def _choose_port(kind: str, requested: int | None) -> int:
     """An explicit port (0: any free one); else $POSTTRAIN_<KIND>_PORT; else the default if free, else any."""
     if requested is not None:
         return requested or free_port()
     if os.environ.get(PORT_ENV[kind]):
         return int(os.environ[PORT_ENV[kind]])
-    return DEFAULT_PORTS[kind] if _port_free(DEFAULT_PORTS[kind]) else free_port()
-
-
-# ------------------------------------------------------------------------------------ processes
-
-
-def _start_time(pid: int) -> float | None:
-    """The process's start time (psutil), None when it is gone or a zombie."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc.create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def _reap(pid: int) -> None:
-    try:  # when the caller is the parent (tests), collect the exit status so no zombie lingers
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start in clock ticks since boot (/proc/<pid>/stat, field 22): unlike a wall-clock start
-    time it does not move when the system clock is stepped. None where /proc has no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-    return None if fields[0] == "Z" else int(fields[19])
-
-
-def process_alive(record: Mapping) -> bool:
-    """True while the recorded process is running and is still the one we started (not a reused pid)."""
-    _reap(record["pid"])
-    if record.get("start_ticks") is not None and Path("/proc/self/stat").exists():
-        return process_start_ticks(record["pid"]) == record["start_ticks"]
-    started = _start_time(record["pid"])
-    return started is not None and abs(started - record["create_time"]) < 1.0
-
-
-def _group_alive(pgid: int) -> bool:
-    import psutil
-
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.info["pid"]) == pgid:
-                return True
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return False
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
+    return DEFAULT_PORTS[kind] if port_free(DEFAULT_PORTS[kind]) else free_port()
 
 
 AUTH_ENV = "PREFECT_API_AUTH_STRING"  # the client side of Prefect's basic auth (`user:password`)
@@ -330,7 +255,7 @@ class Services:
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(env), cwd=cwd, start_new_session=True, umask=PRIVATE_UMASK)
-        started = _start_time(proc.pid) or time.time()
+        started = start_time(proc.pid) or time.time()
         record = {"pid": proc.pid, "pgid": proc.pid, "create_time": started, "start_ticks": process_start_ticks(proc.pid),
                   "cmd": cmd}
         _write_private(self.pid_file(name), json.dumps(record, indent=1))
@@ -385,7 +310,7 @@ class Services:
             self.down(announce=announce)
         ports = {"prefect": _choose_port("prefect", prefect_port), "mlflow": _choose_port("mlflow", mlflow_port)}
         for kind, port in ports.items():
-            if not _port_free(port):
+            if not port_free(port):
                 raise ServicesError(f"port {port} on {HOST} is taken; free it or pick another with "
                                     f"{PORT_ENV[kind]}=<port>")
         _write_private(self.root / "ports.json", json.dumps(ports))
@@ -459,7 +384,7 @@ class Services:
         pid, pgid = record["pid"], record["pgid"]
         if not process_alive(record):
             self.pid_file(name).unlink(missing_ok=True)
-            if _start_time(pid) is None and _group_alive(pgid):  # the leader is gone: stop what is left
+            if start_time(pid) is None and group_alive(pgid):  # the leader is gone: stop what is left
                 signal_group(pgid, signal.SIGKILL)
             return f"{name}: was not running (pid {pid}); removed its pid file"
         # The worker takes its first SIGTERM as "finish gracefully" and exits on the second.
@@ -475,9 +400,9 @@ class Services:
             signal_group(pgid, signal.SIGKILL)
             wait_until(lambda: not process_alive(record), 10)
         # children of the group that outlived their leader (uvicorn/gunicorn workers, flow-run processes)
-        if wait_until(lambda: not _group_alive(pgid), 5) is False:
+        if wait_until(lambda: not group_alive(pgid), 5) is False:
             signal_group(pgid, signal.SIGKILL)
-            wait_until(lambda: not _group_alive(pgid), 5)
+            wait_until(lambda: not group_alive(pgid), 5)
         self.pid_file(name).unlink(missing_ok=True)
         return f"{name}: stopped (pid {pid}, {how})"
 

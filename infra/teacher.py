@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
-from rl_core.config.preflight import TEACHER_GPU_SHARE, teacher_replicas
+from rl_core.placement.run_shape import TEACHER_GPU_SHARE, teacher_replicas
 
 
 class TeacherWorker:

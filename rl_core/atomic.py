@@ -14,20 +14,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """fsync a file's contents to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that a rename or a new file inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            fsync_file(path)
+    fsync_dir(root)
 
 
 @contextlib.contextmanager
@@ -46,7 +55,7 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
             old = final.parent / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if old is not None:
             if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old, ignore_errors=True)
@@ -71,5 +80,5 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rl_core.data import Example, encode_prompts
-from rl_core.rewards import RewardInputs, reward_functions, reward_inputs, score
+from rl_core.rewards import RewardInputs, reward_inputs, score
+from rl_core.rewards.configured import reward_functions
 from rl_core.rollout.base import SamplingParams
+from rl_core.tasks import Example, encode_prompts
 
 Scorer = Callable[[RewardInputs], tuple[list[float], dict[str, float]]]
 

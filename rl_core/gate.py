@@ -4,8 +4,8 @@
   run's bounds (`rollout.max_tokens`, whether advantages are group-relative); `validate_batch_tensors`
   checks the tensor batch (shapes, dtypes, masks, log-probs) row by row against the table.
 - `TeacherRows` (OPD): `validate_teacher_logp`, the teacher's scores on the loss tokens.
-- `PreferencePairs` (DPO): `validate_pair_table`, the pairs before they become a batch;
-  `validate_pair_batch`, a pair batch with its cached reference log-probs before dispatch.
+- `PreferencePairs` (DPO): `validate_pair_table`, the pairs before they become a batch (a pair batch's layout
+  and reference log-probs: `rl_core.data.preferences.validate_pair_batch`).
 
 Every refusal raises `BatchValidationError` (a ValueError) naming each failing check and a few rows;
 `failures_frame` turns pandera's failure cases into the table it reports.
@@ -318,23 +318,3 @@ def validate_pair_table(df: pd.DataFrame, *, max_prompt_tokens: int | None = Non
         return schema.validate(df, lazy=True)
     except pa.errors.SchemaErrors as exc:
         raise PreferencePairsError("preference pairs", failures_frame(exc), df) from None
-
-
-def validate_pair_batch(batch: Any, num_workers: int) -> Any:
-    """Refuse a DPO batch that is not whole (chosen, rejected) pairs, lacks finite reference log-probs, or does
-    not split into whole pairs per worker."""
-    from rl_core.data.preferences import check_pair_layout
-
-    check_pair_layout(batch)
-    pairs = batch.batch_size // 2
-    if pairs % num_workers:
-        raise ValueError(f"{pairs} pairs do not split into whole pairs across cluster.num_workers={num_workers}")
-    ref = batch.ref_logp
-    if ref is None:
-        raise ValueError("batch.ref_logp is missing: score the reference once with with_reference_logps")
-    on = batch.loss_mask > 0
-    bad = on & ~(torch.isfinite(ref) & (ref <= 1e-6))
-    if bool(bad.any()):
-        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
-        raise ValueError(f"batch refused before dispatch: ref_logp is not a finite log-prob on rows {rows[:8]}")
-    return batch

@@ -30,70 +30,32 @@ way, so a checkpoint of one mode resumes in the other.
 
 Splitting a step into any number of micro-batches or ranks therefore gives the unsplit loss and
 gradient (up to float rounding), and a chunk of weight 0 changes nothing.
+
+The checkpoint state (`state_dict`, `shard_state` and their loads) is `rl_core.trainer_state`; the data-parallel
+hook and FSDP2 detection are `rl_core.data_parallel`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import random
-from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol
+from collections.abc import Iterator, Mapping
 
-import numpy as np
 import torch
 
-from rl_core import lora
+from rl_core.data_parallel import DataParallelReducer, is_dtensor, is_sharded
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
     Objective,
     Reduction,
     metric_aggregation,
 )
+from rl_core.trainer_state import TrainerState
 from rl_core.trajectory import Trajectory
 
 
 class SamplerGapError(RuntimeError):
     """The sampler-vs-trainer log-prob gap of a batch is above `max_rollout_logp_abs_diff`: the step was refused."""
-
-
-class DataParallelReducer(Protocol):
-    """The data-parallel hook (`dp_reducer`): collectives over every rank of the policy's DP group.
-
-    `all_reduce_(tensors)`: sum each tensor in place across ranks (required).
-    `all_reduce_max_(tensors)`: elementwise max in place across ranks (optional; without it the
-    `*_min` / `*_max` diagnostics stay rank-local).
-    Every rank calls them the same number of times, in the same order, with tensors of the same
-    shapes and dtypes: the trainer guarantees this when every rank runs the same objective and the
-    same number of optimizer steps (the same `mini_batch_size` split), whatever its number of rows.
-    """
-
-    def all_reduce_(self, tensors: list[torch.Tensor]) -> None: ...
-
-
-class ProcessGroupReducer:
-    """`DataParallelReducer` over an initialised `torch.distributed` process group (gloo / NCCL)."""
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def _reduce(self, tensors: list[torch.Tensor], op) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("ProcessGroupReducer needs an initialised torch.distributed process group")
-        for t in tensors:
-            dist.all_reduce(t, op=op, group=self.group)
-
-    def all_reduce_(self, tensors: list[torch.Tensor]) -> None:
-        import torch.distributed as dist
-
-        self._reduce(tensors, dist.ReduceOp.SUM)
-
-    def all_reduce_max_(self, tensors: list[torch.Tensor]) -> None:
-        import torch.distributed as dist
-
-        self._reduce(tensors, dist.ReduceOp.MAX)
 
 
 class WarmupConstant:
@@ -112,39 +74,7 @@ class WarmupConstant:
         return min(1.0, (step + 1) / self.warmup_steps)
 
 
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        # plain types only, so that torch.load(weights_only=True) accepts the checkpoint
-        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(value):
-    if isinstance(value, list):
-        return tuple(_as_tuple(v) for v in value)
-    if isinstance(value, tuple):
-        return tuple(_as_tuple(v) for v in value)
-    return value
-
-
-class LLMTrainer:
+class LLMTrainer(TrainerState):
     """Gradient accumulation, data-parallel reduction, clipping, AdamW and exact checkpoint state.
 
     Args:
@@ -253,7 +183,7 @@ class LLMTrainer:
         iterate to the end, the gathers are collectives) and cast to `dtype` only when asked for: a consumer
         that drops each tensor holds one at a time."""
         for name, value in self.model.state_dict().items():
-            full = value.full_tensor() if _is_dtensor(value) else value.detach()
+            full = value.full_tensor() if is_dtensor(value) else value.detach()
             yield name, (full if dtype is None else full.to(dtype))
 
     def train_step(self, batch: Trajectory, micro_batch_size: int | None = None,
@@ -334,121 +264,6 @@ class LLMTrainer:
                              f"{self.policy_version}: {lag} version(s) behind, outside 0..{self.max_staleness} "
                              "(rl.async_steps)")
         return lag > 0
-
-    def state_dict(self) -> dict:
-        """Everything an exact resume needs: model, optimizer, scheduler, RNG states, counters.
-
-        With LoRA (`rl_core.lora`) the model entry holds only the adapters, and `base_model` names the
-        frozen base model they were trained on (refused on load when it differs).
-
-        Model and optimizer tensors are full (unsharded) in both modes, and the optimizer state is
-        keyed by parameter index as `torch.optim` does. Sharded: every rank must call it (it gathers);
-        rank 0 gets the tensors, on CPU, the other ranks empty model/optimizer entries.
-        """
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state = get_model_state_dict(self.model, options=opts)
-            optim_state = _optimizer_by_index(get_optimizer_state_dict(self.model, self.optimizer, options=opts),
-                                              self._param_names())
-        else:
-            model_state, optim_state = lora.trained_state(self.model), self.optimizer.state_dict()
-        return {
-            **lora.identity_entry(self.model),  # LoRA: the base model the adapters were trained on
-            "model": model_state,
-            "optimizer": optim_state,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
-            "counters": {"step": self.step, "policy_version": self.policy_version},
-            "objective_identity": dict(self.objective.identity),
-        }
-
-    def load_state_dict(self, state: Mapping) -> None:
-        """Restore `state_dict()` output of either mode (sharded: every rank calls it with the full state)."""
-        missing = [k for k in ("model", "optimizer", "scheduler", "rng", "counters") if k not in state]
-        if missing:
-            raise KeyError(f"trainer checkpoint lacks {missing}")
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, dict(state["model"]), options=opts)
-            set_optimizer_state_dict(self.model, self.optimizer,
-                                     _optimizer_by_name(state["optimizer"], self._param_names()), options=opts)
-        else:
-            lora.check_base(self.model, state)
-            lora.load_trained_state(self.model, state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        self.step = int(state["counters"]["step"])
-        self.policy_version = int(state["counters"]["policy_version"])
-
-    def shard_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-        """This rank's part of the state, for a checkpoint written by every rank: `(tensors, rest)`.
-
-        `tensors`: `{"model": ..., "optimizer": ...}` keyed by parameter name (the optimizer's state as
-        `{name: {"exp_avg": ..., ...}}`); sharded, each is this rank's DTensor shard, which
-        torch.distributed.checkpoint writes and reads by global offsets, so the state loads onto any number of
-        ranks in either mode. With LoRA only the adapters. Nothing is gathered. `rest`: everything else
-        (optimizer hyperparameters, scheduler, RNG, counters, identities), small plain values.
-        """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        model = get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer)
-        rest = {
-            **lora.identity_entry(self.model),
-            "param_groups": optimizer["param_groups"],
-            "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
-            "counters": {"step": self.step, "policy_version": self.policy_version},
-            "objective_identity": dict(self.objective.identity),
-        }
-        return {"model": model, "optimizer": optimizer["state"]}, rest
-
-    def load_shard_state(self, fill: Callable[[dict], None], rest: Mapping) -> None:
-        """Restore a `shard_state()` checkpoint: `fill(tensors)` reads this rank's layout of the tensors in place
-        (`infra.checkpoint_shards.read_shards`), `rest` is the saved plain state (without `rng`, a rank the checkpoint
-        had not: its own generators stay as they are)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        lora.check_base(self.model, rest)
-        missing = [k for k in ("param_groups", "scheduler", "counters") if k not in rest]
-        if missing:
-            raise KeyError(f"trainer checkpoint lacks {missing}")
-        tensors, _ = self.shard_state()  # this rank's layout (a fresh optimizer's state is created to be filled)
-        fill(tensors)
-        # not strict: with LoRA the frozen base is not in it (the read above refused any tensor the checkpoint lacks)
-        set_model_state_dict(self.model, tensors["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(self.model, self.optimizer,
-                                 {"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
-        self.scheduler.load_state_dict(rest["scheduler"])
-        if "rng" in rest:
-            _set_rng_state(rest["rng"])
-        self.step = int(rest["counters"]["step"])
-        self.policy_version = int(rest["counters"]["policy_version"])
-
-    def _param_names(self) -> list[str]:
-        """Names of the trained parameters in optimizer order (the same in both modes)."""
-        return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     def _all_reduce_gradients(self, grads: list[torch.Tensor]) -> None:
         """Sum `grads` in place across ranks, in flat one-dtype buckets of at most GRAD_BUCKET_BYTES (a larger tensor alone)."""
@@ -563,7 +378,7 @@ class LLMTrainer:
         for p, g in zip(self.params, grads):
             p.grad = g.div_(stats[0].to(g.dtype))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optimizer_config.max_grad_norm)
-        if _is_dtensor(grad_norm):
+        if is_dtensor(grad_norm):
             grad_norm = grad_norm.full_tensor()
         host = torch.cat([stats, ext, grad_norm.detach().reshape(1).to(torch.float64)]).tolist()  # the one copy
         total_weight, loss_total, n_bad = host[0], host[1], host[2]
@@ -611,38 +426,6 @@ def _device_scalar(value, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` is wrapped by torch FSDP2 (`fully_shard`)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        return False
-    return isinstance(model, FSDPModule)
-
-
-def _is_dtensor(value) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(value, DTensor)
-
-
-def _optimizer_by_index(state: Mapping, names: list[str]) -> dict:
-    """A name-keyed full optimizer state (torch.distributed.checkpoint) in `torch.optim`'s index-keyed form."""
-    if not state:
-        return {}
-    index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[k]: v for k, v in state["state"].items()},
-            "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]]}
-
-
-def _optimizer_by_name(state: Mapping, names: list[str]) -> dict:
-    """The inverse of `_optimizer_by_index`."""
-    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [names[int(p)] for p in g["params"]]} for g in state["param_groups"]]}
 
 
 def _combine_steps(results: list[dict[str, float]]) -> dict[str, float]:

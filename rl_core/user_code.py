@@ -64,18 +64,12 @@ REWARD_PARAMS = ("completions",)  # by keyword, as TRL calls reward_funcs; promp
 
 
 def user_code_problems(cfg: Any) -> list[str]:
-    """Import and signature problems of the config's reward functions and task by import path (the objective's
-    own code is checked by its class)."""
+    """Import and signature problems of the config's reward functions (the objective's own code is checked by its
+    class, the task by preflight's data rules)."""
     problems = []
     for i, entry in enumerate(cfg.data.rewards):
         try:
             load_callable(entry.path, f"data.rewards[{i}].path", REWARD_PARAMS, by_keyword=True)
         except ImportPathError as exc:
             problems.append(str(exc))
-    from rl_core.tasks import get_task
-
-    try:
-        get_task(cfg.data.task)
-    except ValueError as exc:
-        problems.append(str(exc))
     return problems

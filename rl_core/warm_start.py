@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from rl_core.atomic import atomic_directory
-from rl_core.data import PromptSampler, format_prompt, load_examples
+from rl_core.data import PromptSampler
 from rl_core.evaluation import evaluate_accuracy
-from rl_core.tasks import get_task
+from rl_core.tasks import format_prompt, get_task, load_examples
 
 DEFAULT_STEPS = 800
 DEFAULT_LR = 1e-3

@@ -7,12 +7,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.gate import validate_pair_batch
+from rl_core.data.preferences import validate_pair_batch
 
 
 @task(name="validate", cache_policy=NO_CACHE)
 def validate_pairs_task(batch: Any, num_workers: int) -> Any:
-    """The DPO gate (`rl_core.gate.validate_pair_batch`) before dispatch."""
+    """The DPO gate (`rl_core.data.preferences.validate_pair_batch`) before dispatch."""
     return validate_pair_batch(batch, num_workers)
 
 

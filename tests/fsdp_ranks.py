@@ -73,7 +73,8 @@ def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32, mesh
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.trainer import LLMTrainer, ProcessGroupReducer
+    from rl_core.data_parallel import ProcessGroupReducer
+    from rl_core.trainer import LLMTrainer
 
     model = base_model()
     if checkpointing:

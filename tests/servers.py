@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from infra.services import free_port, http_ok, signal_group, venv_bin, wait_until
+from infra.processes import free_port, signal_group, wait_until
+from infra.services import http_ok, venv_bin
 from tests.builders import STARTUP_TIMEOUT_S
 
 

@@ -67,8 +67,9 @@ class ObjectiveConfig(BaseModel):
         """The `Objective` of this config (`rl` is the whole rl section, `context` an `ObjectiveContext`)."""
         raise NotImplementedError
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
-        """Rules that involve other config sections: report each problem (`err`) or risky setting (`warn`)."""
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
+        """Rules that involve other config sections: report each problem (`err`) or risky setting (`warn`);
+        `n_mini` is the number of optimizer steps one collected batch feeds."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,8 @@ class ClipKnobs(ObjectiveConfig):
                              "certified_deterministic_forward=true; set that, or remove this")
         return self
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
-        super().check(cfg, err, warn)
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
+        super().check(cfg, err, warn, n_mini)
         if cfg.rl.async_steps and self.certified_deterministic_forward:
             err("rl.objective.certified_deterministic_forward=true with rl.async_steps: pi_old of a stale batch is the "
                 "rollout's log-probs, not a trainer forward that could be certified; turn one of them off")

@@ -49,7 +49,7 @@ class CustomObjective(GroupAdvantageKnobs):
         """The imported builder, checked to take `(rl, context, **kwargs)`; ImportPathError naming the key."""
         return load_callable(self.import_path, "rl.objective.import_path", OBJECTIVE_PARAMS, kwargs=self.kwargs)
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
         try:
             self.builder()
         except ImportPathError as exc:

@@ -202,7 +202,7 @@ class DPO(ObjectiveConfig):
     def reads_reference(self) -> bool:
         return True
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
         rl, ro = cfg.rl, cfg.rollout
         if rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
             err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "

@@ -179,11 +179,9 @@ class GSPO(GRPO):
     loss_type: str = Field("seq-mean-token-mean", description="Reduction of per-token losses; GSPO's is seq-mean-token-mean.")
     certified_deterministic_forward: bool = Field(True, description="Check that the pi_old pass and the first training forward agree (a sequence ratio is a mean of token log-ratios, so a forward mismatch moves every ratio).")
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
-        super().check(cfg, err, warn)
-        from rl_core.config.preflight import num_mini_batches
-
-        if num_mini_batches(cfg) == 1:
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
+        super().check(cfg, err, warn, n_mini)
+        if n_mini == 1:
             warn("rl.objective.type=gspo at one update per batch (n_mini=1) is inert: on-policy both ratio levels give "
                  "the same value and gradient; set rl.mini_batch_per_replica to take several updates")
         if max(self.epsilon_low, self.epsilon_high) >= 0.05:
@@ -201,17 +199,15 @@ class LegacyPG(_PolicyGradient):
     type: Literal["legacy_pg"] = "legacy_pg"
     surrogate: Literal["legacy_pg"] = Field("legacy_pg", description="The ratio-free surrogate (fixed by the type).")
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
-        super().check(cfg, err, warn)
-        from rl_core.config.preflight import num_mini_batches
-
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
+        super().check(cfg, err, warn, n_mini)
         if cfg.rollout.temperature != 1.0:
             err(f"rollout.temperature={cfg.rollout.temperature}: rl.objective.type=legacy_pg needs "
                 "rollout.temperature=1.0")
         if non_default(cfg.rl, "temperature"):
             err(f"rl.temperature={cfg.rl.temperature}: rl.objective.type=legacy_pg reads no rl.temperature; leave it "
                 f"at its default {type(cfg.rl).model_fields['temperature'].default}")
-        if (n_mini := num_mini_batches(cfg)) > 1:
+        if n_mini > 1:
             err(f"rl.mini_batch_per_replica={cfg.rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
                 "rl.objective.type=legacy_pg is on-policy only (one update per rollout); remove it or use "
                 "rl.objective.type=grpo")

@@ -339,8 +339,8 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
     def min_group_size(self) -> int:
         return 1 if self.distillation_mode == "direct" else 2  # direct mode reads no group advantage
 
-    def check(self, cfg: Any, err: Report, warn: Report) -> None:
-        super().check(cfg, err, warn)
+    def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
+        super().check(cfg, err, warn, n_mini)
         if self.distillation_mode == "direct":
             warn("rl.objective.distillation_mode=direct: task reward and group advantage are logged but are not "
                  "training signals")

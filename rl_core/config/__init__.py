@@ -1,4 +1,6 @@
-"""Typed configuration: schema, recipes + dotlist loading, preflight (docs/config.md)."""
+"""Typed configuration: the schema and loading recipes + dotlists (docs/config.md). The checks of a loaded config
+are `rl_core.config.preflight` (the config alone: `preflight`, `check`, `load_checked`) and
+`rl_core.config.environment` (this machine)."""
 
 from rl_core.config.loader import (
     ConfigError,
@@ -8,14 +10,6 @@ from rl_core.config.loader import (
     load_config,
     to_yaml,
     write_resolved,
-)
-from rl_core.config.preflight import (
-    PreflightReport,
-    check,
-    load_checked,
-    num_mini_batches,
-    per_replica_batch,
-    preflight,
 )
 from rl_core.config.schema import (
     ClusterConfig,
@@ -33,7 +27,6 @@ from rl_core.config.schema import (
 
 __all__ = [
     "ClusterConfig", "ConfigError", "DataConfig", "JobConfig", "LoRAConfig", "ModelConfig", "OptimizerConfig", "PosttrainConfig",
-    "PreflightReport", "RLConfig", "RolloutConfig", "TrackingConfig", "ValidationConfig", "check", "config_from_dict",
-    "config_hash", "flatten", "load_checked", "load_config", "num_mini_batches", "per_replica_batch", "preflight", "to_yaml",
-    "write_resolved",
+    "RLConfig", "RolloutConfig", "TrackingConfig", "ValidationConfig", "config_from_dict", "config_hash", "flatten",
+    "load_config", "to_yaml", "write_resolved",
 ]

@@ -11,7 +11,7 @@ in seconds, before Ray, placement or model construction, with the override that 
 Every GPU role is counted (`gpu_roles`, a pure function of the config): the trainer ranks and the
 separate rollout engines (the OPD teacher replicas share the trainer ranks' GPUs). When a role uses
 GPUs and the GPU memory is known (`cluster.gpu_memory_gib`, else this machine's GPU 0) and the
-model's config is on this machine, the memory plan (rl_core/config/memory.py, docs/gpu.md) must
+model's config is on this machine, the memory plan (rl_core/placement/memory.py, docs/gpu.md) must
 fit: its problems name the knobs that fix it.
 """
 
@@ -22,9 +22,9 @@ import math
 import os
 from pathlib import Path
 
-from rl_core.config.preflight import num_engines
 from rl_core.config.schema import PosttrainConfig
 from rl_core.models import looks_local
+from rl_core.placement.run_shape import num_engines
 
 HUB_TIMEOUT_S = 5.0
 LOCAL_GPU = "this machine's GPU 0"
@@ -129,7 +129,7 @@ def planned_memory(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=None
     """What the memory plan is checked against: `gpu_bytes`/`gpu_source` (one GPU; None when no role uses GPUs or it
     is unknown), `host_bytes`/`host_source` (one node's RAM: `cluster.host_memory_gib`, else this machine's when the
     plan's GPU is this machine's own), and `remote_ray`. `probe`/`host_probe`: this machine's GPU 0 and RAM bytes."""
-    from rl_core.config.host_memory import host_memory
+    from rl_core.placement.host_memory import host_memory
 
     gpu_bytes, source = gpu_memory(cfg, remote_ray=remote_ray, probe=probe) if gpus_needed(cfg) else (None, "")
     host = host_memory(cfg, this_machine=source == LOCAL_GPU, probe=host_probe) if gpus_needed(cfg) else (None, "")
@@ -149,7 +149,7 @@ def memory_problems(cfg: PosttrainConfig, *, remote_ray: bool = False, probe=Non
     known = planned_memory(cfg, remote_ray=remote_ray, probe=probe, host_probe=host_probe)
     if known["gpu_bytes"] is None and known["host_bytes"] is None:
         return []
-    from rl_core.config.memory import plan_for_config
+    from rl_core.placement.memory import plan_for_config
 
     plan, _ = plan_for_config(cfg, known["gpu_bytes"], gpu_source=known["gpu_source"], prompt_tokens=prompt_tokens,
                               host_bytes=known["host_bytes"], host_source=known["host_source"], remote_ray=remote_ray)
@@ -273,8 +273,8 @@ def gpu_count_problem(cfg: PosttrainConfig, have: int, vllm_on_gpu: bool = False
 def tensor_parallel_problem(cfg: PosttrainConfig) -> str | None:
     """Why the separate vLLM engines cannot split the model over `cluster.gpus_per_engine` GPUs, or None (also when the
     model's config is not on this machine: vLLM then says so when it starts)."""
-    from rl_core.config.memory import model_shape
-    from rl_core.config.preflight import tensor_parallel_size
+    from rl_core.placement.model_shape import model_shape
+    from rl_core.placement.run_shape import tensor_parallel_size
 
     tp = tensor_parallel_size(cfg)
     if tp == 1 or (shape := model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)) is None:

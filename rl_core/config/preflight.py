@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 from rl_core.config.schema import PosttrainConfig
 from rl_core.lora import lora_problems
+from rl_core.placement.run_shape import (
+    TEACHER_GPU_SHARE,
+    num_mini_batches,
+    rows_per_prompt,
+    teacher_replicas,
+    teachers_per_rank,
+)
 from rl_core.user_code import user_code_problems
 
 log = logging.getLogger("posttrain.preflight")
@@ -40,72 +47,6 @@ class PreflightReport:
         return "\n".join(lines)
 
 
-def rows_per_prompt(cfg: PosttrainConfig) -> int:
-    """Training rows per prompt: `rollout.n` completions, or DPO's two rows (chosen, rejected) per pair."""
-    return cfg.rl.objective.rows_per_prompt(cfg.rollout.n)
-
-
-def per_replica_batch(cfg: PosttrainConfig) -> int:
-    """Completions (DPO: pair rows) each data-parallel worker trains on per step (0 when it does not divide)."""
-    total = cfg.rollout.prompts_per_step * rows_per_prompt(cfg)
-    return total // cfg.cluster.num_workers if total % cfg.cluster.num_workers == 0 else 0
-
-
-def num_engines(cfg: PosttrainConfig) -> int:
-    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
-    if cfg.cluster.placement == "colocated":
-        return cfg.cluster.num_workers
-    return cfg.rollout.num_engines or 1
-
-
-def shard_mesh(cfg: PosttrainConfig) -> tuple[int, int] | None:
-    """The trainer ranks' device mesh as `(replicas, shard group size)`, or None when the state is not sharded:
-    `fsdp` over several ranks is `(1, num_workers)`, `hsdp` `(num_workers // shard_size, shard_size)`."""
-    c = cfg.cluster
-    if c.sharding == "fsdp" and c.num_workers > 1:
-        return 1, c.num_workers
-    if c.sharding == "hsdp" and c.shard_size and c.num_workers % c.shard_size == 0:
-        return c.num_workers // c.shard_size, c.shard_size
-    return None
-
-
-def tensor_parallel_size(cfg: PosttrainConfig) -> int:
-    """GPUs a rollout engine splits the model over (vLLM's `tensor_parallel_size`): `cluster.gpus_per_engine` when it
-    is above 1 (separate vLLM engines), else 1."""
-    c = cfg.cluster
-    if c.placement == "separate" and cfg.rollout.backend == "vllm" and c.gpus_per_engine > 1:
-        return int(c.gpus_per_engine)
-    return 1
-
-
-# The share of a GPU that Ray counts for one teacher replica in its trainer rank's bundle (the rank asks for the
-# rest). Ray's count only pins both to the same GPU; whether the teacher's memory fits is the memory plan's check.
-TEACHER_GPU_SHARE = 0.01
-
-
-def teacher_replicas(cfg: PosttrainConfig) -> int:
-    """OPD teacher replicas: `cluster.teacher_replicas`, default one per trainer rank; 0 for a run without a teacher."""
-    if cfg.rl.objective.topology != "teacher":
-        return 0
-    return cfg.cluster.teacher_replicas or cfg.cluster.num_workers
-
-
-def teachers_per_rank(cfg: PosttrainConfig) -> int:
-    """The most teacher replicas on one trainer rank's node and GPU (replica i on rank i % cluster.num_workers)."""
-    return -(-teacher_replicas(cfg) // cfg.cluster.num_workers)
-
-
-def trainer_gpus(cfg: PosttrainConfig) -> float:
-    """GPUs a trainer rank's actor asks Ray for: its bundle's `cluster.gpus_per_worker` less its teachers' share."""
-    gpus = cfg.cluster.gpus_per_worker
-    return round(gpus - teachers_per_rank(cfg) * TEACHER_GPU_SHARE, 4) if gpus > 0 else 0.0
-
-
-def num_mini_batches(cfg: PosttrainConfig) -> int:
-    """n_mini: optimizer steps fed by one collected batch."""
-    per = per_replica_batch(cfg)
-    mini = cfg.rl.mini_batch_per_replica or per
-    return max(per // mini, 1) if per else 1
 
 
 def preflight(cfg: PosttrainConfig) -> PreflightReport:
@@ -114,8 +55,8 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     rl, ro, cl, objective = cfg.rl, cfg.rollout, cfg.cluster, cfg.rl.objective
     kind, topology = objective.type, objective.topology
 
-    objective.check(cfg, err, warn)  # what involves the objective and another section (rl_core/algorithms/)
-    rep.errors.extend(user_code_problems(cfg))  # data.rewards / data.task by import path: imported and checked
+    objective.check(cfg, err, warn, num_mini_batches(cfg))  # what involves the objective and another section (rl_core/algorithms/)
+    rep.errors.extend(user_code_problems(cfg))  # data.rewards by import path: imported and checked
 
     # -- the temperature contract
     if topology != "offline" and objective.reads_old_logp and ro.temperature != rl.temperature:
@@ -270,8 +211,8 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
     d, out = cfg.data, []
     try:
         task = get_task(d.task)
-    except ValueError:
-        return out  # named by user_code_problems
+    except ValueError as exc:  # a task by import path that does not load, or an unknown name
+        return [str(exc)]
     if d.reward_mode != "strict" and ("reward_mode" not in task.reads or d.rewards):
         reader = "data.rewards replaces the task's reward" if d.rewards else f"data.task={d.task!r} does not read it"
         out.append(f"data.reward_mode={d.reward_mode!r}: only the GSM8K task's own reward reads it ({reader})")

@@ -19,13 +19,13 @@ rows and 0.0 on rejected rows (a label, not a reward), `group_ids` is the pair i
 `sample_ids` is `2 · pair_id + (0 | 1)`, `rollout_logp` is 0 (no rollout) and `ref_logp` carries the
 reference model's per-token log-probs once computed (`rl_core.algorithms.dpo.with_reference_logps`).
 Consecutive splits of an even number of rows keep pairs whole (`check_pair_layout` refuses others);
-`pair_rows(k)` gives the rows of a selection of pairs.
+`pair_rows(k)` gives the rows of a selection of pairs. `validate_pair_batch` refuses a batch before dispatch that
+is not whole pairs, lacks finite reference log-probs or does not split into whole pairs per worker.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -129,82 +129,8 @@ def write_pairs_jsonl(df: pd.DataFrame, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------ arithmetic builder
 
 
-def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
-    """A wrong integer answer: one digit (chosen by `rng`) moved by ±1, never a new leading zero.
-
-    `"46"` -> e.g. `"47"`, `"36"`; `"-7"` -> `"-6"` or `"-8"`; `"0"` -> `"1"`. Always `!= answer`.
-    """
-    text = str(answer).strip()
-    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
-    if not digits.isdigit():
-        raise ValueError(f"off_by_one_digit needs an integer answer, got {answer!r}")
-    pos = int(rng.integers(len(digits)))
-    d = int(digits[pos])
-    options = [x for x in (d - 1, d + 1) if 0 <= x <= 9 and not (pos == 0 and x == 0 and len(digits) > 1)]
-    new = options[int(rng.integers(len(options)))]
-    return sign + digits[:pos] + str(new) + digits[pos + 1:]
-
-
-def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[str]:
-    """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them."""
-    from rl_core.config import ModelConfig
-    from rl_core.data import Example, encode_prompts
-    from rl_core.models import load_policy
-    from rl_core.rollout.base import SamplingParams
-    from rl_core.rollout.hf import HFEngine
-
-    model, tokenizer = load_policy(ModelConfig(name_or_path=str(model_dir)))
-    engine = HFEngine(model, tokenizer)
-    greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
-    out: list[str] = []
-    for start in range(0, len(prompts), 256):
-        chunk = [Example(p, "") for p in prompts[start:start + 256]]
-        completions = engine.generate(encode_prompts(tokenizer, chunk, "arithmetic", "plain"), 1, greedy)
-        out.extend(t.strip() for t in completions.decode_responses(tokenizer))
-    return out
-
-
-def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed: int,
-                          model_dir: str | Path | None = None, max_pairs: int | None = None,
-                          max_tokens: int = 4) -> dict:
-    """Preference pairs from the arithmetic split: chosen = the correct answer, rejected = a wrong one.
-
-    Rejected: without `model_dir`, `off_by_one_digit(answer)` with a generator seeded by
-    `(seed, crc32(prompt))` (deterministic and independent of file order). With `model_dir`, the
-    model's own greedy answer (up to `max_tokens` tokens) where it is wrong and non-empty (a hard
-    negative the policy actually produces), the off-by-one answer elsewhere. `max_pairs` keeps the
-    first pairs of the file. Writes validated JSONL records `{pair_id, prompt, chosen, rejected,
-    source}` (`source`: "off_by_one" | "model") and returns `{"path", "n_pairs", "n_model_negatives"}`.
-    """
-    from rl_core.data import load_examples
-    from rl_core.rewards.arithmetic import arithmetic_reward
-
-    examples = load_examples(train_jsonl, "arithmetic")
-    if max_pairs is not None:
-        examples = examples[:max_pairs]
-    if not examples:
-        raise ValueError(f"{train_jsonl}: no examples")
-    model_answers = _model_answers(model_dir, [e.prompt for e in examples], max_tokens) if model_dir else None
-    records = []
-    for k, ex in enumerate(examples):
-        rng = np.random.default_rng([int(seed), zlib.crc32(ex.prompt.encode("utf-8"))])
-        rejected, source = off_by_one_digit(ex.answer, rng), "off_by_one"
-        if model_answers is not None:
-            guess = model_answers[k]
-            if guess and arithmetic_reward(guess, ex.answer) == 0.0:
-                rejected, source = guess, "model"
-        records.append({"pair_id": k, "prompt": ex.prompt, "chosen": ex.answer, "rejected": rejected,
-                        "source": source})
-    df = validate_preference_pairs(records)
-    path = write_pairs_jsonl(df, out_path)
-    return {"path": str(path), "n_pairs": len(df), "n_model_negatives": int((df["source"] == "model").sum())}
-
-
-# ------------------------------------------------------------------------------------ batch layout
-
-
 def _encode_prompts(tokenizer, prompts: Sequence[str], task: str, template: str, data=None) -> list[list[int]]:
-    from rl_core.data import Example, encode_prompts
+    from rl_core.tasks import Example, encode_prompts
 
     return encode_prompts(tokenizer, [Example(str(p), "") for p in prompts], task, template, data)
 
@@ -280,3 +206,21 @@ def check_pair_layout(batch: Any) -> None:
                          "batch with rl_core.data.preferences.pairs_to_trajectory")
     if bool((batch.loss_mask.sum(-1) <= 0).any()):
         raise ValueError("a DPO row has no response token in loss_mask")
+
+
+def validate_pair_batch(batch: Any, num_workers: int) -> Any:
+    """Refuse a DPO batch that is not whole (chosen, rejected) pairs, lacks finite reference log-probs, or does
+    not split into whole pairs per worker."""
+    check_pair_layout(batch)
+    pairs = batch.batch_size // 2
+    if pairs % num_workers:
+        raise ValueError(f"{pairs} pairs do not split into whole pairs across cluster.num_workers={num_workers}")
+    ref = batch.ref_logp
+    if ref is None:
+        raise ValueError("batch.ref_logp is missing: score the reference once with with_reference_logps")
+    on = batch.loss_mask > 0
+    bad = on & ~(torch.isfinite(ref) & (ref <= 1e-6))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
+        raise ValueError(f"batch refused before dispatch: ref_logp is not a finite log-prob on rows {rows[:8]}")
+    return batch

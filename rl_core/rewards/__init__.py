@@ -9,7 +9,8 @@ the arguments it names (it must take `completions`). It returns one float per co
 `data.rewards` lists the functions with weights; unset, the task's own rewards score (weight 1). A
 completion's reward is `Σ weight_f · r_f` over the functions that apply to it; a completion no function
 applies to, an exception, a wrong-length result or a non-finite value is refused, naming the function and
-the row. `per_completion` turns a `(completion, answer) -> float` function into one of these.
+the row. `per_completion` turns a `(completion, answer) -> float` function into one of these; `rl_core.rewards.configured`
+resolves the functions of a config.
 """
 
 from __future__ import annotations
@@ -160,24 +161,5 @@ def score(functions: Sequence[RewardFunction], inputs: RewardInputs) -> tuple[li
     return combine(functions, per_function, inputs.rows), function_means(functions, per_function)
 
 
-def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
-    """`data.rewards` (imported and checked), or the task's own rewards when it is empty."""
-    from rl_core.user_code import REWARD_PARAMS, load_callable
-
-    if not data.rewards:
-        if task is None:
-            from rl_core.tasks import get_task
-
-            task = get_task(data.task)
-        return [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.default_rewards(data)]
-    out = []
-    for i, entry in enumerate(data.rewards):
-        key = f"data.rewards[{i}]"
-        fn = load_callable(entry.path, f"{key}.path", REWARD_PARAMS, by_keyword=True)
-        name = entry.name or entry.path.rpartition(":")[2].rpartition(".")[2]
-        out.append(RewardFunction(name, fn, float(entry.weight), key))
-    return out
-
-
 __all__ = ["RewardError", "RewardFn", "RewardFunction", "RewardInputs", "call_reward", "combine",
-           "function_means", "per_completion", "reward_functions", "reward_inputs", "score"]
+           "function_means", "per_completion", "reward_inputs", "score"]

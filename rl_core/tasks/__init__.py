@@ -7,91 +7,21 @@ rest of posttrain through this interface; nothing else branches on the task's na
 A task's `load(source, data)` returns `Example`s; `plain_text` / `messages` give the prompt the model sees
 under `data.prompt_template=plain` / `chat`; `default_rewards(data)` the rewards used when `data.rewards` is
 unset. See docs/data.md for writing one.
+
+`load_examples` loads a split through its task; `encode_prompts` turns examples into the token ids the
+rollout engine takes, with the configured template:
+
+- plain: the task's plain text (arithmetic prompts as they are; GSM8K as `Question: ...\\nAnswer:`),
+  tokenised with the tokenizer's own special tokens (e.g. the tiny model's `<bos>`).
+- chat: the task's messages (GSM8K adds an instruction to end with `#### <number>`) rendered with the
+  tokenizer's chat template and a generation prompt; the template supplies its own special tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt of a dataset.
-
-    - `prompt`: the prompt text (for a chat-format row, the text of its last user message, for display).
-    - `answer`: the reference answer when the dataset has one ("" otherwise); built-in rewards read it.
-    - `messages`: a chat-format row's messages (`[{"role", "content"}, ...]`), None for a text prompt.
-    - `columns`: what the rewards receive as keyword arguments, one list per column (e.g. `answer`).
-    - `row`: where the row came from (`file:line` or `dataset row N`), for error messages.
-    """
-
-    prompt: str
-    answer: str = ""
-    messages: tuple[Mapping[str, str], ...] | None = None
-    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    row: str = field(default="", compare=False)
-
-    def reward_columns(self) -> Mapping[str, Any]:
-        return self.columns or {"answer": self.answer}
-
-
-class Task:
-    """The interface of a task (subclass it for your own; the built-in ones are in this package)."""
-
-    name: str = "task"
-    # data.* keys only this task reads (preflight refuses them under any other task)
-    reads: tuple[str, ...] = ()
-    # how to build a missing local split, for the error that says it is missing (None: nothing to build)
-    build_hint: str | None = None
-
-    def load(self, source: str, data: Any) -> list[Example]:
-        """The examples of one split (`data.train` or `data.val`); ValueError naming the file and row."""
-        raise NotImplementedError
-
-    def instruction(self, data: Any) -> str | None:
-        """Text appended to the user prompt: `data.instruction` when set, else the task's own (None: none)."""
-        return data.instruction if data is not None and data.instruction is not None else None
-
-    def plain_text(self, example: Example, data: Any) -> str:
-        """The prompt of `prompt_template=plain` (base models), before tokenisation."""
-        parts = [data.system_prompt] if data is not None and data.system_prompt else []
-        parts.append(example.prompt)
-        if (extra := self.instruction(data)) is not None:
-            parts.append(extra)
-        return "\n".join(parts)
-
-    def messages(self, example: Example, data: Any) -> list[dict]:
-        """The chat messages of `prompt_template=chat`, rendered with the tokenizer's chat template."""
-        system = data.system_prompt if data is not None else None
-        if example.messages is not None:
-            messages = [dict(m) for m in example.messages]
-        else:
-            messages = [{"role": "user", "content": example.prompt}]
-        if (extra := self.instruction(data)) is not None:
-            last = messages[-1]
-            messages[-1] = {**last, "content": f"{last['content'].strip()}\n{extra}"}
-        if system and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        return messages
-
-    def default_rewards(self, data: Any) -> list[tuple[str, Any]]:
-        """`(name, fn)` of the rewards used when `data.rewards` is unset; each fn is TRL-style
-        `fn(prompts, completions, **columns) -> list[float | None]` (rl_core.rewards)."""
-        raise ValueError(f"data.task={self.name!r} has no reward of its own; list yours in data.rewards")
-
-    def supervised_target(self, example: Example) -> str:
-        """The text a supervised warm start teaches after the prompt."""
-        return example.answer
-
-    def scorable(self, example: Example) -> bool:
-        """Whether held-out scoring can judge this example (e.g. GSM8K needs a number in the answer)."""
-        return True
-
-
-def is_import_path(name: str) -> bool:
-    return ":" in name
+from rl_core.tasks.base import Example, Task, is_import_path
 
 
 def get_task(name: str) -> Task:
@@ -115,4 +45,44 @@ def get_task(name: str) -> Task:
     return obj
 
 
-__all__ = ["Example", "Task", "get_task", "is_import_path"]
+
+def _task(task: str | Task) -> Task:
+    return task if isinstance(task, Task) else get_task(task)
+
+
+def load_examples(source: str | Path, task: str | Task, data=None) -> list[Example]:
+    """The examples of one split, loaded by the task (`data` is the `data` config section, or None for the
+    task's defaults). Bad rows raise ValueError naming the file and row."""
+    return _task(task).load(str(source), data)
+
+
+def format_prompt(example: Example, tokenizer, task: str | Task, template: str = "plain", data=None) -> str:
+    """The prompt text the model sees (before tokenisation)."""
+    task = _task(task)
+    if template == "plain":
+        return task.plain_text(example, data)
+    if template == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "data.prompt_template=chat but the tokenizer has no chat_template; use prompt_template=plain"
+            )
+        return tokenizer.apply_chat_template(task.messages(example, data), tokenize=False, add_generation_prompt=True)
+    raise ValueError(f"data.prompt_template={template!r} is not one of 'plain', 'chat'")
+
+
+def encode_prompts(tokenizer, examples: list[Example], task: str | Task, template: str = "plain",
+                   data=None) -> list[list[int]]:
+    """Unpadded prompt token ids for the rollout engine."""
+    task = _task(task)
+    texts = [format_prompt(ex, tokenizer, task, template, data) for ex in examples]
+    enc = tokenizer(texts, add_special_tokens=(template == "plain"))
+    return [list(ids) for ids in enc["input_ids"]]
+
+
+def encode_for(data, tokenizer, examples: list[Example]) -> list[list[int]]:
+    """`encode_prompts` with the task, template, system prompt and instruction of the `data` config section."""
+    return encode_prompts(tokenizer, examples, data.task, data.prompt_template, data)
+
+
+__all__ = ["Example", "Task", "encode_for", "encode_prompts", "format_prompt", "get_task", "is_import_path",
+           "load_examples"]

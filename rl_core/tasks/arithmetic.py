@@ -7,7 +7,7 @@ from typing import Any
 from rl_core.data.jsonl import iter_jsonl, text_field
 from rl_core.rewards import per_completion
 from rl_core.rewards.arithmetic import arithmetic_reward
-from rl_core.tasks import Example, Task
+from rl_core.tasks.base import Example, Task
 
 
 class ArithmeticTask(Task):

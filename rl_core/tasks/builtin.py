@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rl_core.tasks import Task
 from rl_core.tasks.arithmetic import ArithmeticTask
+from rl_core.tasks.base import Task
 from rl_core.tasks.gsm8k import GSM8KTask
 from rl_core.tasks.prompts import PromptsTask
 

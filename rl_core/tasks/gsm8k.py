@@ -13,7 +13,7 @@ from typing import Any
 from rl_core.data.gsm8k import GSM8K_INSTRUCTION, load_gsm8k_split, plain_prompt
 from rl_core.rewards import per_completion
 from rl_core.rewards.gsm8k import extract_reference, gsm8k_reward
-from rl_core.tasks import Example, Task
+from rl_core.tasks.base import Example, Task
 
 
 class GSM8KTask(Task):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.data.jsonl import iter_jsonl
-from rl_core.tasks import Example, Task
+from rl_core.tasks.base import Example, Task
 
 ROLES = ("system", "user", "assistant")
 PROMPT_COLUMNS = ("prompt", "messages")

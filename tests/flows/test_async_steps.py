@@ -64,7 +64,8 @@ def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_
     from infra.roles import RolloutRole
     from rl_core.annotate import annotate
     from rl_core.config import load_config
-    from rl_core.rewards import reward_functions, reward_inputs, score
+    from rl_core.rewards import reward_inputs, score
+    from rl_core.rewards.configured import reward_functions
 
     overrides = [*CLIPPED, f"model.name_or_path={warm_model[0]}", "rl.max_steps=3", "rl.save_every=0",
                  "rl.async_steps=0", "job.name=sync"]

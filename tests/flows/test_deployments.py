@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from infra.services import WORK_POOL, Services, http_ok, venv_bin
-from rl_core.config import ConfigError, check, load_config
+from rl_core.config import ConfigError, load_config
 from rl_core.config.environment import environment_problems, visible_gpus
+from rl_core.config.preflight import check
 from tests.conftest import FAST, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
@@ -128,7 +129,7 @@ def test_too_few_gpus_and_a_missing_vllm_are_named(monkeypatch, in_workdir):
 
 @pytest.mark.e2e
 def test_deploy_without_services_fails_clearly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(tmp_path / "none")],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "deploy", "--state-dir", str(tmp_path / "none")],
                          capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 1
     assert "not up" in out.stderr and "posttrain services up" in out.stderr
@@ -192,7 +193,7 @@ def client_env(services) -> dict:
 @pytest.fixture(scope="module")
 def deployed(services, client_env):
     svc, _ = services
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--state-dir", str(svc.root)],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "deploy", "--state-dir", str(svc.root)],
                          capture_output=True, text=True, cwd=REPO, env=client_env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # The run tests point model, data and outputs at the test's directories: the operator opts these deployments
@@ -227,7 +228,7 @@ def test_services_are_up_with_state_files(services, client_env):
     text = svc.env_file.read_text()
     assert f"export PREFECT_API_URL={env['PREFECT_API_URL']}" in text
     assert f"export MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in text
-    status = subprocess.run([sys.executable, "-m", "flows.cli", "services", "status", "--state-dir", str(svc.root)],
+    status = subprocess.run([sys.executable, "-m", "cli.main", "services", "status", "--state-dir", str(svc.root)],
                             capture_output=True, text=True, cwd=REPO, check=False)
     assert status.returncode == 0 and status.stdout.count(" running ") == 3, status.stdout
     pools = prefect(client_env, "work-pool", "inspect", WORK_POOL)
@@ -380,7 +381,7 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
 @pytest.mark.slow
 def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
     """The DPO entry through the worker: its own flow (`dpo`), pairs and reference on CPU."""
-    from rl_core.data.preferences import make_arithmetic_pairs
+    from rl_core.data.pair_building import make_arithmetic_pairs
 
     pairs = {split: make_arithmetic_pairs(workdir / "data" / "arithmetic" / f"{src}.jsonl",
                                           tmp_path / f"pairs_{split}.jsonl", seed=0, max_pairs=64)["path"]
@@ -742,7 +743,7 @@ def test_posttrain_run_gives_the_ephemeral_api_time_to_start(user_value, expecte
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     if user_value is not None:
         env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = user_value
-    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+    code = ("import cli.main, flows.entry\nfrom prefect.settings import get_current_settings\n"
             "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -765,7 +766,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
     if user_value is not None:
         env[key] = user_value
         monkeypatch.setenv(key, user_value)
-    code = ("import flows.cli, flows.entry\nfrom prefect.settings import get_current_settings\n"
+    code = ("import cli.main, flows.entry\nfrom prefect.settings import get_current_settings\n"
             "s = get_current_settings().server.services.task_run_recorder\nprint(s.batch_size, s.flush_interval)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -780,7 +781,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
 def test_a_service_stays_recognised_when_the_system_clock_steps():
     """`services down/status` recognise their processes by the start time in ticks since boot: a wall-clock step
     (NTP, a VM resumed) once made every running service look gone; a reused pid is still told apart."""
-    from infra.services import process_alive, process_start_ticks
+    from infra.processes import process_alive, process_start_ticks
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

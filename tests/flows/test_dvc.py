@@ -319,7 +319,7 @@ def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
     output = _dvc(clone, env, "repro", "pipelines/own_data/dvc.yaml")
     assert f"Running stage '{OWN_DATA_STAGE}'" in output and "Running stage 'train'" not in output
     from rl_core.config.schema import DataConfig
-    from rl_core.data import load_examples
+    from rl_core.tasks import load_examples
 
     chat = DataConfig(task="prompts", prompt_template="chat")
     train, val = (load_examples(clone / "data/own-data" / f"{s}.jsonl", "prompts", chat) for s in ("train", "val"))
@@ -404,7 +404,7 @@ HAND_WRITTEN = [
 
 
 def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -442,7 +442,7 @@ def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
 
 
 def test_summarize_without_validation_reports_none(tmp_path):
-    from flows.cli import main
+    from cli.main import main
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps(HAND_WRITTEN[1]) + "\n")
     assert main(["summarize", str(tmp_path)]) == 0
@@ -453,7 +453,7 @@ def test_summarize_without_validation_reports_none(tmp_path):
 
 
 def test_summarize_names_what_is_wrong_with_the_metrics_file(tmp_path, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     assert main(["summarize", str(tmp_path)]) == 1
     assert f"{tmp_path / 'metrics.jsonl'}: no such file" in capsys.readouterr().err
@@ -471,7 +471,7 @@ def test_summarize_names_what_is_wrong_with_the_metrics_file(tmp_path, capsys):
 
 def test_run_params_refuses_bad_overrides_and_another_run_dir(tmp_path, capsys):
     """The train stage's command: errors come before any flow starts, naming the key or the directory."""
-    from flows.cli import main
+    from cli.main import main
 
     recipe = str(REPO / "recipes" / "arithmetic.py")
     params = tmp_path / "params.yaml"

@@ -126,7 +126,7 @@ def test_exact_resume(opd_dir, monkeypatch):
 
 
 def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     monkeypatch.chdir(opd_dir)
     rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST[:1], "model.teacher=null", "job.name=no-teacher",
@@ -138,7 +138,7 @@ def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
 
 @pytest.mark.e2e
 def test_cli_runs_opd(opd_dir, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     monkeypatch.chdir(opd_dir)
     rc = main(["run", recipe("opd_arithmetic"), "--", *OPD_FAST, "job.name=opd-cli", "rl.max_steps=1"])
@@ -155,9 +155,9 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_m
     from flows.opd import opd
     from infra.artifacts import load_params
     from rl_core.config import ModelConfig
-    from rl_core.data import load_examples
     from rl_core.evaluation import evaluate_accuracy
     from rl_core.models import load_policy
+    from rl_core.tasks import load_examples
 
     shutil.copytree(workdir / "data", tmp_path / "data")
     shutil.copytree(warm_model[0], tmp_path / "artifacts" / "tiny-model" / "warm")

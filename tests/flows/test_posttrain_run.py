@@ -41,7 +41,7 @@ def test_posttrain_run_marks_its_start_up_and_every_task_run_outlives_the_proces
     home = tmp_path / "prefect-home"
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(home))
-    cmd = [sys.executable, "-m", "flows.cli", "run", recipe("arithmetic"), "--", *FAST, "job.name=cli-run",
+    cmd = [sys.executable, "-m", "cli.main", "run", recipe("arithmetic"), "--", *FAST, "job.name=cli-run",
            "rl.max_steps=2", "rl.validation.before_training=false", "rl.save_every=0", "rl.resume=off"]
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -26,7 +26,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from infra.services import free_port, http_ok, venv_bin
+from infra.processes import free_port
+from infra.services import http_ok, venv_bin
 from infra.storage import MANIFEST, CheckpointStore, checkpoint_step
 from tests.builders import STARTUP_TIMEOUT_S
 from tests.conftest import REPO, recipe

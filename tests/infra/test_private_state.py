@@ -35,7 +35,7 @@ def test_the_rendezvous_store_listens_on_the_node_ip_only():
 def test_what_posttrain_writes_is_its_owners_only(tmp_path):
     """A run directory, a model and data built by `posttrain`: directories 0700, files 0600."""
     out = tmp_path / "models" / "tiny"
-    subprocess.run([sys.executable, "-m", "flows.cli", "init-model", "--out", str(out)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "cli.main", "init-model", "--out", str(out)], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
     assert stat.S_IMODE(out.parent.stat().st_mode) == 0o700 and stat.S_IMODE(out.stat().st_mode) == 0o700
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def posttrain(workdir: Path, overrides: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """`posttrain run` of the arithmetic recipe as a user runs it; the caller checks the exit code."""
-    cmd = [sys.executable, "-m", "flows.cli", "run", recipe("arithmetic"), "--", *overrides]
+    cmd = [sys.executable, "-m", "cli.main", "run", recipe("arithmetic"), "--", *overrides]
     return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 

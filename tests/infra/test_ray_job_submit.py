@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.services import free_port, venv_bin
+from infra.processes import free_port
+from infra.services import venv_bin
 from tests.conftest import FAST, REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -60,7 +61,7 @@ def test_a_run_submitted_as_a_ray_job_joins_the_cluster(workdir, short_temp, tmp
         address = f"http://127.0.0.1:{dashboard}"
         submit = ["job", "submit", "--address", address, "--submission-id", "posttrain-submitted",
                   "--working-dir", str(REPO), "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-                  "--", "python", "-m", "flows.cli", "run", "recipes/arithmetic.py", "--", *overrides]
+                  "--", "python", "-m", "cli.main", "run", "recipes/arithmetic.py", "--", *overrides]
         deadline = time.monotonic() + 60
         while True:  # the job server refuses jobs until the head's dashboard agent has registered
             submitted = ray_cli(*submit)

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from rl_core.config import load_config
-from rl_core.rewards import RewardError, reward_functions, reward_inputs, score
+from rl_core.rewards import RewardError, reward_inputs, score
+from rl_core.rewards.configured import reward_functions
 from rl_core.tasks import Example
 
 REWARDS = ("data.rewards=[{path: 'tests.user_code:length_reward', weight: 0.5}, "

@@ -253,7 +253,7 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
     assert "1 trainer rank(s)" in message and "{'CPU': 64.0}" in message
     assert "cluster.placement_timeout_s=2" in message and "available now: CPU=" in message
     # nothing is left behind: the placement group was removed, every CPU is free again
-    from infra.services import wait_until
+    from infra.processes import wait_until
 
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
@@ -265,7 +265,7 @@ def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(i
     and they train and sync; a Cluster of another config kills them and places its own; none is left behind."""
     from infra import cluster as cluster_module
     from infra.cluster import Cluster, start_workers_early
-    from infra.services import wait_until
+    from infra.processes import wait_until
     from rl_core.config import load_config
 
     base = [f"model.name_or_path={warm_model[0]}", "cluster.num_workers=2", "cluster.placement=separate",
@@ -316,14 +316,16 @@ def test_actors_get_the_config_as_data_with_absolute_model_paths(in_workdir, tmp
     (["cluster.cpus_per_engine=2"], "read only by cluster.placement=separate"),
 ])
 def test_preflight_refuses_placements_that_cannot_work(overrides, needle):
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
+    from rl_core.config.preflight import preflight
 
     report = preflight(load_config(recipe("arithmetic"), overrides))
     assert any(needle in e for e in report.errors), report.errors
 
 
 def test_preflight_warns_about_vllm_inside_a_cpu_trainer():
-    from rl_core.config import load_config, preflight
+    from rl_core.config import load_config
+    from rl_core.config.preflight import preflight
 
     colocated = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm"]))
     separate = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm", "cluster.placement=separate"]))

@@ -34,7 +34,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from infra.services import free_port
+from infra.processes import free_port
 from infra.storage import (
     MANIFEST,
     RETRY_BUDGET_ENV,

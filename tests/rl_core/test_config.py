@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_config, preflight, write_resolved
+from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_config, write_resolved
 from rl_core.config.loader import all_keys, config_from_dict
-from rl_core.config.preflight import PreflightReport, PreflightWarning, check, emit_warnings
+from rl_core.config.preflight import PreflightReport, PreflightWarning, check, emit_warnings, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
@@ -343,7 +343,7 @@ def test_check_raises_with_every_preflight_error():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
                           check=False)
 
 
@@ -399,7 +399,7 @@ def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_split
     from transformers import LlamaConfig
 
     from rl_core.config.environment import tensor_parallel_problem
-    from rl_core.config.preflight import tensor_parallel_size
+    from rl_core.placement.run_shape import tensor_parallel_size
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
@@ -431,7 +431,7 @@ def test_preflight_refuses_hsdp_meshes_that_do_not_divide_the_ranks(overrides, n
 
 
 def test_the_mesh_of_each_sharding():
-    from rl_core.config.preflight import shard_mesh
+    from rl_core.placement.run_shape import shard_mesh
 
     arithmetic = str(ROOT / "recipes" / "arithmetic.py")
     mesh = lambda *o: shard_mesh(load_config(arithmetic, list(o)))

@@ -7,18 +7,10 @@ import re
 
 import pytest
 
-from rl_core.data import (
-    Example,
-    PromptSampler,
-    encode_prompts,
-    format_prompt,
-    load_examples,
-    make_arithmetic_data,
-    prepare_gsm8k,
-    split_arithmetic,
-)
+from rl_core.data import PromptSampler, make_arithmetic_data, prepare_gsm8k, split_arithmetic
 from rl_core.data.gsm8k import GSM8K_INSTRUCTION
 from rl_core.models import build_tiny_tokenizer
+from rl_core.tasks import Example, encode_prompts, format_prompt, load_examples
 
 
 def _read(path):
@@ -157,9 +149,9 @@ def test_sampler_refuses_state_of_another_stream():
 @pytest.mark.parametrize("bad_line, reason", [("{not json", "not a JSON object (Expecting"),
                                                ("[1, 2]", "not a JSON object (a list)")])
 def test_a_data_file_line_that_is_not_an_object_is_named_by_file_and_line(tmp_path, bad_line, reason):
-    from rl_core.data import load_examples
     from rl_core.data.gsm8k import read_gsm8k_jsonl
     from rl_core.data.preferences import load_preference_pairs
+    from rl_core.tasks import load_examples
 
     cases = [
         ("arith.jsonl", {"prompt": "1+1=", "answer": "2"}, lambda p: load_examples(p, "arithmetic")),

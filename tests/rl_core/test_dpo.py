@@ -24,13 +24,13 @@ from rl_core.algorithms.dpo import (
     sequence_logps,
     with_reference_logps,
 )
-from rl_core.config import ConfigError, OptimizerConfig, RLConfig, config_from_dict, preflight
+from rl_core.config import ConfigError, OptimizerConfig, RLConfig, config_from_dict
+from rl_core.config.preflight import preflight
+from rl_core.data.pair_building import make_arithmetic_pairs, off_by_one_digit
 from rl_core.data.preferences import (
     PreferencePairsError,
     check_pair_layout,
     load_preference_pairs,
-    make_arithmetic_pairs,
-    off_by_one_digit,
     pair_rows,
     pairs_to_trajectory,
     validate_preference_pairs,

@@ -14,7 +14,8 @@ import torch
 from rl_core import lora
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
-from rl_core.config import LoRAConfig, OptimizerConfig, RLConfig, load_config, preflight
+from rl_core.config import LoRAConfig, OptimizerConfig, RLConfig, load_config
+from rl_core.config.preflight import preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.trainer import LLMTrainer
 from tests.builders import tiny_model

@@ -1,4 +1,4 @@
-"""The memory plan with LoRA (rl_core/config/memory.py, rl_core/lora.py): adapter parameters counted by hand against
+"""The memory plan with LoRA (rl_core/placement/memory.py, rl_core/lora.py): adapter parameters counted by hand against
 a real PEFT-wrapped model, and the Qwen2.5-3B plan's items with LoRA r=16 against the same formula."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 
 from rl_core import lora
 from rl_core.config import LoRAConfig, load_config
-from rl_core.config.memory import ASSUMED_PROMPT_TOKENS, GIB, memory_plan, model_shape, shape_from_config
+from rl_core.placement.formulas import ASSUMED_PROMPT_TOKENS, GIB
+from rl_core.placement.memory import memory_plan
+from rl_core.placement.model_shape import model_shape, shape_from_config
 from tests.rl_core.test_lora import tiny_llama
 from tests.rl_core.test_memory_plan import GRPO, ON_4X80, QWEN_3B
 

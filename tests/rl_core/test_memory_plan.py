@@ -1,4 +1,4 @@
-"""The preflight memory plan (rl_core/config/memory.py) and the GPU-role count (rl_core/config/environment.py).
+"""The preflight memory plan (rl_core/placement/memory.py) and the GPU-role count (rl_core/config/environment.py).
 
 Real computations: the model shapes come from models built on the meta device, the parameter and
 AdamW bytes are compared with what a real model and optimizer allocate, the activation formula with
@@ -17,17 +17,11 @@ import pytest
 import torch
 
 from rl_core.config import load_config
-from rl_core.config import memory as mem
 from rl_core.config.environment import gpu_count_problem, gpu_memory, gpu_roles, gpus_needed, memory_problems
-from rl_core.config.memory import (
-    ASSUMED_PROMPT_TOKENS,
-    GIB,
-    activation_bytes,
-    memory_plan,
-    model_shape,
-    plan_for_config,
-    shape_from_config,
-)
+from rl_core.placement import formulas as mem
+from rl_core.placement.formulas import ASSUMED_PROMPT_TOKENS, GIB, activation_bytes
+from rl_core.placement.memory import memory_plan, plan_for_config
+from rl_core.placement.model_shape import model_shape, shape_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = ROOT / "recipes" / "grpo_gsm8k.py"
@@ -183,7 +177,7 @@ def test_nccl_buffers_count_the_communicators_of_each_process(qwen3b_dir):
 
 
 def test_host_memory_of_a_node_is_planned_and_a_plan_over_its_ram_refused(qwen3b_dir):
-    from rl_core.config.host_memory import EXPORT, PROCESS_BYTES, START, TRAIN
+    from rl_core.placement.host_memory import EXPORT, PROCESS_BYTES, START, TRAIN
 
     shape = model_shape(str(qwen3b_dir))
     P, T = shape.n_params, shape.n_param_tensors
@@ -407,7 +401,7 @@ def test_the_gpu_count_message_lists_each_role_and_the_fix():
 
 
 def test_num_engines_rule():
-    from rl_core.config.preflight import num_engines
+    from rl_core.placement.run_shape import num_engines
 
     cases = {(): 4, ("cluster.num_workers=2",): 2, ("cluster.placement=separate",): 1,  # the recipe has 4 ranks
              ("cluster.placement=separate", "rollout.num_engines=3"): 3}
@@ -431,7 +425,7 @@ def test_the_plan_constants_are_the_code_s():
 
 
 def test_validate_prints_the_plan(qwen3b_dir, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     code = main(["validate", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FSDP_BF16_CKPT])
     out = capsys.readouterr()
@@ -450,7 +444,7 @@ def test_validate_prints_the_plan(qwen3b_dir, capsys):
 
 
 def test_validate_says_why_there_is_no_plan(capsys):
-    from flows.cli import main
+    from cli.main import main
 
     code = main(["validate", str(GRPO), "--", "model.name_or_path=posttrain-tests/no-such-model"])
     out = capsys.readouterr()

@@ -21,14 +21,8 @@ from rl_core.algorithms.opd import (
     reverse_kl_surrogate,
     teacher_logprobs,
 )
-from rl_core.config import (
-    ConfigError,
-    OptimizerConfig,
-    PosttrainConfig,
-    RLConfig,
-    config_from_dict,
-    preflight,
-)
+from rl_core.config import ConfigError, OptimizerConfig, PosttrainConfig, RLConfig, config_from_dict
+from rl_core.config.preflight import preflight
 from rl_core.gate import BatchValidationError, validate_teacher_logp
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss

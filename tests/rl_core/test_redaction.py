@@ -115,7 +115,7 @@ def test_uris_without_credentials_still_load():
 def test_cli_validate_refuses_a_credentialed_uri_without_printing_it():
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", "recipes/arithmetic.py", "--",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "validate", "recipes/arithmetic.py", "--",
                           f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/run"],
                          capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 1
@@ -205,7 +205,7 @@ def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp
     import subprocess
 
     overrides = [f"{key}=https://user{i}:{SECRET}{i}@host{i}.example/x" for i, key in enumerate(URI_KEYS)]
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", "recipes/arithmetic.py", "--", *overrides],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "validate", "recipes/arithmetic.py", "--", *overrides],
                          capture_output=True, text=True, cwd=ROOT, check=False, env={**__import__("os").environ,
                                                                                       "HF_HUB_OFFLINE": "1"})
     text = out.stdout + out.stderr
@@ -214,7 +214,7 @@ def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"run": {"overrides": [
         f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/run", *overrides]}}))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run-params", "recipes/arithmetic.py", "--params",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "run-params", "recipes/arithmetic.py", "--params",
                           str(params)], capture_output=True, text=True, cwd=ROOT, check=False, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "s3://***@bucket/run" in text, text[-2000:]

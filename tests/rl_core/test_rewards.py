@@ -8,8 +8,9 @@ from decimal import Decimal
 import pytest
 
 from rl_core.config.schema import DataConfig
-from rl_core.rewards import RewardError, RewardFunction, reward_functions, reward_inputs, score
+from rl_core.rewards import RewardError, RewardFunction, reward_inputs, score
 from rl_core.rewards.arithmetic import arithmetic_reward
+from rl_core.rewards.configured import reward_functions
 from rl_core.rewards.gsm8k import extract_flexible, extract_reference, extract_strict, gsm8k_reward
 
 ANSWER_72 = (

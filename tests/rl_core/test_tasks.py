@@ -9,9 +9,8 @@ import pandas as pd
 import pytest
 
 from rl_core.config.schema import DataConfig
-from rl_core.data import encode_prompts, format_prompt, load_examples
 from rl_core.models import build_tiny_tokenizer
-from rl_core.tasks import Example, Task, get_task
+from rl_core.tasks import Example, Task, encode_prompts, format_prompt, get_task, load_examples
 
 ROWS = [
     {"messages": [{"role": "user", "content": "12+34="}], "answer": "46", "max_chars": 2},

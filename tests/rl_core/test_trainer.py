@@ -300,7 +300,7 @@ def test_state_dict_resume_is_bitwise_identical():
 def test_process_group_reducer_over_gloo_single_rank(tmp_path):
     import torch.distributed as dist
 
-    from rl_core.trainer import ProcessGroupReducer
+    from rl_core.data_parallel import ProcessGroupReducer
 
     model, batch = tiny_model(0), make_batch()
     plain = grpo_trainer(model, RLConfig())

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.config import ConfigError, check, load_config
-from rl_core.config.preflight import preflight
+from rl_core.config import ConfigError, load_config
+from rl_core.config.preflight import check, preflight
 from rl_core.registry import OBJECTIVES, build_objective
 from tests.conftest import FAST, recipe
 

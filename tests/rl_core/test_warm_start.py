@@ -7,9 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.config.schema import ModelConfig
-from rl_core.data import Example, load_examples, make_arithmetic_data
+from rl_core.data import make_arithmetic_data
 from rl_core.evaluation import evaluate_accuracy
 from rl_core.models import build_tiny_model, load_policy
+from rl_core.tasks import Example, load_examples
 from rl_core.warm_start import encode_supervised_batch, warm_start
 
 

@@ -111,7 +111,8 @@ def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_wor
     from infra.roles import RolloutRole
     from rl_core.annotate import annotate
     from rl_core.config import load_config
-    from rl_core.rewards import reward_functions, reward_inputs, score
+    from rl_core.rewards import reward_inputs, score
+    from rl_core.rewards.configured import reward_functions
     from rl_core.trainer import SamplerGapError
 
     def trainer_and_batch(bound: float):
@@ -144,7 +145,8 @@ def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_wor
 
 
 def test_the_bound_is_a_positive_number_and_dpo_refuses_it():
-    from rl_core.config import ConfigError, load_config, preflight
+    from rl_core.config import ConfigError, load_config
+    from rl_core.config.preflight import preflight
 
     assert load_config(recipe("arithmetic")).rollout.max_logp_abs_diff is None  # off unless a recipe sets it
     with pytest.raises(ConfigError, match="rollout.max_logp_abs_diff"):

@@ -24,9 +24,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from rl_core.config.preflight import shard_mesh
 from rl_core.config.schema import PosttrainConfig
 from rl_core.lora import adapter_counts
+from rl_core.placement.run_shape import shard_mesh
 
 GIB = 1024**3
 PROCESS_BYTES = 2 * GIB  # a trainer rank's process: interpreter, torch, transformers, the Ray worker

@@ -25,8 +25,9 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from rl_core.config import ConfigError, load_config, preflight
+    from rl_core.config import ConfigError, load_config
     from rl_core.config.loader import config_dict, config_hash
+    from rl_core.config.preflight import preflight
     from rl_core.redact import redact, redact_message
 
     try:
@@ -49,7 +50,7 @@ def print_memory_plan(cfg) -> bool:
     import os
 
     from rl_core.config.environment import planned_memory
-    from rl_core.config.memory import plan_for_config
+    from rl_core.placement.memory import plan_for_config
     from rl_core.redact import redact_message
 
     remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
@@ -84,16 +85,6 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
 PRIVATE_UMASK = 0o077
 
 
-def module_main(argv: list[str] | None = None, prog: str = "python -m flows.grpo") -> int:
-    """`python -m flows.<flow> --config RECIPE -- <overrides>`: the recipe's flow, as `posttrain run` runs it."""
-    os.umask(PRIVATE_UMASK)
-    own, overrides = _split_overrides(list(sys.argv[1:] if argv is None else argv))
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--config", required=True, help="recipes/<name>.py")
-    args = parser.parse_args(own)
-    return cmd_run(argparse.Namespace(recipe=args.config), overrides)
-
-
 def summary_line(result: dict) -> str:
     """One line a person reads at the end of a run: held-out accuracy first -> last, and where things are."""
     from infra.tracking import MetricsLog
@@ -115,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe's flow")
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
-    from flows.build_commands import add_build_commands
-    from flows.report_commands import add_report_commands
-    from flows.service_commands import add_service_commands
+    from cli.build import add_build_commands
+    from cli.report import add_report_commands
+    from cli.services import add_service_commands
 
     add_build_commands(sub)
     add_report_commands(sub)

@@ -1,0 +1,74 @@
+"""The run's shape: how many rows, ranks, engines and teacher replicas a config makes, and how the trainer ranks
+and rollout engines split their GPUs. Preflight, the memory plan and the actors that place the run read it here."""
+
+from __future__ import annotations
+
+from rl_core.config.schema import PosttrainConfig
+
+
+def rows_per_prompt(cfg: PosttrainConfig) -> int:
+    """Training rows per prompt: `rollout.n` completions, or DPO's two rows (chosen, rejected) per pair."""
+    return cfg.rl.objective.rows_per_prompt(cfg.rollout.n)
+
+
+def per_replica_batch(cfg: PosttrainConfig) -> int:
+    """Completions (DPO: pair rows) each data-parallel worker trains on per step (0 when it does not divide)."""
+    total = cfg.rollout.prompts_per_step * rows_per_prompt(cfg)
+    return total // cfg.cluster.num_workers if total % cfg.cluster.num_workers == 0 else 0
+
+
+def num_engines(cfg: PosttrainConfig) -> int:
+    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
+    if cfg.cluster.placement == "colocated":
+        return cfg.cluster.num_workers
+    return cfg.rollout.num_engines or 1
+
+
+def shard_mesh(cfg: PosttrainConfig) -> tuple[int, int] | None:
+    """The trainer ranks' device mesh as `(replicas, shard group size)`, or None when the state is not sharded:
+    `fsdp` over several ranks is `(1, num_workers)`, `hsdp` `(num_workers // shard_size, shard_size)`."""
+    c = cfg.cluster
+    if c.sharding == "fsdp" and c.num_workers > 1:
+        return 1, c.num_workers
+    if c.sharding == "hsdp" and c.shard_size and c.num_workers % c.shard_size == 0:
+        return c.num_workers // c.shard_size, c.shard_size
+    return None
+
+
+def tensor_parallel_size(cfg: PosttrainConfig) -> int:
+    """GPUs a rollout engine splits the model over (vLLM's `tensor_parallel_size`): `cluster.gpus_per_engine` when it
+    is above 1 (separate vLLM engines), else 1."""
+    c = cfg.cluster
+    if c.placement == "separate" and cfg.rollout.backend == "vllm" and c.gpus_per_engine > 1:
+        return int(c.gpus_per_engine)
+    return 1
+
+
+# The share of a GPU that Ray counts for one teacher replica in its trainer rank's bundle (the rank asks for the
+# rest). Ray's count only pins both to the same GPU; whether the teacher's memory fits is the memory plan's check.
+TEACHER_GPU_SHARE = 0.01
+
+
+def teacher_replicas(cfg: PosttrainConfig) -> int:
+    """OPD teacher replicas: `cluster.teacher_replicas`, default one per trainer rank; 0 for a run without a teacher."""
+    if cfg.rl.objective.topology != "teacher":
+        return 0
+    return cfg.cluster.teacher_replicas or cfg.cluster.num_workers
+
+
+def teachers_per_rank(cfg: PosttrainConfig) -> int:
+    """The most teacher replicas on one trainer rank's node and GPU (replica i on rank i % cluster.num_workers)."""
+    return -(-teacher_replicas(cfg) // cfg.cluster.num_workers)
+
+
+def trainer_gpus(cfg: PosttrainConfig) -> float:
+    """GPUs a trainer rank's actor asks Ray for: its bundle's `cluster.gpus_per_worker` less its teachers' share."""
+    gpus = cfg.cluster.gpus_per_worker
+    return round(gpus - teachers_per_rank(cfg) * TEACHER_GPU_SHARE, 4) if gpus > 0 else 0.0
+
+
+def num_mini_batches(cfg: PosttrainConfig) -> int:
+    """n_mini: optimizer steps fed by one collected batch."""
+    per = per_replica_batch(cfg)
+    mini = cfg.rl.mini_batch_per_replica or per
+    return max(per // mini, 1) if per else 1

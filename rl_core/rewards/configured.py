@@ -1,0 +1,25 @@
+"""The reward functions a config scores with: `data.rewards` (imported and checked, with their weights), or
+the task's own rewards (weight 1) when it is empty."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_core.rewards import RewardFunction
+from rl_core.tasks import get_task
+from rl_core.user_code import REWARD_PARAMS, load_callable
+
+
+def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
+    """`data.rewards` (imported and checked), or the task's own rewards when it is empty."""
+    if not data.rewards:
+        if task is None:
+            task = get_task(data.task)
+        return [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.default_rewards(data)]
+    out = []
+    for i, entry in enumerate(data.rewards):
+        key = f"data.rewards[{i}]"
+        fn = load_callable(entry.path, f"{key}.path", REWARD_PARAMS, by_keyword=True)
+        name = entry.name or entry.path.rpartition(":")[2].rpartition(".")[2]
+        out.append(RewardFunction(name, fn, float(entry.weight), key))
+    return out
