@@ -6,7 +6,7 @@ supervised steps of params.yaml (0.950; DVC stage `teacher_warm_start`, built by
 missing, or by hand: `posttrain warm-start --init artifacts/tiny-model/warm --out
 artifacts/tiny-model/teacher --steps 600`); it shares the tokenizer.
 The student samples 4 completions per prompt; the teacher scores every sampled token; the per-token
-advantage `−(ℓ^old − ℓ^teacher)` trains through the clipped surrogate (`rl.distillation_mode=advantage`).
+advantage `−(ℓ^old − ℓ^teacher)` trains through the clipped surrogate (`rl.objective.distillation_mode=advantage`).
 
     posttrain run recipes/opd_arithmetic.py -- rl.max_steps=40
 """

@@ -27,7 +27,7 @@ class CustomObjective(GroupAdvantageKnobs):
     type: Literal["custom"] = "custom"
     import_path: str = Field(pattern=IMPORT_PATH, description="'package.module:build_objective', called as build_objective(rl, context, **kwargs) -> Objective (docs/objectives.md).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of your builder: your objective's own knobs, recorded in the objective's identity.")
-    step_loop: Topology = Field("on_policy", description="The loop that runs it: on_policy (rollout, reward, group advantages, train), teacher (plus a frozen teacher, model.teacher) or offline (fixed pairs).")
+    step_loop: Literal["on_policy", "offline"] = Field("on_policy", description="The loop that runs it: on_policy (rollout, reward, group advantages, train) or offline (fixed pairs). The teacher loop's annotate step is OPD's own.")
     group_advantages: bool = Field(True, description="Its batches carry group-relative advantages (the gate checks the groups).")
 
     @property

@@ -50,7 +50,7 @@ def moved_key_message(dotted: str, value: Any) -> str:
         hint = " (the legacy policy gradient is rl.objective.type=legacy_pg)"
     elif dotted == "rl.custom_objective":
         hint = " with rl.objective.type=custom"
-    return (f"{dotted}={value}: the objective owns this knob now; use {new}{hint}; see docs/objectives.md "
+    return (f"{dotted}={value}: a knob of the objective's own section; use {new}{hint}; see docs/objectives.md "
             "('Configs written before rl.objective')")
 
 
@@ -74,6 +74,8 @@ def translate_rl(rl: dict[str, Any], algorithm: str | None = None) -> dict[str, 
     from rl_core.registry import OBJECTIVES
 
     out = {k: v for k, v in rl.items() if k not in RL_KEYS}
+    if out.get("objective") is not None and not isinstance(out["objective"], dict):
+        return rl  # an older name in place of the section: refused by validation, naming its replacement
     objective = dict(out.get("objective") or {})
     kind = objective.get("type") or ("custom" if flat.get("custom_objective") else algorithm) or _infer_type(flat)
     objective["type"] = kind

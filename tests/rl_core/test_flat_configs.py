@@ -79,7 +79,7 @@ def test_a_recipe_that_sets_an_old_key_is_refused_naming_the_new_one(tmp_path, l
     with pytest.raises(ConfigError) as info:
         load_config(recipe)
     (problem,) = info.value.problems
-    assert "the objective owns this knob now" in problem and new in problem
+    assert "a knob of the objective's own section" in problem and new in problem
 
 
 @pytest.mark.parametrize("override, new", [

@@ -51,15 +51,20 @@ def test_shards_are_reassembled_in_row_order():
 
 
 @pytest.mark.parametrize("micro_batch", [None, 2])
-def test_sharded_scoring_is_bitwise_one_teachers(micro_batch):
-    """Each replica scores its rows with the same forward: the result is one teacher's, bit for bit, on CPU."""
+def test_sharded_scoring_is_one_teachers(micro_batch):
+    """Each replica scores its rows with the same forward: one replica gives one teacher's result bit for bit; more
+    replicas run the forward on fewer rows, which some CPU kernels round differently (a row's value depends on the
+    rows it is computed with only through the kernel's blocking), so they agree to float32 rounding."""
     student, teacher = tiny_model(0), tiny_model(1)
     batch = make_batch(student, teacher)
     whole = teacher_logprobs(teacher, batch, temperature=0.7, micro_batch_size=micro_batch)
     for replicas in (1, 2, 3):
         sharded = score_in_shards(batch, replicas, lambda shards: [
             teacher_logprobs(teacher, s, temperature=0.7, micro_batch_size=micro_batch) for s in shards])
-        assert torch.equal(sharded, whole), (replicas, (sharded - whole).abs().max())
+        if replicas == 1:
+            assert torch.equal(sharded, whole)
+        torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-5)
+        assert torch.equal(sharded == 0, whole == 0)  # the same loss positions, exactly
 
 
 def test_teacher_replicas_default_to_one_per_rank_and_share_the_ranks_gpu():
