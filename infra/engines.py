@@ -103,7 +103,8 @@ def node_info(device: torch.device) -> dict[str, Any]:
 
 
 class RolloutWorker:
-    """One rollout engine in its own Ray actor (separate placement). Created by `Cluster`."""
+    """One rollout engine in its own Ray actor (separate placement): an `infra.actor.Actor`, started by the run's
+    `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
@@ -116,8 +117,9 @@ class RolloutWorker:
         self.max_model_len: int | None = None
 
     def preload(self) -> float:
-        """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called on actors
-        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called as the actor
+        starts, also before the flow needs it (`infra.placement.Placement.start_actors_early`). Returns the seconds
+        taken."""
         t = time.perf_counter()
         if self.cfg.rollout.backend == "vllm":
             import vllm  # noqa: F401

@@ -45,7 +45,8 @@ def worker_config(cfg: PosttrainConfig) -> dict:
 
 
 class PolicyWorker:
-    """One data-parallel trainer rank (and, colocated, its rollout engine). Created as a Ray actor by `Cluster`."""
+    """One data-parallel trainer rank (and, colocated, its rollout engine): an `infra.actor.Actor`, started by the
+    run's `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, rank: int, world_size: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
@@ -61,8 +62,9 @@ class PolicyWorker:
         self.layout: list | None = None
 
     def preload(self) -> float:
-        """Import what `setup` uses (transformers' model classes take seconds), ahead of it: called on actors
-        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        """Import what `setup` uses (transformers' model classes take seconds), ahead of it: called as the actor
+        starts, also before the flow needs it (`infra.placement.Placement.start_actors_early`). Returns the seconds
+        taken."""
         t = time.perf_counter()
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
@@ -359,6 +361,7 @@ class PolicyWorker:
         return path
 
     def shutdown(self) -> None:
+        """Leave the weight-sync group and the data-parallel process group."""
         if self.weight_group is not None:
             self.weight_group.close()
         if self.world_size > 1:
