@@ -22,7 +22,6 @@ from typing import Any
 import ray
 import torch
 
-from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.preflight import (
     num_engines,  # noqa: F401 - the one rule, re-exported for infra.cluster
@@ -162,18 +161,15 @@ class RolloutWorker:
         if hf_model is not None:  # HF: receive straight into the engine's parameters
             targets = dict(hf_model.state_dict())
             receive_into(stream, targets)
-            bad = faults.corrupt_one(targets)  # test hook: a load that went wrong
-            with torch.no_grad():
-                for name in (k for k in bad if bad[k] is not targets[k]):
-                    targets[name].copy_(bad[name])
             self.engine.set_policy_version(version)
-        else:  # test hook: a load that went wrong
-            self.engine.update_weights(faults.corrupt_stream(stream, (spec.name for spec in self.layout)), version)
+        else:
+            self.engine.update_weights(stream, version)
             stream.drain()
         return {"version": self.engine.policy_version, "checksum": stream.checksum,
                 "held": held_weights(self.engine, self.max_model_len), "seconds": time.perf_counter() - t}
 
     def shutdown(self) -> None:
+        """Leave the weight-sync group."""
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -208,7 +204,6 @@ class EnginePool:
         return len(self.actors)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
-        faults.maybe_fail("rollout")  # test hook: a failed rollout call, retried by the rollout task
         sizes = shard_sizes(len(prompt_ids), len(self.actors))
         calls, offset = [], 0
         for actor, size in zip(self.actors, sizes):

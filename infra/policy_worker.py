@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
-from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -149,8 +148,7 @@ class PolicyWorker:
             stream = WeightStream(layout, self.device, source=source)
             sums = {}
             tap = summed(stream, sums)
-            # test hook: a load that went wrong
-            self.engine.update_weights(faults.corrupt_stream(tap, (spec.name for spec in layout)), version)
+            self.engine.update_weights(tap, version)
             for _ in tap:  # whatever the engine did not ask for: the gathers are collectives
                 pass
         held = held_weights(self.engine, self.max_model_len)

@@ -192,21 +192,13 @@ def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
 
 
 def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(separate_cluster):
-    """Engine 1 receives the right bytes but loads one tensor wrong (the `weight_load` fault): its own report of
+    """Engine 1 receives the right bytes but loads one tensor wrong (tests/faults.py): its own report of
     what it holds differs from rank 0's, and the sync stops naming the engine and the tensor; the next sync is
     clean."""
     from infra.cluster import WeightSyncError
+    from tests.faults import load_one_weight_wrong
 
-    def inject(worker):  # inside engine 1: its next load goes wrong
-        import os
-
-        from rl_core import faults
-
-        faults.reset()
-        os.environ[faults.ENV] = "weight_load=1"
-        return max(worker.engine.model.state_dict())
-
-    name = ray.get(separate_cluster.engine_actors[1].__ray_call__.remote(inject))
+    name = ray.get(separate_cluster.engine_actors[1].__ray_call__.remote(load_one_weight_wrong))  # its next load
     with pytest.raises(WeightSyncError, match=rf"engine 1 does not hold what trainer rank 0 sent: tensor {name}: sum "):
         separate_cluster.sync_weights(3)
     stats = separate_cluster.sync_weights(4)
