@@ -43,36 +43,36 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     # config and preflight errors surface here, before Prefect starts; the flow takes this config, not a second load
     cfg = load_checked(str(recipe), list(overrides), hand_over=True)
     # Start-up in parallel: Prefect's temporary API server (a subprocess) starts in a thread, the driver's heavy
-    # imports in another, while this thread starts the local Ray and in it the trainer ranks' actors (and the
-    # separate rollout engines'), which the flow's Cluster then takes over (and stops) as if it had started them.
-    # A user's PREFECT_API_URL or Ray address is used as before.
+    # imports in another, while this thread starts the run's Placement: the local Ray and in it the trainer ranks'
+    # actors (and the separate rollout engines'), which the flow's Cluster then takes over (and stops) as if it had
+    # started them. A user's PREFECT_API_URL or Ray address is used as before.
     #
-    # This thread's first Ray actor (start_workers_early) makes Ray build its serializers, which import pydantic.v1,
+    # This thread's first Ray actor (start_actors_early) makes Ray build its serializers, which import pydantic.v1,
     # while the threads below import Prefect's server and transformers, which import it too. pydantic.v1 imports its
     # own submodules from its package's __init__, and two threads importing it at once can fail (KeyError:
     # 'pydantic.v1', 1 `posttrain run` in ~25): it is imported here, before any thread starts (13 ms).
     import pydantic.v1  # noqa: F401
 
-    from infra.cluster import discard_early_workers, start_workers_early
-    from infra.ray_connect import discard_early_ray, start_local_ray_early
+    from infra.placement import Placement
 
+    placement = Placement(cfg)
     api = _start_temporary_api()
     threading.Thread(target=_import_ahead, name="posttrain-imports", daemon=True).start()
     try:
-        if start_local_ray_early(cfg):
+        if placement.start_ray_early():
             startup.mark("local_ray")
             try:
-                start_workers_early(cfg)
+                placement.start_actors_early()
             except Exception as exc:  # noqa: BLE001 - the flow's Cluster places them instead, and reports its failures
                 log.warning("posttrain run: the actors were not started ahead (%s: %s); the flow places them",
                             type(exc).__name__, redact_text(str(exc)))
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")
-        return flow_for(cfg.rl.objective)(recipe=str(recipe), overrides=list(overrides))
+        with placement.offered():  # the flow's Cluster takes it over
+            return flow_for(cfg.rl.objective)(recipe=str(recipe), overrides=list(overrides))
     finally:
-        discard_early_workers()
-        discard_early_ray()
+        placement.close()  # what no Cluster took: the actors started ahead, and the local Ray
 
 
 def _start_temporary_api() -> threading.Thread | None:

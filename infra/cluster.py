@@ -18,10 +18,11 @@ Roles, all Ray actors in placement groups whose CPUs/GPUs Ray counts (the driver
   `rl_core.rollout.verify`), which the driver compares with trainer rank 0's; a mismatch fails the step
   (`WeightSyncError`, naming the engine and the worst tensor).
 
-`posttrain run` starts the trainer ranks' and the separate engines' actors ahead, as soon as its local Ray
-is up and while Prefect's API starts (`start_workers_early`); the flow's `Cluster` of the same config takes
-them over. Trainers and separate engines build their models side by side (one after the other only when
-they may share a GPU: vLLM sizes its cache from the memory free when it starts).
+Ray and the actor groups belong to the `Cluster`'s `infra.placement.Placement`: the one `posttrain run` created and
+started ahead of the flow (its local Ray, and the trainer ranks' and separate engines' actors, while Prefect's API
+starts), or one of its own. Every actor answers the same protocol (`infra.actor.Actor`: `preload`, `setup`, `info`,
+`shutdown`). Trainers and separate engines build their models side by side (one after the other only when they may
+share a GPU: vLLM sizes its cache from the memory free when it starts).
 
 Actors receive the resolved, validated config as data (local model paths made absolute by the
 driver): they never re-run a recipe file nor depend on the driver's working directory. On a
@@ -33,26 +34,22 @@ refused before training (`Cluster.save_pretrained`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Self
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from infra.engines import EnginePool, RolloutWorker
-from infra.policy_worker import PolicyWorker, worker_config
-from infra.ray_connect import connect_ray
+from infra.actor import ActorGroup, PlacementError, describe_resources  # noqa: F401 - describe_resources re-exported
+from infra.engines import EnginePool
+from infra.placement import Placement
 from infra.storage import FINAL_MODEL, CheckpointStore
 from rl_core.config import PosttrainConfig
-from rl_core.placement.run_shape import num_engines, shard_mesh, trainer_gpus
+from rl_core.placement.run_shape import num_engines, shard_mesh
 from rl_core.rollout.verify import compare_held, probe_gap
 
 log = logging.getLogger("posttrain.cluster")
@@ -63,29 +60,6 @@ class WeightSyncError(RuntimeError):
     the weights it sent (`rl_core.rollout.verify`: its tensors' sums, its log-probs of a fixed probe)."""
 
 
-class PlacementError(RuntimeError):
-    """Ray could not place a role within `cluster.placement_timeout_s`."""
-
-
-# ------------------------------------------------------------------------------------------ Ray
-
-
-def bundle(cpus: float, gpus: float) -> dict[str, float]:
-    """One placement-group bundle: CPUs, and GPUs when any."""
-    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
-
-
-def worker_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
-    """The trainer ranks' placement-group bundles: one per rank (OPD: its teacher replicas share it,
-    infra/teacher.py)."""
-    return [bundle(cfg.cluster.cpus_per_worker, cfg.cluster.gpus_per_worker)] * cfg.cluster.num_workers
-
-
-def engine_bundles(cfg: PosttrainConfig) -> list[dict[str, float]]:
-    """The separate rollout engines' placement-group bundles: one per engine."""
-    return [bundle(cfg.cluster.cpus_per_engine, cfg.cluster.gpus_per_engine)] * num_engines(cfg)
-
-
 def shares_gpus(cfg: PosttrainConfig) -> bool:
     """Separate engines that may share a GPU with a trainer rank (both on GPUs, either with a fraction of one)."""
     c = cfg.cluster
@@ -93,111 +67,22 @@ def shares_gpus(cfg: PosttrainConfig) -> bool:
             and min(c.gpus_per_worker, c.gpus_per_engine) < 1)
 
 
-def _launch(cls: type, pg: Any, count: int, cpus: float, gpus: float, args: Callable[[int], tuple]) -> list[Any]:
-    """`count` actors of `cls` in placement group `pg`, actor i in bundle i, built from `args(i)` (not waited for:
-    their processes start now)."""
-    actor = ray.remote(cls)
-    return [actor.options(num_cpus=cpus, num_gpus=gpus,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-            .remote(*args(i)) for i in range(count)]
-
-
-def launch_workers(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
-    """The trainer ranks' actors in placement group `pg`, each asking for its bundle's GPUs less its OPD teachers'
-    share (`trainer_gpus`)."""
-    c = cfg.cluster
-    return _launch(PolicyWorker, pg, c.num_workers, c.cpus_per_worker, trainer_gpus(cfg),
-                   lambda r: (worker_cfg, r, c.num_workers, max(int(c.cpus_per_worker), 1), c.gpus_per_worker))
-
-
-def launch_engines(worker_cfg: dict, cfg: PosttrainConfig, pg: Any) -> list[Any]:
-    """The separate rollout engines' actors in placement group `pg` (`setup` builds each engine)."""
-    c = cfg.cluster
-    return _launch(RolloutWorker, pg, num_engines(cfg), c.cpus_per_engine, c.gpus_per_engine,
-                   lambda i: (worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine))
-
-
-# start_workers_early -> the next Cluster with the same worker config: {"worker_cfg": ..., role: (pg, actors)}
-_early: dict[str, Any] = {}
-
-
-def start_workers_early(cfg: PosttrainConfig) -> int:
-    """Start the trainer ranks' actors, and with `cluster.placement=separate` the rollout engines' actors, now,
-    before the flow's `Cluster` exists, and have each import what its `setup` needs (`preload`): their processes
-    start and import while the Prefect API starts.
-
-    Call it with Ray up (`infra.ray_connect.start_local_ray_early`). The next `Cluster` whose worker config is the
-    same takes them over as if it had created them; one with another config discards them and places its own.
-    All or nothing: on a failure, what was started is released before the error is raised. Returns the number
-    of actors started.
-    """
-    worker_cfg = worker_config(cfg)
-    roles = {"trainers": (worker_bundles(cfg), cfg.cluster.placement_strategy, launch_workers)}
-    if cfg.cluster.placement == "separate":
-        roles["engines"] = (engine_bundles(cfg), "PACK", launch_engines)
-    started: dict[str, tuple[Any, list[Any]]] = {}
-    try:
-        for role, (bundles, strategy, launch) in roles.items():
-            pg = placement_group(bundles, strategy=strategy)
-            started[role] = pg, []  # freed below if launching its actors fails
-            started[role] = pg, launch(worker_cfg, cfg, pg)
-        for _, actors in started.values():
-            for actor in actors:
-                actor.preload.remote()
-    except BaseException:
-        _release(started.values())
-        raise
-    discard_early_workers()  # one set at a time
-    _early.update(worker_cfg=worker_cfg, **started)
-    return sum(len(actors) for _, actors in started.values())
-
-
-def take_early(role: str, worker_cfg: dict) -> tuple[Any, list[Any]] | None:
-    """`(placement group, actors)` of `role` ("trainers" or "engines") started early for this worker config,
-    handed over once; else None (and everything started for another config is discarded)."""
-    if _early.get("worker_cfg") == worker_cfg:
-        return _early.pop(role, None)
-    discard_early_workers()
-    return None
-
-
-def discard_early_workers() -> None:
-    """Kill the actors started early that no Cluster took, and free their placement groups."""
-    early = [_early.pop(role) for role in ("trainers", "engines") if role in _early]
-    _early.clear()
-    _release(early)
-
-
-def _release(started: Iterable[tuple[Any, list[Any]]]) -> None:
-    if not ray.is_initialized():
-        return  # gone with their Ray
-    for pg, actors in started:
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        with contextlib.suppress(Exception):
-            remove_placement_group(pg)
-
-
 class Cluster(AbstractContextManager):
     """Joins or starts Ray, then places the trainer ranks and the rollout engines (see the module docstring).
 
-    On exit (also on failure) every actor is killed, the placement groups are removed and a Ray that
-    this object started is stopped. `max_model_len`: the longest prompt plus `rollout.max_tokens`
-    (vLLM sizes its KV cache with it).
+    `placement`: the `Placement` that owns Ray and the actor groups; by default the one offered by `posttrain run`
+    (`Placement.take_offered`), else a new one. On exit (also on failure) every actor is shut down and killed, the
+    placement groups are removed and a Ray that the placement started is stopped. `max_model_len`: the longest
+    prompt plus `rollout.max_tokens` (vLLM sizes its KV cache with it).
     """
 
-    def __init__(self, cfg: PosttrainConfig, *, max_model_len: int | None = None, with_engines: bool = True):
+    def __init__(self, cfg: PosttrainConfig, *, max_model_len: int | None = None, with_engines: bool = True,
+                 placement: Placement | None = None):
         self.cfg = cfg
-        self.worker_cfg = worker_config(cfg)
         self.max_model_len = max_model_len
         self.with_engines = with_engines
-        self.workers: list[Any] = []
-        self.engine_actors: list[Any] = []
-        self.placement_groups: list[Any] = []
-        self.trainer_group: Any = None  # the trainer ranks' placement group (the OPD teachers join its bundles)
+        self.placement = placement
         self.engines: EnginePool | None = None
-        self.started_ray = False
         self._weight_world = 0
         self.ranks_see_run_dir = True  # whether every trainer rank sees the driver's run directory (placement probe)
         self._written: dict[int, dict[str, dict]] = {}  # per rank: its files of the checkpoint in flight, once written
@@ -205,7 +90,9 @@ class Cluster(AbstractContextManager):
     # -- lifecycle
     def __enter__(self) -> Self:
         try:
-            self.started_ray = connect_ray(self.cfg)
+            if self.placement is None:
+                self.placement = Placement.take_offered(self.cfg) or Placement(self.cfg)
+            self.placement.connect()
             setups = self._place_workers()
             if self.with_engines:
                 if shares_gpus(self.cfg):  # vLLM sizes its cache from the GPU memory free at its start: trainers first
@@ -254,41 +141,52 @@ class Cluster(AbstractContextManager):
                             "(cluster.placement_strategy=PACK places consecutive ranks together)", g, g * mesh[1],
                             (g + 1) * mesh[1] - 1, ", ".join(ips))
 
-    def _placement_group(self, bundles: list[dict[str, float]], strategy: str, what: str, pg: Any = None) -> Any:
-        """A placement group of `bundles`, ready (`pg`: one already requested, e.g. by `start_workers_early`)."""
-        timeout = self.cfg.cluster.placement_timeout_s
-        pg = placement_group(bundles, strategy=strategy) if pg is None else pg
-        self.placement_groups.append(pg)
-        try:
-            ray.get(pg.ready(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise PlacementError(
-                f"Ray could not place {what} within cluster.placement_timeout_s={timeout:g}: {len(bundles)} bundle(s) "
-                f"of {bundles[0]} with strategy {strategy}; available now: {describe_resources(ray.available_resources())} "
-                f"of {describe_resources(ray.cluster_resources())}. Lower the request (cluster.num_workers, *_per_worker, "
-                "rollout.num_engines, *_per_engine), relax cluster.placement_strategy, or add nodes") from None
-        return pg
+    # the actors and placement groups are the placement's: these are views of them
+    @property
+    def workers(self) -> list[Any]:
+        """The trainer ranks' actors, rank order."""
+        return self._actors("trainers")
+
+    @property
+    def engine_actors(self) -> list[Any]:
+        """The separate rollout engines' actors (none colocated)."""
+        return self._actors("engines")
+
+    @property
+    def trainer_group(self) -> Any:
+        """The trainer ranks' placement group (the OPD teachers join its bundles); None when not placed."""
+        group = self.placement.groups.get("trainers") if self.placement is not None else None
+        return group.placement_group if group is not None else None
+
+    @property
+    def started_ray(self) -> bool:
+        """Whether the Ray this cluster uses was started for it (and is stopped on exit)."""
+        return self.placement is not None and self.placement.started_ray
+
+    def _actors(self, role: str) -> list[Any]:
+        group = self.placement.groups.get(role) if self.placement is not None else None
+        return group.actors if group is not None else []
+
+    def _place(self, role: str, what: str) -> ActorGroup:
+        """`role`'s group of the placement (started early, or now), placed within `cluster.placement_timeout_s`."""
+        group = self.placement.group(role)
+        group.place(self.cfg.cluster.placement_timeout_s, what,
+                    "Lower the request (cluster.num_workers, *_per_worker, rollout.num_engines, *_per_engine), relax "
+                    "cluster.placement_strategy, or add nodes")
+        return group
 
     def _place_workers(self) -> list[Any]:
         """The trainer ranks' actors, placed; returns their `setup` calls, in flight."""
         c = self.cfg.cluster
-        early = take_early("trainers", self.worker_cfg)
-        pg = self._placement_group(worker_bundles(self.cfg), c.placement_strategy, f"{c.num_workers} trainer rank(s)",
-                                   early[0] if early else None)
-        self.workers = early[1] if early else launch_workers(self.worker_cfg, self.cfg, pg)
-        self.trainer_group = pg
-        host, port = ray.get(self.workers[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
-        return [w.setup.remote(host, port, self.max_model_len) for w in self.workers]
+        trainers = self._place("trainers", f"{c.num_workers} trainer rank(s)")
+        host, port = ray.get(trainers.actors[0].open_rendezvous.remote()) if c.num_workers > 1 else (None, None)
+        return trainers.setup(host, port, self.max_model_len)
 
     def _place_engines(self) -> list[Any]:
         """Separate placement: the engines' actors, placed; returns their `setup` calls, in flight."""
         if self.cfg.cluster.placement == "colocated":
             return []
-        early = take_early("engines", self.worker_cfg)
-        pg = self._placement_group(engine_bundles(self.cfg), "PACK", f"{num_engines(self.cfg)} rollout engine(s)",
-                                   early[0] if early else None)
-        self.engine_actors = early[1] if early else launch_engines(self.worker_cfg, self.cfg, pg)
-        return [e.setup.remote(self.max_model_len) for e in self.engine_actors]
+        return self._place("engines", f"{num_engines(self.cfg)} rollout engine(s)").setup(self.max_model_len)
 
     def _connect_engines(self) -> None:
         """The driver's pool of engines; separate, each engine joins trainer rank 0's weight-sync group."""
@@ -311,20 +209,9 @@ class Cluster(AbstractContextManager):
         self._weight_world = world
 
     def __exit__(self, *exc: object) -> None:
-        discard_early_workers()  # started ahead for a run that did not take them
-        for actor in self.engine_actors + self.workers:
-            with contextlib.suppress(Exception):  # the actor or Ray may already be gone
-                ray.get(actor.shutdown.remote(), timeout=10)
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        self.workers, self.engine_actors, self.engines = [], [], None
-        for pg in self.placement_groups:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
-        self.placement_groups, self.trainer_group = [], None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-        self.started_ray = False
+        if self.placement is not None:
+            self.placement.close()
+        self.engines = None
 
     # -- phases
     def train(self, batch: Any) -> list[dict[str, float]]:
@@ -371,8 +258,8 @@ class Cluster(AbstractContextManager):
 
     def node_map(self) -> dict[str, list[dict[str, Any]]]:
         """Where each role runs: `{"trainers": [...], "engines": [...]}` of node id, ip, pid and device."""
-        trainers = ray.get([w.info.remote() for w in self.workers])
-        engines = ray.get([e.info.remote() for e in self.engine_actors]) if self.engine_actors else trainers
+        trainers = self.placement.groups["trainers"].info()
+        engines = self.placement.groups["engines"].info() if self.engine_actors else trainers
         return {"trainers": trainers, "engines": engines}
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
@@ -439,7 +326,3 @@ def shards_unreachable(run_dir: Path, ranks: list[dict[str, Any]], driver_ip: st
             "mounts at the same path (NFS, Lustre, a shared volume); tracking.checkpoint_uri then mirrors the "
             "checkpoints to S3")
 
-
-def describe_resources(res: dict[str, float]) -> str:
-    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or k.startswith("accelerator")}
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(keep.items())) or "nothing"

@@ -22,7 +22,6 @@ from typing import Any
 import ray
 import torch
 
-from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.placement.run_shape import tensor_parallel_size
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
@@ -100,7 +99,8 @@ def node_info(device: torch.device) -> dict[str, Any]:
 
 
 class RolloutWorker:
-    """One rollout engine in its own Ray actor (separate placement). Created by `Cluster`."""
+    """One rollout engine in its own Ray actor (separate placement): an `infra.actor.Actor`, started by the run's
+    `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
@@ -113,8 +113,9 @@ class RolloutWorker:
         self.max_model_len: int | None = None
 
     def preload(self) -> float:
-        """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called on actors
-        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        """Import the engine's backend (transformers' model classes, or vLLM), ahead of `setup`: called as the actor
+        starts, also before the flow needs it (`infra.placement.Placement.start_actors_early`). Returns the seconds
+        taken."""
         t = time.perf_counter()
         if self.cfg.rollout.backend == "vllm":
             import vllm  # noqa: F401
@@ -157,18 +158,15 @@ class RolloutWorker:
         if hf_model is not None:  # HF: receive straight into the engine's parameters
             targets = dict(hf_model.state_dict())
             receive_into(stream, targets)
-            bad = faults.corrupt_one(targets)  # test hook: a load that went wrong
-            with torch.no_grad():
-                for name in (k for k in bad if bad[k] is not targets[k]):
-                    targets[name].copy_(bad[name])
             self.engine.set_policy_version(version)
-        else:  # test hook: a load that went wrong
-            self.engine.update_weights(faults.corrupt_stream(stream, (spec.name for spec in self.layout)), version)
+        else:
+            self.engine.update_weights(stream, version)
             stream.drain()
         return {"version": self.engine.policy_version, "checksum": stream.checksum,
                 "held": held_weights(self.engine, self.max_model_len), "seconds": time.perf_counter() - t}
 
     def shutdown(self) -> None:
+        """Leave the weight-sync group."""
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -203,7 +201,6 @@ class EnginePool:
         return len(self.actors)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
-        faults.maybe_fail("rollout")  # test hook: a failed rollout call, retried by the rollout task
         sizes = shard_sizes(len(prompt_ids), len(self.actors))
         calls, offset = [], 0
         for actor, size in zip(self.actors, sizes):

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
-from rl_core import faults
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -45,7 +44,8 @@ def worker_config(cfg: PosttrainConfig) -> dict:
 
 
 class PolicyWorker:
-    """One data-parallel trainer rank (and, colocated, its rollout engine). Created as a Ray actor by `Cluster`."""
+    """One data-parallel trainer rank (and, colocated, its rollout engine): an `infra.actor.Actor`, started by the
+    run's `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, rank: int, world_size: int, threads: int, gpus: float):
         torch.set_num_threads(max(int(threads), 1))
@@ -61,8 +61,9 @@ class PolicyWorker:
         self.layout: list | None = None
 
     def preload(self) -> float:
-        """Import what `setup` uses (transformers' model classes take seconds), ahead of it: called on actors
-        started before the flow needs them (`infra.cluster.start_workers_early`). Returns the seconds taken."""
+        """Import what `setup` uses (transformers' model classes take seconds), ahead of it: called as the actor
+        starts, also before the flow needs it (`infra.placement.Placement.start_actors_early`). Returns the seconds
+        taken."""
         t = time.perf_counter()
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
@@ -147,8 +148,7 @@ class PolicyWorker:
             stream = WeightStream(layout, self.device, source=source)
             sums = {}
             tap = summed(stream, sums)
-            # test hook: a load that went wrong
-            self.engine.update_weights(faults.corrupt_stream(tap, (spec.name for spec in layout)), version)
+            self.engine.update_weights(tap, version)
             for _ in tap:  # whatever the engine did not ask for: the gathers are collectives
                 pass
         held = held_weights(self.engine, self.max_model_len)
@@ -359,6 +359,7 @@ class PolicyWorker:
         return path
 
     def shutdown(self) -> None:
+        """Leave the weight-sync group and the data-parallel process group."""
         if self.weight_group is not None:
             self.weight_group.close()
         if self.world_size > 1:

@@ -1,7 +1,7 @@
 """Joining a Ray cluster, or starting a local one: loopback, token authentication, clear failures.
 
-`connect_ray(cfg)` is what `infra.cluster.Cluster` calls first. Split from `infra/cluster.py`, which
-places the roles once Ray is up.
+`connect_ray(cfg)` is what a run's `infra.placement.Placement` calls first (`start_local_ray` when `posttrain run`
+starts the local Ray ahead of the flow); `infra/cluster.py` places the roles once Ray is up.
 """
 
 from __future__ import annotations
@@ -53,30 +53,6 @@ def auth_token_source() -> str | None:
     return str(default) if token_mode and default.is_file() else None
 
 
-_early: dict[str, bool] = {}  # {"started": True} while a local Ray started ahead of the flow waits for its Cluster
-
-
-def start_local_ray_early(cfg: PosttrainConfig) -> bool:
-    """Start now the local Ray that `connect_ray(cfg)` would start later (call it from the main thread: Ray's
-    processes die with the thread that started them); False when `connect_ray` would join a cluster or use a
-    Ray already up.
-
-    The next `connect_ray` takes it over as started by itself, so it is stopped as before;
-    `discard_early_ray()` stops one that no `connect_ray` took (the flow failed before placing anything).
-    """
-    if ray.is_initialized() or cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
-        return False
-    _start_local(cfg)
-    _early["started"] = True
-    return True
-
-
-def discard_early_ray() -> None:
-    """Stop an early local Ray that no `connect_ray` took."""
-    if _early.pop("started", False) and ray.is_initialized():
-        ray.shutdown()
-
-
 def connect_ray(cfg: PosttrainConfig) -> bool:
     """Join `cluster.address` / `RAY_ADDRESS`, or start a local Ray of our own; True when we started it.
 
@@ -88,8 +64,6 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
     ~/.ray/auth_token with RAY_AUTH_MODE=token.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if _early.pop("started", False) and ray.is_initialized():
-        return True  # started ahead of the flow for this run: ours to stop
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
@@ -109,11 +83,11 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
             raise ConnectionError(_join_failure(address, exc)) from exc
         log.info("joined Ray cluster at %s", address)
         return False
-    _start_local(cfg)
+    start_local_ray(cfg)
     return True
 
 
-def _start_local(cfg: PosttrainConfig) -> None:
+def start_local_ray(cfg: PosttrainConfig) -> None:
     """A local Ray of our own on 127.0.0.1, with at least the CPUs the run's roles reserve."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     keep_ray_on_loopback()

@@ -20,21 +20,37 @@ from typing import Any, Self
 
 import ray
 
+from infra.actor import ActorGroup, PlacementError, describe_resources
 from rl_core.config import PosttrainConfig
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
 from rl_core.rewards.configured import reward_functions as configured_functions
 
 
 class RewardWorker:
-    """The configured reward functions in one Ray actor."""
+    """The configured reward functions in one Ray actor (an `infra.actor.Actor`). They are imported as the actor
+    is constructed, so a function that does not import fails the actor's start."""
 
     def __init__(self, cfg_data: dict):
         from rl_core.config import config_from_dict
 
         self.functions = configured_functions(config_from_dict(cfg_data).data)
 
-    def ready(self) -> list[str]:
+    def preload(self) -> float:
+        return 0.0  # the functions were imported by the constructor
+
+    def setup(self) -> list[str]:
+        """The functions' names."""
         return [f.name for f in self.functions]
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        from infra.engines import node_info
+
+        return node_info(torch.device("cpu"))
+
+    def shutdown(self) -> None:
+        pass
 
     def call(self, index: int, inputs: RewardInputs, offset: int) -> list[float | None]:
         return call_reward(self.functions[index], inputs, offset)
@@ -46,7 +62,11 @@ class RewardPool(AbstractContextManager):
     def __init__(self, cfg: PosttrainConfig):
         self.cfg = cfg
         self.functions: list[RewardFunction] = configured_functions(cfg.data)
-        self.actors: list[Any] = []
+        self.group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
 
     def __enter__(self) -> Self:
         self._place()
@@ -56,16 +76,15 @@ class RewardPool(AbstractContextManager):
         self._kill()
 
     def _place(self) -> None:
-        from infra.cluster import PlacementError, describe_resources
         from infra.policy_worker import worker_config
 
         n, timeout = self.cfg.data.reward_workers, self.cfg.cluster.placement_timeout_s
         if n == 0 or self.actors:
             return
-        actor = ray.remote(RewardWorker).options(num_cpus=0, max_restarts=0)
-        self.actors = [actor.remote(worker_config(self.cfg)) for _ in range(n)]
+        cfg_data = worker_config(self.cfg)
+        self.group = ActorGroup("rewards", RewardWorker, n, lambda i: (cfg_data,), options={"max_restarts": 0}).start()
         try:
-            ray.get([a.ready.remote() for a in self.actors], timeout=timeout)
+            self.group.wait(self.group.setup(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             self._kill()
             raise PlacementError(f"Ray could not start the {n} reward workers (data.reward_workers) within "
@@ -77,9 +96,10 @@ class RewardPool(AbstractContextManager):
                               f"{exc}") from None
 
     def _kill(self) -> None:
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
+        """Kill the actors (no `shutdown` call: one may be stuck in a function that timed out)."""
+        if self.group is not None:
+            self.group.close(graceful=False)
+        self.group = None
 
     def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
         if self.cfg.data.reward_workers == 0:

@@ -11,32 +11,32 @@ rank's GPU (Ray counts `TEACHER_GPU_SHARE` of it per replica and the rank asks f
 counts the teacher copies on the rank). It reserves no CPU: the teachers score while the trainer ranks wait for
 the batch. `score` cuts the batch into one contiguous row shard per replica, scores them in parallel and
 reassembles them in order (`rl_core.algorithms.opd.score_in_shards`). Enter it inside the `Cluster` context;
-it kills its actors on exit. Placement waits at most `cluster.placement_timeout_s`, then fails naming what Ray
+its `ActorGroup` (infra/actor.py) starts the replicas, has them import ahead and load the teacher (`setup`), and
+shuts them down and kills them on exit. Placement waits at most `cluster.placement_timeout_s`, then fails naming what Ray
 could not place.
 """
 
 from __future__ import annotations
 
-import contextlib
+import time
 from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import ray
 import torch
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from infra.actor import ActorGroup, PlacementError, describe_resources
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import TEACHER_GPU_SHARE, teacher_replicas
 
 
 class TeacherWorker:
-    """One frozen teacher replica. Created as a Ray actor by `TeacherRole`."""
+    """One frozen teacher replica (an `infra.actor.Actor`). Created as a Ray actor by `TeacherRole`."""
 
     def __init__(self, cfg_data: dict, threads: int, gpus: float):
         from infra.engines import actor_device, enable_tf32
         from rl_core.config import config_from_dict
-        from rl_core.models import load_policy
 
         torch.set_num_threads(max(int(threads), 1))
         self.cfg = config_from_dict(cfg_data)
@@ -44,11 +44,23 @@ class TeacherWorker:
             raise ValueError("model.teacher is not set: the OPD teacher role needs a teacher model")
         self.device = actor_device(gpus)
         enable_tf32(self.device)
+        self.model: Any = None
+
+    def preload(self) -> float:
+        """Import what `setup` uses (transformers' model classes take seconds). Returns the seconds taken."""
+        t = time.perf_counter()
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        from rl_core.models import load_policy  # noqa: F401
+        return time.perf_counter() - t
+
+    def setup(self) -> str:
+        """Load `model.teacher` in the compute dtype, frozen; returns its name."""
+        from rl_core.models import load_policy
+
         model, _ = load_policy(self.cfg.model.model_copy(update={"name_or_path": self.cfg.model.teacher}),
                                device=self.device, dtype=self.cfg.model.compute_dtype)  # frozen: compute dtype
         self.model = model.eval().requires_grad_(False)
-
-    def ready(self) -> str:
         return str(self.cfg.model.teacher)
 
     def info(self) -> dict[str, Any]:
@@ -64,6 +76,9 @@ class TeacherWorker:
                                micro_batch_size=self.cfg.rl.micro_batch_per_replica)
         return out.cpu()
 
+    def shutdown(self) -> None:
+        self.model = None
+
 
 class TeacherRole(AbstractContextManager):
     """Places the `TeacherWorker` replicas in the trainer ranks' placement group `trainer_group`
@@ -72,10 +87,13 @@ class TeacherRole(AbstractContextManager):
     def __init__(self, cfg: PosttrainConfig, trainer_group: Any):
         self.cfg = cfg
         self.trainer_group = trainer_group
-        self.actors: list[Any] = []
+        self.group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
 
     def __enter__(self) -> Self:
-        from infra.cluster import PlacementError, describe_resources
         from infra.policy_worker import worker_config
 
         c = self.cfg.cluster
@@ -87,15 +105,12 @@ class TeacherRole(AbstractContextManager):
                              "inside a Cluster and pass its trainer_group")
         gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
         cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
-        actor = ray.remote(TeacherWorker)
+        self.group = ActorGroup("teachers", TeacherWorker, replicas, lambda i: (cfg_data, threads, gpus), gpus=gpus,
+                                host=self.trainer_group, bundle_of=lambda i: i % c.num_workers)
         try:
-            for i in range(replicas):
-                bundle = PlacementGroupSchedulingStrategy(self.trainer_group,
-                                                          placement_group_bundle_index=i % c.num_workers)
-                self.actors.append(actor.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=bundle)
-                                   .remote(cfg_data, threads, gpus))
+            self.group.start().preload()
             try:
-                ray.get([a.ready.remote() for a in self.actors], timeout=c.placement_timeout_s)
+                self.group.wait(self.group.setup(), timeout=c.placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise PlacementError(
                     f"Ray could not place the {replicas} OPD teacher replica(s) (cluster.teacher_replicas; 0 CPU, "
@@ -116,10 +131,9 @@ class TeacherRole(AbstractContextManager):
 
     def node_map(self) -> list[dict[str, Any]]:
         """Where each replica runs: node id, ip, pid and device."""
-        return ray.get([a.info.remote() for a in self.actors])
+        return self.group.info()
 
     def __exit__(self, *exc: object) -> None:
-        for actor in self.actors:
-            with contextlib.suppress(Exception):  # already dead, or Ray already stopped
-                ray.kill(actor, no_restart=True)
-        self.actors = []
+        if self.group is not None:
+            self.group.close()
+        self.group = None

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import FAST, recipe
+from tests.faults import fail_first, faulty_reward_task
 from tests.run_helpers import read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
@@ -18,20 +19,20 @@ PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
 @pytest.fixture(scope="module")
 def faulty_run(workdir):
     """One short run with an injected failure in rollout and in reward (each fails once, then retries)."""
+    import flows.on_policy
     from flows.grpo import grpo
-    from rl_core import faults
+    from infra.engines import EnginePool
 
     cwd = os.getcwd()
     os.chdir(workdir)
-    os.environ[faults.ENV] = "rollout=1,reward=1"
-    faults.reset()
     try:
-        state = grpo(recipe("arithmetic"), [*FAST, "job.name=faulty", "rl.max_steps=3", "rl.save_every=2",
-                                            "job.retry_delay_s=0", "rl.validation.before_training=false"],
-                     return_state=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EnginePool, "generate", fail_first(EnginePool.generate, 1, "rollout"))
+            patch.setattr(flows.on_policy, "reward_task", faulty_reward_task(fail=1))
+            state = grpo(recipe("arithmetic"), [*FAST, "job.name=faulty", "rl.max_steps=3", "rl.save_every=2",
+                                                "job.retry_delay_s=0", "rl.validation.before_training=false"],
+                         return_state=True)
     finally:
-        os.environ.pop(faults.ENV)
-        faults.reset()
         os.chdir(cwd)
     return state, workdir / "runs" / "faulty"
 
@@ -166,18 +167,13 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
 
 
 @pytest.mark.e2e
-def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir):
+def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir, monkeypatch):
+    import flows.on_policy
     from flows.grpo import grpo
-    from rl_core import faults
 
-    os.environ[faults.ENV] = "reward_nan=1"
-    faults.reset()
-    try:
-        state = grpo(recipe("arithmetic"), [*FAST, "job.name=gate", "rl.max_steps=2", "job.task_retries=0"],
-                     return_state=True)
-    finally:
-        os.environ.pop(faults.ENV)
-        faults.reset()
+    monkeypatch.setattr(flows.on_policy, "reward_task", faulty_reward_task(nan=1))
+    state = grpo(recipe("arithmetic"), [*FAST, "job.name=gate", "rl.max_steps=2", "job.task_retries=0"],
+                 return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception) as info:
         state.result()

@@ -250,7 +250,9 @@ def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_i
 
 TEARDOWN_SCRIPT = """
 import ray
+from infra.actor import ActorGroup
 from infra.cluster import Cluster
+from infra.placement import Placement
 from rl_core.config import load_config
 
 class Actor:
@@ -258,11 +260,15 @@ class Actor:
         pass
 
 ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False, log_to_driver=False)
-cluster = Cluster(load_config(RECIPE, []))
+cfg = load_config(RECIPE, [])
+cluster = Cluster(cfg, placement=Placement(cfg))
 dead, alive = ray.remote(Actor).remote(), ray.remote(Actor).remote()
 ray.get([dead.shutdown.remote(), alive.shutdown.remote()])
 ray.kill(dead, no_restart=True)
-cluster.workers, cluster.engine_actors, cluster.started_ray = [dead], [alive], True
+for role, actor in (("trainers", dead), ("engines", alive)):
+    group = cluster.placement.groups[role] = ActorGroup(role, Actor, 1, lambda i: ())
+    group.actors, group.placed = [actor], True
+cluster.placement.started_ray = True
 ray.shutdown()  # Ray is gone before the teardown
 try:
     ray.kill(alive, no_restart=True)

@@ -197,21 +197,13 @@ def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
 
 @pytest.mark.e2e
 def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(separate_cluster):
-    """Engine 1 receives the right bytes but loads one tensor wrong (the `weight_load` fault): its own report of
+    """Engine 1 receives the right bytes but loads one tensor wrong (tests/faults.py): its own report of
     what it holds differs from rank 0's, and the sync stops naming the engine and the tensor; the next sync is
     clean."""
     from infra.cluster import WeightSyncError
+    from tests.faults import load_one_weight_wrong
 
-    def inject(worker):  # inside engine 1: its next load goes wrong
-        import os
-
-        from rl_core import faults
-
-        faults.reset()
-        os.environ[faults.ENV] = "weight_load=1"
-        return max(worker.engine.model.state_dict())
-
-    name = ray.get(separate_cluster.engine_actors[1].__ray_call__.remote(inject))
+    name = ray.get(separate_cluster.engine_actors[1].__ray_call__.remote(load_one_weight_wrong))  # its next load
     with pytest.raises(WeightSyncError, match=rf"engine 1 does not hold what trainer rank 0 sent: tensor {name}: sum "):
         separate_cluster.sync_weights(3)
     stats = separate_cluster.sync_weights(4)
@@ -261,10 +253,11 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
 @pytest.mark.e2e
 def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(in_workdir, warm_model):
     """`posttrain run` starts the trainer ranks and the separate engines while Prefect's API starts
-    (infra.cluster.start_workers_early): the flow's Cluster takes those very actors, already past their imports,
-    and they train and sync; a Cluster of another config kills them and places its own; none is left behind."""
-    from infra import cluster as cluster_module
-    from infra.cluster import Cluster, start_workers_early
+    (infra.placement.Placement.start_actors_early) and offers its placement: the flow's Cluster takes those very
+    actors, already past their imports, and they train and sync; a Cluster of another config kills them and places
+    its own; none is left behind."""
+    from infra.cluster import Cluster
+    from infra.placement import Placement
     from infra.processes import wait_until
     from rl_core.config import load_config
 
@@ -272,24 +265,27 @@ def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(i
             "rollout.num_engines=1"]
     cfg = load_config(recipe("arithmetic"), base)
     free_before = ray.available_resources().get("CPU")
-    assert start_workers_early(cfg) == 3
-    trainers, engines = cluster_module._early["trainers"][1], cluster_module._early["engines"][1]
+    early = Placement(cfg)
+    assert early.start_actors_early() == 3
+    trainers, engines = early.groups["trainers"].actors, early.groups["engines"].actors
     assert len(ray.get([a.preload.remote() for a in trainers + engines])) == 3  # alive, their imports done
-    with Cluster(cfg, max_model_len=32) as cluster:
+    with early.offered(), Cluster(cfg, max_model_len=32) as cluster:
+        assert cluster.placement is early
         assert [w._actor_id for w in cluster.workers] == [w._actor_id for w in trainers]
         assert [e._actor_id for e in cluster.engine_actors] == [e._actor_id for e in engines]
-        assert "trainers" not in cluster_module._early and "engines" not in cluster_module._early  # handed over once
+        assert Placement.take_offered(cfg) is None  # handed over once
         synced = cluster.sync_weights(1)  # set up, and joined to rank 0's weight-sync group: the checksums agree
         assert synced["perf/weight_sync_bytes"] > 0
-    assert cluster_module._early == {}
+    assert early.groups == {}
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
-    start_workers_early(cfg)
-    early = [*cluster_module._early["trainers"][1], *cluster_module._early["engines"][1]]
+    early = Placement(cfg)
+    early.start_actors_early()
+    started = [*early.groups["trainers"].actors, *early.groups["engines"].actors]
     other = load_config(recipe("arithmetic"), [*base, "rl.optimizer.lr=3e-4"])
-    with Cluster(other, max_model_len=32) as cluster:
-        assert not {a._actor_id for a in cluster.workers + cluster.engine_actors} & {a._actor_id for a in early}
-        for actor in early:  # killed: they hold the wrong config
+    with early.offered(), Cluster(other, max_model_len=32) as cluster:
+        assert not {a._actor_id for a in cluster.workers + cluster.engine_actors} & {a._actor_id for a in started}
+        for actor in started:  # killed: they hold the wrong config
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.info.remote(), timeout=30)
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()

@@ -23,7 +23,7 @@ def test_two_replicas_score_what_one_scores(workdir):
     model = workdir / "artifacts" / "tiny-model" / "init"
     cfg = load_config(recipe("opd_arithmetic"), [f"model.name_or_path={model}", f"model.teacher={model}",
                                                  "cluster.num_workers=2"])  # default: one replica per rank
-    pg = placement_group([{"CPU": 1.0}] * 2)  # the trainer ranks' bundles (infra.cluster.worker_bundles)
+    pg = placement_group([{"CPU": 1.0}] * 2)  # the trainer ranks' bundles (infra.placement.worker_bundles)
     ray.get(pg.ready(), timeout=60)
     batch = make_batch(tiny_model(0), tiny_model(1)).replace(teacher_logp=None)  # 8 rows, token ids < 20
     try:

@@ -85,22 +85,14 @@ def test_vllm_serves_the_pushed_weights(vllm_cluster, warm_model, workdir):
 
 
 def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(vllm_cluster):
-    """The engine loads one tensor wrong (the `weight_load` fault) although the bytes arrived intact: vLLM's own
+    """The engine loads one tensor wrong (tests/faults.py) although the bytes arrived intact: vLLM's own
     report of what it holds (its parameters' sums, mapped back to HF names, and its probe log-probs) differs from
     rank 0's, and the sync stops naming engine 0 and the tensor; the next sync is clean."""
     from infra.cluster import WeightSyncError
-
-    def inject(worker):  # inside the engine's actor: its next load goes wrong
-        import os
-
-        from rl_core import faults
-
-        faults.reset()
-        os.environ[faults.ENV] = "weight_load=1"
-        return True
+    from tests.faults import load_one_weight_wrong
 
     cluster, _ = vllm_cluster
-    ray.get(cluster.engine_actors[0].__ray_call__.remote(inject))
+    ray.get(cluster.engine_actors[0].__ray_call__.remote(load_one_weight_wrong))  # its next load goes wrong
     with pytest.raises(WeightSyncError) as info:
         cluster.sync_weights(2)
     message = str(info.value)

@@ -1,5 +1,5 @@
 """What a weight sync is verified by (rl_core.rollout.verify), without Ray: the comparison of an engine's report
-with the trainer's, the HF engine's own report, the fault hook, and the trainer's bound on the sampler gap."""
+with the trainer's, the HF engine's own report, a weight loaded wrong, and the trainer's bound on the sampler gap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from rl_core import faults
 from rl_core.config.schema import ModelConfig
 from rl_core.models import build_tiny_model, load_policy
 from rl_core.rollout.verify import (
@@ -21,6 +20,7 @@ from rl_core.rollout.verify import (
     tensor_sums,
 )
 from tests.conftest import recipe
+from tests.faults import one_weight_wrong
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_a_probe_gap_is_named_and_tensors_the_trainer_did_not_send_are_left_to_t
     assert len(nan) == 1 and "token 2" in nan[0]
 
 
-def test_the_hf_engine_reports_what_it_holds(tiny, monkeypatch):
+def test_the_hf_engine_reports_what_it_holds(tiny):
     """The HF engine's own report equals the trainer's of the same weights; a weight it loaded wrong is named, and
     its probe log-probs move with it."""
     from rl_core.rollout import HFEngine
@@ -88,14 +88,10 @@ def test_the_hf_engine_reports_what_it_holds(tiny, monkeypatch):
     assert compare_held(expected, held, "float32") == []
     assert probe_gap(expected, held) < 1e-6
 
-    monkeypatch.setenv(faults.ENV, "weight_load=1")
-    faults.reset()
     state = engine_model.state_dict()
-    loaded = faults.corrupt_one(state)
-    again = faults.corrupt_one(state)  # the budget is one call
-    faults.reset()
+    loaded = one_weight_wrong(state)
     name = max(state)
-    assert again is state and loaded is not state
+    assert loaded is not state
     assert torch.equal(state[name], trainer_model.state_dict()[name])  # the caller's tensor is untouched
     engine.update_weights(loaded, 1)
     problems = compare_held(expected, engine.held_weights(probe), "float32")

@@ -1,0 +1,147 @@
+"""The one protocol of the run's Ray actors, and `ActorGroup`: the driver's owner of one role's actors.
+
+Every role's actor answers the same four calls (`Actor`): a trainer rank (`infra.policy_worker.PolicyWorker`), a
+separate rollout engine (`infra.engines.RolloutWorker`), an OPD teacher replica (`infra.teacher.TeacherWorker`) and a
+reward worker (`infra.rewards.RewardWorker`). Their constructors keep the config and pick the device, so starting
+one does not wait on a model; the model (engine, functions) comes with `setup`.
+
+`ActorGroup` is the driver's side of one role: it requests the role's placement group (or puts the actors into
+another role's bundles: the teachers sit in the trainer ranks'), starts the actors (not waited for), waits for their
+placement, fans out `preload`, `setup` and `info`, and on `close` shuts the actors down, kills them and frees its
+placement group. `infra.placement.Placement` owns the groups of a run's trainer ranks and engines, and the Ray
+they run in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol, Self, runtime_checkable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+@runtime_checkable
+class Actor(Protocol):
+    """What every role's Ray actor answers."""
+
+    def preload(self) -> float:
+        """Import what `setup` needs; the seconds it took. Called right after the actor is started, so its imports
+        overlap whatever the driver does until it calls `setup`."""
+        ...
+
+    def setup(self, *args: Any) -> Any:
+        """Build what the actor serves (model, engine, functions) from the role's arguments."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """Where it runs: node id, ip, pid and device (`infra.engines.node_info`)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what outlives the process's own exit (process groups); the driver kills the actor next."""
+        ...
+
+
+class PlacementError(RuntimeError):
+    """Ray could not place a role within `cluster.placement_timeout_s`."""
+
+
+def bundle(cpus: float, gpus: float) -> dict[str, float]:
+    """One placement-group bundle: CPUs, and GPUs when any."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+
+
+def describe_resources(res: dict[str, float]) -> str:
+    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or k.startswith("accelerator")}
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(keep.items())) or "nothing"
+
+
+class ActorGroup:
+    """`count` actors of class `cls` (an `Actor`), actor i built from `args(i)`, each reserving `cpus` and `gpus`.
+
+    Placement: with `bundles`, a placement group of its own (`strategy`), actor i in bundle i; with `host`, another
+    group's placement group, actor i in its bundle `bundle_of(i)`; with neither, wherever Ray has room. `options`:
+    more Ray actor options (e.g. `max_restarts`).
+    """
+
+    def __init__(self, role: str, cls: type, count: int, args: Callable[[int], tuple], *, cpus: float = 0.0,
+                 gpus: float = 0.0, bundles: list[dict[str, float]] | None = None, strategy: str = "PACK",
+                 host: Any = None, bundle_of: Callable[[int], int] | None = None, options: dict | None = None):
+        self.role, self.cls, self.count, self.args = role, cls, count, args
+        self.cpus, self.gpus, self.options = cpus, gpus, dict(options or {})
+        self.bundles, self.strategy, self.host = bundles, strategy, host
+        self.bundle_of = bundle_of or (lambda i: i)
+        self.placement_group: Any = None  # its own, when it has bundles
+        self.actors: list[Any] = []
+        self.placed = False  # the actors hold their resources (their group is ready, or they answered a call)
+
+    # -- start
+    def start(self) -> Self:
+        """Request the placement group and start the actors in it; nothing is waited for (their processes start
+        now). All or nothing: on a failure, what was started is released before the error is raised."""
+        try:
+            if self.bundles is not None:
+                self.placement_group = placement_group(self.bundles, strategy=self.strategy)
+            group = self.placement_group if self.bundles is not None else self.host
+            remote = ray.remote(self.cls)
+            for i in range(self.count):
+                options = {"num_cpus": self.cpus, "num_gpus": self.gpus, **self.options}
+                if group is not None:
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=self.bundle_of(i))
+                self.actors.append(remote.options(**options).remote(*self.args(i)))
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        return self
+
+    def place(self, timeout: float, what: str, hint: str = "") -> None:
+        """Wait for the group's own placement group; PlacementError naming `what` and the request after `timeout`
+        seconds (`hint`: what the user may change)."""
+        try:
+            ray.get(self.placement_group.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not place {what} within cluster.placement_timeout_s={timeout:g}: {len(self.bundles)} "
+                f"bundle(s) of {self.bundles[0]} with strategy {self.strategy}; available now: "
+                f"{describe_resources(ray.available_resources())} of {describe_resources(ray.cluster_resources())}."
+                + (f" {hint}" if hint else "")) from None
+        self.placed = True
+
+    # -- the protocol, fanned out
+    def preload(self) -> list[Any]:
+        """Every actor's `preload`, in flight."""
+        return [a.preload.remote() for a in self.actors]
+
+    def setup(self, *args: Any) -> list[Any]:
+        """Every actor's `setup(*args)`, in flight."""
+        return [a.setup.remote(*args) for a in self.actors]
+
+    def wait(self, calls: list[Any], timeout: float | None = None) -> list[Any]:
+        """The answers of `calls` to this group's actors (GetTimeoutError after `timeout` s); actors that answer
+        are placed."""
+        answers = ray.get(calls, timeout=timeout)
+        self.placed = True
+        return answers
+
+    def info(self) -> list[dict[str, Any]]:
+        return ray.get([a.info.remote() for a in self.actors])
+
+    # -- end
+    def close(self, graceful: bool = True) -> None:
+        """Shut each actor down (`graceful` and placed: its `shutdown`, 10 s at most), kill it, and free the
+        placement group. Each step is skipped when it fails (the actor or Ray already gone), so the rest still
+        runs."""
+        for actor in self.actors:
+            if graceful and self.placed:
+                with contextlib.suppress(Exception):
+                    ray.get(actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self.placement_group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+        self.actors, self.placement_group, self.placed = [], None, False
