@@ -65,3 +65,15 @@ def grpo_batch(resp, prompt, seed: int = 0, policy_version: int = 0, vocab_size:
     adv = group_advantages(rewards, groups) if b > 1 else torch.tensor([5.0])
     return Trajectory(ids, att, loss, torch.zeros(b, t), rewards, groups, torch.arange(b) + 100, policy_version,
                       advantages=adv)
+
+
+def objective_problems(**objective) -> list[str]:
+    """The config errors of an `rl.objective` (its own rules, or preflight's), each naming its key."""
+    from rl_core.config import ConfigError, config_from_dict
+    from rl_core.config.preflight import preflight
+
+    try:
+        cfg = config_from_dict({"rl": {"objective": objective}})
+    except ConfigError as exc:
+        return exc.problems
+    return preflight(cfg).errors

@@ -24,7 +24,7 @@ from rl_core.algorithms.dpo import (
     sequence_logps,
     with_reference_logps,
 )
-from rl_core.config import ConfigError, OptimizerConfig, RLConfig, config_from_dict
+from rl_core.config import OptimizerConfig, RLConfig, config_from_dict
 from rl_core.config.preflight import preflight
 from rl_core.data.pair_building import make_arithmetic_pairs, off_by_one_digit
 from rl_core.data.preferences import (
@@ -39,6 +39,7 @@ from rl_core.models import build_tiny_tokenizer
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
 from rl_core.trainer import LLMTrainer
+from tests.builders import objective_problems
 from tests.builders import tiny_model as build_tiny_model
 from tests.ranks import run_ranks
 
@@ -353,24 +354,16 @@ def dpo_cfg(**rl):
     return config_from_dict({"rl": {"objective": {"type": "dpo", "beta": rl.pop("beta", 0.1)}, **rl}})
 
 
-def problems(**objective) -> list[str]:
-    """The config errors of an `rl.objective`, each naming its key."""
-    try:
-        cfg = config_from_dict({"rl": {"objective": objective}})
-    except ConfigError as exc:
-        return exc.problems
-    return preflight(cfg).errors
-
 
 def test_preflight_dpo_rules():
     assert preflight(dpo_cfg()).ok
     assert preflight(dpo_cfg(beta=0.5, reference="some/model", temperature=0.8, micro_batch_per_replica=4)).ok
-    found = [e for e in problems(type="grpo", beta=0.5) if e.startswith("rl.objective.beta=")]
+    found = [e for e in objective_problems(type="grpo", beta=0.5) if e.startswith("rl.objective.beta=")]
     assert found and "rl.objective.type=dpo" in found[0]
     for knob, value in (("epsilon_high", 0.28), ("kl_beta", 0.1), ("loss_type", "seq-mean-token-mean"),
                         ("surrogate", "legacy_pg"), ("unbiased_advantage", True), ("kl_estimator", "k1"),
                         ("kl_coef", 2.0), ("distillation_mode", "direct")):
-        report = problems(type="dpo", **{knob: value})
+        report = objective_problems(type="dpo", **{knob: value})
         assert any(e.startswith(f"rl.objective.{knob}=") and "dpo" in e for e in report), knob
     odd = preflight(dpo_cfg(micro_batch_per_replica=3))
     assert any(e.startswith("rl.micro_batch_per_replica=3") and "pairs" in e for e in odd.errors)

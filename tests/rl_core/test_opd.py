@@ -21,14 +21,14 @@ from rl_core.algorithms.opd import (
     reverse_kl_surrogate,
     teacher_logprobs,
 )
-from rl_core.config import ConfigError, OptimizerConfig, PosttrainConfig, RLConfig, config_from_dict
+from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, config_from_dict
 from rl_core.config.preflight import preflight
 from rl_core.gate import BatchValidationError, validate_teacher_logp
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
 from rl_core.trainer import LLMTrainer
 from rl_core.trajectory import Trajectory
-from tests.builders import rollout_layout, tiny_model
+from tests.builders import objective_problems, rollout_layout, tiny_model
 from tests.ranks import run_ranks
 
 MAX_LEN = 24
@@ -398,19 +398,11 @@ def opd_cfg(**objective):
     return config_from_dict({"rl": {"objective": {"type": "opd", **objective}}})
 
 
-def problems(**objective) -> list[str]:
-    """The config errors of an `rl.objective` (its own rules, or preflight's), each naming its key."""
-    try:
-        cfg = config_from_dict({"rl": {"objective": objective}})
-    except ConfigError as exc:
-        return exc.problems
-    return preflight(cfg).errors
-
 
 def test_preflight_opd_knobs_only_under_opd():
     assert preflight(PosttrainConfig()).ok
     for knob, value in (("kl_coef", 2.0), ("discount", 0.5), ("task_reward_weight", 0.1)):
-        found = [e for e in problems(type="grpo", **{knob: value}) if e.startswith(f"rl.objective.{knob}=")]
+        found = [e for e in objective_problems(type="grpo", **{knob: value}) if e.startswith(f"rl.objective.{knob}=")]
         assert found and "rl.objective.type=opd" in found[0], knob
         assert preflight(opd_cfg(**{knob: value})).ok, knob
     cfg = PosttrainConfig()
@@ -419,21 +411,21 @@ def test_preflight_opd_knobs_only_under_opd():
     cfg = opd_cfg()
     cfg.model.teacher = "artifacts/teacher"
     assert preflight(cfg).ok
-    assert any(e.startswith("rl.objective.beta=") for e in problems(type="opd", beta=0.5))
+    assert any(e.startswith("rl.objective.beta=") for e in objective_problems(type="opd", beta=0.5))
 
 
 def test_preflight_direct_mode_rejects_advantage_only_knobs_and_warns():
     for knob, value in (("kl_coef", 2.0), ("task_reward_weight", 0.1)):
-        found = problems(type="opd", distillation_mode="direct", **{knob: value})
+        found = objective_problems(type="opd", distillation_mode="direct", **{knob: value})
         assert any(e.startswith(f"rl.objective.{knob}=") and "direct" in e for e in found), knob
     ok = preflight(opd_cfg(distillation_mode="direct", discount=1.0))
     assert ok.ok and any("not training signals" in w for w in ok.warnings)
 
 
 def test_preflight_opd_refuses_what_it_never_reads():
-    assert any(e.startswith("rl.objective.kl_beta=") for e in problems(type="opd", kl_beta=0.1))
-    assert any(e.startswith("rl.objective.surrogate=") for e in problems(type="opd", surrogate="legacy_pg"))
-    assert any(e.startswith("rl.objective.shared_prefix_min_tokens=") for e in problems(type="opd", shared_prefix_min_tokens=4))
-    found = problems(type="opd", unbiased_advantage=True)
+    assert any(e.startswith("rl.objective.kl_beta=") for e in objective_problems(type="opd", kl_beta=0.1))
+    assert any(e.startswith("rl.objective.surrogate=") for e in objective_problems(type="opd", surrogate="legacy_pg"))
+    assert any(e.startswith("rl.objective.shared_prefix_min_tokens=") for e in objective_problems(type="opd", shared_prefix_min_tokens=4))
+    found = objective_problems(type="opd", unbiased_advantage=True)
     assert any(e.startswith("rl.objective.unbiased_advantage=") and "task_reward_weight" in e for e in found)
     assert preflight(opd_cfg(unbiased_advantage=True, task_reward_weight=0.5)).ok
