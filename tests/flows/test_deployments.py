@@ -638,6 +638,7 @@ def test_down_stops_exactly_the_service_processes(services):
         bystander.wait()
 
 
+@pytest.mark.e2e  # the pull step starts a Prefect API server
 @pytest.mark.parametrize("env_value", [None, "", "checkout"], ids=["unset", "empty", "set"])
 def test_the_pull_step_enters_the_checkout_with_or_without_posttrain_project_dir(env_value, tmp_path, monkeypatch):
     """prefect.yaml's pull steps, run by Prefect's own step runner in another directory: with
@@ -711,6 +712,7 @@ def test_the_regression_flows_own_parameters_are_checked():
     assert len(regression_problems(bad, project=REPO, allow_unsafe=True)) == 2  # paths under regression/ only
 
 
+@pytest.mark.e2e  # a Prefect API server
 def test_the_work_pool_template_fixes_the_command_and_environment(monkeypatch):
     """A flow run's job variables `command`, `env` (or `env.X`) and `working_dir`: with Prefect's default process
     template they reach the flow-run process; with posttrain's they do not, and the API refuses them."""

@@ -109,6 +109,7 @@ def test_prune_rollout_cache_keeps_later_steps_and_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", *names[3:]]
 
 
+@pytest.mark.e2e
 def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_executed(in_workdir, tmp_path):
     import pickle
 

@@ -125,6 +125,7 @@ def test_exact_resume(opd_dir, monkeypatch):
     assert_same_math(resumed, straight)
 
 
+@pytest.mark.e2e
 def test_cli_refuses_opd_without_a_teacher(opd_dir, monkeypatch, capsys):
     from cli.main import main
 

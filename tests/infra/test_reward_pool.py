@@ -24,6 +24,7 @@ def _batch(n: int):
     return reward_inputs(examples, texts)
 
 
+@pytest.mark.e2e  # the reward workers are Ray actors
 def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functions():
     from infra.rewards import RewardPool
 

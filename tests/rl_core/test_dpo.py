@@ -211,6 +211,7 @@ def test_reference_is_scored_once_and_reused():
     assert torch.equal(batch.ref_logp * (1 - raw.loss_mask), torch.zeros_like(raw.loss_mask))
 
 
+@pytest.mark.slow
 def test_dpo_training_moves_metrics_the_right_way_and_val_metrics():
     model = tiny_model(0)
     train = pair_batch(copy.deepcopy(model))

@@ -324,6 +324,7 @@ def first_token_kl(student, teacher, prompts):
     return float((ls.exp() * (ls - lt)).sum(-1).mean())
 
 
+@pytest.mark.slow
 def test_on_policy_distillation_lowers_the_exact_kl_to_the_teacher():
     """Sample -> teacher scores -> direct-mode step, 12 times: the exact first-token KL(π ‖ π_T) falls.
     (Advantage mode takes the identical steps on-policy, see test_direct_and_advantage_modes_agree_on_policy.)"""

@@ -213,6 +213,7 @@ def trainer_for(model, rl, hook=None):
     return LLMTrainer(copy.deepcopy(model), build_objective(rl, ObjectiveContext(64)), NO_CLIP, dp_reducer=hook)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-fixed"])
 def test_train_step_on_real_tokens_equals_the_padded_step(loss_type):
     """Same loss and gradient as the padded forward: whole batch, 3-row chunks, token budgets, 2 ranks."""

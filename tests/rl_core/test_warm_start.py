@@ -66,6 +66,7 @@ def test_supervised_batch_scores_answer_and_eos_only():
     assert labels[0].tolist() == [-100] * 5 + tok.convert_tokens_to_ids(["3", "<eos>"]) + [-100] * 3
 
 
+@pytest.mark.slow
 def test_short_warm_start_is_deterministic_and_saves_a_loadable_model(setup):
     root, init, data = setup
     kw = {"steps": 15, "lr": 1e-3, "batch_size": 16, "seed": 0, "max_val_examples": 20}
