@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # 'package.module:name', as every import-path key is written
 
 class ImportPathError(ValueError):
     """A `module:function` path that does not import, or a function with the wrong signature."""

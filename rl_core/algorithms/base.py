@@ -30,7 +30,6 @@ class ObjectiveConfig(BaseModel):
     # frozen teacher scoring every batch; offline: fixed pairs, no rollout
     GROUP_RELATIVE: ClassVar[bool] = True  # its batches carry group-relative advantages (the gate checks groups)
     ROWS_PER_PROMPT: ClassVar[int | None] = None  # training rows per prompt; None: rollout.n completions
-    SUMMARY: ClassVar[str] = ""
 
     @property
     def topology(self) -> Topology:

@@ -15,9 +15,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rl_core.algorithms.base import GroupAdvantageKnobs, Report, Topology
-from rl_core.user_code import ImportPathError, load_callable
+from rl_core.user_code import IMPORT_PATH, ImportPathError, load_callable
 
-IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 OBJECTIVE_PARAMS = ("rl", "context")
 
 

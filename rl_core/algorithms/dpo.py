@@ -190,7 +190,6 @@ class DPO(ObjectiveConfig):
     TOPOLOGY: ClassVar = "offline"
     GROUP_RELATIVE: ClassVar[bool] = False
     ROWS_PER_PROMPT: ClassVar[int] = 2  # a chosen and a rejected row per pair
-    SUMMARY: ClassVar[str] = "DPO on fixed (chosen, rejected) pairs against a frozen reference"
     type: Literal["dpo"] = "dpo"
     beta: float = Field(0.1, gt=0, description="Beta of the implicit reward beta * (logp - ref_logp) of a response.")
 

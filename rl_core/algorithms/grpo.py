@@ -9,7 +9,7 @@ class (a different value is refused naming the key), the rest are GRPO's knobs.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -142,7 +142,6 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
 class GRPO(_PolicyGradient, ClipKnobs):
     """Clipped GRPO: token importance ratios against π_old, group-normalised advantages."""
 
-    SUMMARY: ClassVar[str] = "clipped GRPO: token ratios, group-normalised advantages"
     type: Literal["grpo"] = "grpo"
     importance_sampling_level: Literal["token"] = Field("token", description="GRPO's ratios are per token (sequence ratios are rl.objective.type=gspo).")
 
@@ -161,7 +160,6 @@ class GRPO(_PolicyGradient, ClipKnobs):
 class DrGRPO(GRPO):
     """Dr-GRPO: GRPO with mean-centred advantages and the fixed divisor `rollout.max_tokens`."""
 
-    SUMMARY: ClassVar[str] = "Dr-GRPO: clipped GRPO with mean-centred advantages and the fixed divisor rollout.max_tokens"
     type: Literal["dr_grpo"] = "dr_grpo"
     unbiased_advantage: Literal[True] = Field(True, description="Dr-GRPO's advantages are r - mean (fixed by the type).")
     loss_type: Literal["seq-mean-token-sum-fixed"] = Field("seq-mean-token-sum-fixed", description="Dr-GRPO's reduction: the token sum over the fixed divisor rollout.max_tokens (fixed by the type).")
@@ -170,7 +168,6 @@ class DrGRPO(GRPO):
 class GSPO(GRPO):
     """GSPO: clipped GRPO with sequence-level ratios, with the paper's clip range and reduction as defaults."""
 
-    SUMMARY: ClassVar[str] = "GSPO: clipped GRPO with sequence-level ratios"
     type: Literal["gspo"] = "gspo"
     importance_sampling_level: Literal["sequence"] = Field("sequence", description="GSPO's ratio is per sequence (fixed by the type).")
     epsilon_low: float = Field(3e-4, gt=0, lt=1, description="Lower clip range of the sequence ratio (GSPO paper: 3e-4).")
@@ -195,7 +192,6 @@ class GSPO(GRPO):
 class LegacyPG(_PolicyGradient):
     """The legacy policy gradient −A·ℓ: on-policy, one update per rollout, no ratio, no clip, no π_old."""
 
-    SUMMARY: ClassVar[str] = "legacy policy gradient: −A·ℓ on-policy, no ratio (the CPU quickstart)"
     type: Literal["legacy_pg"] = "legacy_pg"
     surrogate: Literal["legacy_pg"] = Field("legacy_pg", description="The ratio-free surrogate (fixed by the type).")
 

@@ -74,8 +74,6 @@ from rl_core.primitives.objective import (
 )
 from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss
 
-DISTILLATION_MODES = ("advantage", "direct")
-
 # algorithm-local name -> public suffix (published as train/<suffix>)
 OPD_METRIC_NAMES: dict[str, str] = metric_names("opd", "reverse_kl")
 
@@ -311,7 +309,6 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
     """
 
     TOPOLOGY: ClassVar = "teacher"
-    SUMMARY: ClassVar[str] = "on-policy distillation: the clipped surrogate against a frozen teacher's log-probs"
     type: Literal["opd"] = "opd"
     importance_sampling_level: Literal["token"] = Field("token", description="OPD's advantages are per token, so its ratios are too (fixed by the type).")
     distillation_mode: Literal["advantage", "direct"] = Field("advantage", description="Teacher signal as per-token advantage, or direct reverse-KL minimisation.")

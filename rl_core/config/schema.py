@@ -16,6 +16,7 @@ from rl_core.algorithms.grpo import GRPO
 from rl_core.config.legacy import translate, translate_rl
 from rl_core.redact import has_userinfo
 from rl_core.registry import ObjectiveSpec
+from rl_core.user_code import IMPORT_PATH
 
 
 class _Section(BaseModel):
@@ -104,9 +105,6 @@ class RLConfig(_Section):
     def _flat_shape(cls, data):
         """A section of the flat shape (objective knobs directly under rl) loads through the one translation."""
         return translate_rl(data) if isinstance(data, dict) else data
-
-
-IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 
 class RewardEntry(_Section):

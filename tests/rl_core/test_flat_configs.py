@@ -1,7 +1,7 @@
 """Configs written before objectives owned `rl.objective` (`job.algorithm` plus flat `rl.*` knobs).
 
-The fixtures under tests/fixtures/flat_configs/ are `config_resolved.yaml` files and objective identities written
-by the release before the change (commit 2fd5671), for one recipe per objective: each loads through the one
+The fixtures under tests/fixtures/flat_configs/ are `config_resolved.yaml` files and objective identities in the
+flat shape, written by posttrain 2fd5671 for one recipe per objective: each loads through the one
 translation (rl_core/config/legacy.py) to the config the current recipe builds, with the identical objective identity
 (so a checkpoint's objective hash still matches) and no math change for resume. A recipe or an override that names
 an old key is refused, naming the new one.
