@@ -189,7 +189,8 @@ class TrainingRun:
         run_id = run_identity(cfg)  # its own S3 prefix: another run's steps are never listed, loaded or pruned
         # uploads in the background: training goes on while S3 is slow or briefly down (`finish` waits for them)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
-                                remote_uri=checkpoint_prefix(cfg, run_id), background_upload=True)
+                                remote_uri=checkpoint_prefix(cfg, run_id), s3_config=cfg.tracking.s3,
+                                background_upload=True)
         plan = plan_resume(cfg, store)
         record_run(cfg, store, run_id)
         config_path = write_resolved(cfg, run_dir)

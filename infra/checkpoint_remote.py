@@ -1,16 +1,15 @@
 """The S3 mirror of a `CheckpointStore` (a mixin of it; the store's `__init__` sets the state it reads):
 each completed checkpoint uploaded to `prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files) and
-verified, in the foreground or from a background thread; remote steps listed, downloaded, pruned and deleted; and
-every S3 call retried on transient errors within the store's retry budget (see `infra.storage`)."""
+verified against the SHA256 checksums S3 stores, in the foreground or from a background thread; remote steps
+listed, downloaded (every byte checked against S3's checksum and the manifest), pruned and deleted. Each request is
+retried by botocore itself (`infra.s3.s3_client`, `tracking.s3`)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,13 +27,13 @@ from infra.checkpoint_format import (
     verify_checkpoint,
 )
 from infra.s3 import (
-    JITTER,
-    RETRY_BUDGET_ENV,
+    CHECKSUM,
     S3Failure,
+    checksum_matches,
     chunks,
-    client_error,
-    is_transient_s3_error,
-    s3_error_fix,
+    expected_sha256,
+    s3_client,
+    s3_failure,
 )
 from rl_core.atomic import fsync_dir, fsync_file
 from rl_core.redact import redact_message
@@ -43,7 +42,7 @@ log = logging.getLogger("posttrain.storage")
 
 
 class CheckpointUnavailable(CheckpointError):
-    """The remote store could not be reached (transient errors past the retry budget); nothing is damaged."""
+    """The remote store could not be reached (botocore's retries spent); nothing is damaged."""
 
 
 class CheckpointUploadError(CheckpointError):
@@ -102,7 +101,7 @@ class RemoteCheckpoints:
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the background upload (if any) to finish; raise CheckpointUploadError when it failed.
 
-        `timeout` (seconds; None: as long as it takes, which the retry budget bounds) raises
+        `timeout` (seconds; None: as long as it takes, which `tracking.s3` bounds) raises
         CheckpointUploadError when the upload is still running by then.
         """
         again = None
@@ -124,58 +123,36 @@ class RemoteCheckpoints:
     @property
     def s3(self):
         if self._s3 is None:
-            import boto3  # credentials: environment / AWS profiles only (boto3's default chain)
-            self._s3 = boto3.client("s3", endpoint_url=self.endpoint_url or None)
+            self._s3 = s3_client(self.s3_config, self.endpoint_url)
         return self._s3
+
+    @property
+    def transfer(self):
+        """How `upload_file` / `download_file` split a file: multipart from `multipart_threshold` bytes on, in parts
+        of `multipart_chunksize`; always s3transfer's own client, whose part layout `expected_sha256` follows."""
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=self.multipart_threshold, multipart_chunksize=self.multipart_chunksize,
+                              max_concurrency=self.max_concurrency, preferred_transfer_client="classic")
 
     def _key(self, step: int, name: str = "") -> str:
         return "/".join(x for x in (self.prefix, step_dir_name(step), name) if x)
 
-    def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
-        """`fn()`, retried on transient S3 errors until `retry_budget_s` is spent (or `upload_attempts`
-        tries); any other S3 error raises S3Failure at once with what to fix. Each failure is logged
-        as "<what> failed (attempt n ...)"."""
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """`fn()`, one S3 call (botocore retries its requests); a failure raises S3Failure naming `what`."""
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
-        caught = (ClientError, BotoCoreError, Boto3Error, ConnectionError, TimeoutError)
-        what = redact_message(what)
-        start = time.monotonic()
-        deadline = start + self.retry_budget_s
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except caught as exc:
-                reason = redact_message(f"{type(exc).__name__}: {exc}")
-                if not is_transient_s3_error(exc):
-                    log.warning("%s failed (attempt %d): %s; not retried: not a transient error", what, attempt,
-                                reason)
-                    error = client_error(exc)
-                    code = str(error.response.get("Error", {}).get("Code", "")) if error is not None else ""
-                    raise S3Failure(what, attempt, reason,
-                                     f"not retried: this error is not transient; {s3_error_fix(exc)}",
-                                     missing=code in ("NoSuchKey", "404")) from None
-                now = time.monotonic()
-                capped = self.upload_attempts is not None and attempt >= self.upload_attempts
-                if now >= deadline or capped:
-                    log.warning("%s failed (attempt %d, %.1f s): %s; giving up", what, attempt, now - start, reason)
-                    limit = (f"upload_attempts={self.upload_attempts} reached" if capped else
-                             f"transient errors are retried for {self.retry_budget_s:g} s ({RETRY_BUDGET_ENV})")
-                    raise S3Failure(what, attempt, reason,
-                                     f"{limit}; gave up after {now - start:.1f} s: check that the endpoint "
-                                     f"(AWS_ENDPOINT_URL) is up and reachable") from None
-                cap = min(self.retry_max_delay_s, self.retry_base_delay_s * 2 ** min(attempt - 1, 60))
-                delay = min(JITTER.uniform(cap / 2, cap), deadline - now)
-                log.warning("%s failed (attempt %d, %.1f s of %g s): %s; transient, retrying in %.2f s", what,
-                            attempt, now - start, self.retry_budget_s, reason, delay)
-                time.sleep(delay)
+        try:
+            return fn()
+        except (ClientError, BotoCoreError, Boto3Error, ConnectionError, TimeoutError) as exc:
+            raise s3_failure(what, exc, self.s3_config.max_attempts) from None
 
     def upload(self, path: str | Path, *, verify_local: bool = True) -> None:
-        """Upload a complete local checkpoint (manifest last) and verify every object's size and sha256.
+        """Upload a complete local checkpoint (manifest last) and verify every object's size and S3's SHA256
+        checksum of it against the local file.
 
-        Raises CheckpointUploadError after the retries are spent; the local directory is untouched.
+        Raises CheckpointUploadError when S3 fails for good; the local directory is untouched.
         """
         path = Path(path)
         manifest = verify_checkpoint(path, check_hashes=verify_local)
@@ -186,35 +163,27 @@ class RemoteCheckpoints:
         files[MANIFEST] = {"size": (path / MANIFEST).stat().st_size, "sha256": sha256_file(path / MANIFEST)}
         data_files = sorted(n for n in files if n != MANIFEST)
 
-        def put(name: str) -> None:
-            self._put_file(path / name, self._key(step, name), files[name]["sha256"])
-
         def put_and_verify() -> None:
             # a rewritten step: drop the old manifest first so the remote copy is never "complete"
             # with a mix of old and new files
-            self._retry(f"delete old s3://{self.bucket}/{self._key(step, MANIFEST)}",
-                        lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, MANIFEST)))
+            self._call(f"delete old s3://{self.bucket}/{self._key(step, MANIFEST)}",
+                       lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, MANIFEST)))
             for name in data_files:
-                put(name)
+                self._put_file(path / name, self._key(step, name))
             for name in data_files:  # every object verified before the manifest makes the step look complete
-                self._verify_remote_object(step, name, files[name])
-            put(MANIFEST)
-            self._verify_remote_object(step, MANIFEST, files[MANIFEST])
-            remote_manifest = self._retry(
-                f"read back s3://{self.bucket}/{self._key(step, MANIFEST)}",
-                lambda: self.s3.get_object(Bucket=self.bucket, Key=self._key(step, MANIFEST))["Body"].read())
-            if hashlib.sha256(remote_manifest).hexdigest() != files[MANIFEST]["sha256"]:
-                raise S3Failure(f"verify s3://{self.bucket}/{self._key(step, MANIFEST)}", 1,
-                                "the manifest read back differs from the local one", missing=True)
+                self._verify_key(self._key(step, name), files[name], path / name)
+            self._put_file(path / MANIFEST, self._key(step, MANIFEST))
+            self._verify_key(self._key(step, MANIFEST), files[MANIFEST], path / MANIFEST)
 
         try:
             try:
                 put_and_verify()
             except S3Failure as exc:
-                if not exc.missing:
+                if not exc.damaged:
                     raise
-                # an object uploaded earlier is gone or altered (the endpoint lost it while it was down):
-                # the local checkpoint is the truth, so the whole step is uploaded once more
+                # an object uploaded earlier is gone or not the local bytes (the endpoint lost it while it was down,
+                # the transfer was corrupted): a whole-protocol repair botocore's per-request retries cannot make.
+                # The local checkpoint is the truth, so the whole step is uploaded once more
                 log.warning("%s; uploading step %d again", exc, step)
                 put_and_verify()
         except S3Failure as exc:
@@ -225,26 +194,26 @@ class RemoteCheckpoints:
                 f"or save again"), local_path=path) from None
         log.info("checkpoint step %d uploaded to %s and verified", step, self.remote_uri)
 
-    def _put_file(self, file: Path, key: str, sha256: str) -> None:
-        """Upload one file to `key` (multipart when large), its sha256 in the object's metadata; retried."""
-        from boto3.s3.transfer import TransferConfig
+    def _put_file(self, file: Path, key: str) -> None:
+        """Upload one file to `key` (multipart when large) with a SHA256 checksum, which S3 checks and stores."""
+        self._call(f"upload {file} to s3://{self.bucket}/{key}", lambda: self.s3.upload_file(
+            str(file), self.bucket, key, ExtraArgs={"ChecksumAlgorithm": CHECKSUM}, Config=self.transfer))
 
-        config = TransferConfig(multipart_threshold=self.multipart_threshold,
-                                multipart_chunksize=self.multipart_chunksize, max_concurrency=self.max_concurrency)
-        self._retry(f"upload {file} to s3://{self.bucket}/{key}", lambda: self.s3.upload_file(
-            str(file), self.bucket, key, ExtraArgs={"Metadata": {"sha256": sha256}}, Config=config))
-
-    def _verify_remote_object(self, step: int, name: str, entry: dict) -> None:
-        self._verify_key(self._key(step, name), entry)
-
-    def _verify_key(self, key: str, entry: dict) -> None:
-        head = self._retry(f"head s3://{self.bucket}/{key}",
-                           lambda: self.s3.head_object(Bucket=self.bucket, Key=key))
-        size, digest = head.get("ContentLength"), (head.get("Metadata") or {}).get("sha256")
-        if size != entry["size"] or digest != entry["sha256"]:
-            raise S3Failure(f"verify s3://{self.bucket}/{key}", 1,
-                            f"remote object has size {size} and sha256 {digest}, the local file "
-                            f"{entry['size']} and {entry['sha256']}", missing=True)
+    def _verify_key(self, key: str, entry: dict, file: Path) -> None:
+        """The object `key` has the size and the content of the local `file` (`entry`: its manifest size and sha256):
+        S3's stored SHA256 checksum (ChecksumMode) is compared with the one the file's bytes give. Raises
+        S3Failure (damaged) when not."""
+        head = self._call(f"head s3://{self.bucket}/{key}",
+                          lambda: self.s3.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"))
+        size, stored = head.get("ContentLength"), head.get(f"Checksum{CHECKSUM}")
+        try:
+            expected, parts = expected_sha256(file, entry["size"], entry["sha256"], self.transfer)
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}: it changed after it was written; not uploaded as verified") from None
+        if size != entry["size"] or not checksum_matches(stored, expected, parts):
+            raise S3Failure(f"verify s3://{self.bucket}/{key}",
+                            f"the object has {size} bytes and SHA256 checksum {stored}, the local file {entry['size']} "
+                            f"bytes and {expected}{f'-{parts}' if parts else ''}", damaged=True)
 
     def _list_remote_keys(self) -> dict[int, list[str]]:
         keys: dict[int, list[str]] = {}
@@ -257,7 +226,7 @@ class RemoteCheckpoints:
             return out
 
         try:
-            all_keys = self._retry(f"list s3://{self.bucket}/{base}", list_all)
+            all_keys = self._call(f"list s3://{self.bucket}/{base}", list_all)
         except S3Failure as exc:
             raise CheckpointUnavailable(redact_message(f"listing {self.remote_uri} failed: {exc}; check AWS_ENDPOINT_URL, "
                                                  f"the bucket and the credentials in the environment")) from None
@@ -285,29 +254,30 @@ class RemoteCheckpoints:
         tmp.mkdir()
         try:
             try:
-                body = self._retry(f"get {remote}/{MANIFEST}", lambda: self.s3.get_object(
-                    Bucket=self.bucket, Key=self._key(step, MANIFEST))["Body"].read())
+                body = self._call(f"get {remote}/{MANIFEST}", lambda: self.s3.get_object(
+                    Bucket=self.bucket, Key=self._key(step, MANIFEST), ChecksumMode="ENABLED")["Body"].read())
                 manifest = json.loads(body)
             except ValueError as exc:
                 raise CheckpointError(f"{remote}/{MANIFEST} is not valid JSON ({exc}); {remedy}") from exc
             check_manifest_structure(manifest, f"{remote}/{MANIFEST}", remedy)
             if manifest["step"] != step:
                 raise CheckpointError(f"{remote}/{MANIFEST} records step {manifest['step']}; {remedy}")
-            for name in manifest["files"]:
-                self._retry(f"download {remote}/{name}", lambda name=name: self.s3.download_file(
-                    self.bucket, self._key(step, name), str(tmp / name)))
+            for name in manifest["files"]:  # botocore checks a whole-object GET against S3's checksum
+                self._call(f"download {remote}/{name}", lambda name=name: self.s3.download_file(
+                    self.bucket, self._key(step, name), str(tmp / name), ExtraArgs={"ChecksumMode": "ENABLED"},
+                    Config=self.transfer))
                 fsync_file(tmp / name)
             manifest_file = tmp / MANIFEST
             manifest_file.write_bytes(body)
             fsync_file(manifest_file)
             fsync_dir(tmp)
-            verify_checkpoint(tmp)  # sizes and sha256 of what arrived
+            verify_checkpoint(tmp)  # sizes and sha256 of what arrived, against the manifest
             self._move_into_place(tmp, self.path_for(step))
         except S3Failure as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            # an object missing from a listed step is damage (skip the step); anything else (the endpoint
-            # down past the budget, credentials) says nothing about the checkpoint
-            error = CheckpointError if exc.missing else CheckpointUnavailable
+            # an object missing from a listed step or not matching S3's checksum is damage (skip the step); anything
+            # else (the endpoint down past botocore's retries, credentials) says nothing about the checkpoint
+            error = CheckpointError if exc.damaged else CheckpointUnavailable
             raise error(redact_message(f"downloading {remote} failed: {exc}")) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -326,7 +296,7 @@ class RemoteCheckpoints:
         doomed = [k for keys in self._list_remote_keys().values() for k in keys]
         doomed.sort(key=lambda k: not k.endswith("/" + MANIFEST))
         for batch in chunks(doomed, 1000):
-            self._retry(f"delete {len(batch)} objects under {self.remote_uri}", lambda batch=batch: self.s3.delete_objects(
+            self._call(f"delete {len(batch)} objects under {self.remote_uri}", lambda batch=batch: self.s3.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
         return len(doomed)
 
@@ -340,7 +310,7 @@ class RemoteCheckpoints:
         # manifests first: a half-deleted step must never look complete
         doomed.sort(key=lambda k: not k.endswith("/" + MANIFEST))
         for batch in chunks(doomed, 1000):
-            self._retry(f"delete {len(batch)} objects under {self.remote_uri}", lambda batch=batch: self.s3.delete_objects(
+            self._call(f"delete {len(batch)} objects under {self.remote_uri}", lambda batch=batch: self.s3.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
         if doomed:
             log.info("pruned remote checkpoints older than step %d (keep=%d)", oldest_kept, self.keep)

@@ -1,9 +1,11 @@
 """Directories and JSON objects of any kind under a `CheckpointStore`'s remote prefix, beside its checkpoints (the
-final model, `<prefix>/final_model/`; run records): carried the way checkpoints are, retried, every object verified,
-a listing written last and checked on download. A mixin of `CheckpointStore`, on its S3 mirror."""
+final model, `<prefix>/final_model/`; run records): carried the way checkpoints are, with SHA256 checksums S3 checks
+and stores, every object verified, a listing written last and checked on download. A mixin of `CheckpointStore`, on
+its S3 mirror."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,7 +17,7 @@ from typing import Any
 
 from infra.checkpoint_format import MANIFEST, TMP_PREFIX, CheckpointError, sha256_file
 from infra.checkpoint_remote import CheckpointUnavailable, CheckpointUploadError
-from infra.s3 import S3Failure, chunks
+from infra.s3 import CHECKSUM, S3Failure, chunks, sha256_b64
 from rl_core.redact import redact_message
 
 log = logging.getLogger("posttrain.storage")
@@ -26,7 +28,7 @@ class RemoteFiles:
 
     def upload_dir(self, path: str | Path, name: str) -> str:
         """Upload the directory `path` (any files, subdirectories included) to `<remote_uri>/<name>/`, as
-        checkpoints are uploaded: retried, every object's size and sha256 verified, and a listing of them
+        checkpoints are uploaded: every object's size and S3's SHA256 checksum verified, and a listing of them
         (`<name>/manifest.json`) written last, so a copy without it is incomplete. Objects of an earlier upload
         of `name` are deleted first (listing first). Returns the URI. Raises CheckpointUploadError.
         """
@@ -39,18 +41,17 @@ class RemoteFiles:
         uri = f"s3://{self.bucket}/{base}"
         listing = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
         try:
-            old = self._retry(f"list {uri}/", lambda: [
+            old = self._call(f"list {uri}/", lambda: [
                 obj["Key"] for page in self.s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=base + "/") for obj in page.get("Contents", [])])
             old.sort(key=lambda k: k != f"{base}/{MANIFEST}")  # the listing first: never complete with old files
             for batch in chunks(old, 1000):
-                self._retry(f"delete {len(batch)} objects under {uri}", lambda batch=batch: self.s3.delete_objects(
+                self._call(f"delete {len(batch)} objects under {uri}", lambda batch=batch: self.s3.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
             for rel, entry in files.items():
-                self._put_file(path / rel, f"{base}/{rel}", entry["sha256"])
-                self._verify_key(f"{base}/{rel}", entry)
-            self._retry(f"put {uri}/{MANIFEST}", lambda: self.s3.put_object(
-                Bucket=self.bucket, Key=f"{base}/{MANIFEST}", Body=listing))
+                self._put_file(path / rel, f"{base}/{rel}")
+                self._verify_key(f"{base}/{rel}", entry, path / rel)
+            self._put_bytes(f"{base}/{MANIFEST}", listing)
         except S3Failure as exc:
             raise CheckpointUploadError(redact_message(
                 f"uploading {path} to {uri} failed: {exc}. The local directory is intact; check the endpoint "
@@ -60,8 +61,9 @@ class RemoteFiles:
         return uri
 
     def download_dir(self, name: str, dest: str | Path) -> Path:
-        """Download what `upload_dir(..., name)` uploaded into `dest` (replaced), every file checked against the
-        listing (size and sha256) before `dest` is put in place. Raises CheckpointError."""
+        """Download what `upload_dir(..., name)` uploaded into `dest` (replaced), every file checked by botocore against
+        S3's checksum as it arrives and against the listing (size and sha256) before `dest` is put in place. Raises
+        CheckpointError."""
         dest = Path(dest)
         if self.bucket is None:
             raise CheckpointError("download_dir: this CheckpointStore has no remote_uri")
@@ -71,15 +73,16 @@ class RemoteFiles:
         tmp = dest.parent / f"{TMP_PREFIX}download-{dest.name}-{uuid.uuid4().hex[:8]}"
         try:
             try:
-                listing = json.loads(self._retry(f"get {uri}/{MANIFEST}", lambda: self.s3.get_object(
-                    Bucket=self.bucket, Key=f"{base}/{MANIFEST}")["Body"].read()))["files"]
+                listing = json.loads(self._call(f"get {uri}/{MANIFEST}", lambda: self.s3.get_object(
+                    Bucket=self.bucket, Key=f"{base}/{MANIFEST}", ChecksumMode="ENABLED")["Body"].read()))["files"]
                 for rel, entry in listing.items():
                     target = (tmp / rel).resolve()
                     if not target.is_relative_to(tmp.resolve()):
                         raise CheckpointError(f"{uri}/{MANIFEST} lists {rel!r}, outside the directory")
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    self._retry(f"download {uri}/{rel}", lambda rel=rel, target=target: self.s3.download_file(
-                        self.bucket, f"{base}/{rel}", str(target)))
+                    self._call(f"download {uri}/{rel}", lambda rel=rel, target=target: self.s3.download_file(
+                        self.bucket, f"{base}/{rel}", str(target), ExtraArgs={"ChecksumMode": "ENABLED"},
+                        Config=self.transfer))
                     if target.stat().st_size != entry["size"] or sha256_file(target) != entry["sha256"]:
                         raise CheckpointError(f"{uri}/{rel} does not match its size and sha256 in {MANIFEST}")
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -108,7 +111,7 @@ class RemoteFiles:
             return out
 
         try:
-            return self._retry(f"list s3://{self.bucket}/{base}", list_all)
+            return self._call(f"list s3://{self.bucket}/{base}", list_all)
         except S3Failure as exc:
             raise CheckpointUnavailable(redact_message(f"listing {self.remote_uri} failed: {exc}")) from None
 
@@ -116,10 +119,10 @@ class RemoteFiles:
         """The JSON object `<remote_uri>/<name>`, None when there is none (or it is not a JSON object)."""
         key = "/".join(x for x in (self.prefix, name) if x)
         try:
-            body = self._retry(f"get s3://{self.bucket}/{key}",
-                               lambda: self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+            body = self._call(f"get s3://{self.bucket}/{key}", lambda: self.s3.get_object(
+                Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")["Body"].read())
         except S3Failure as exc:
-            if exc.missing:
+            if exc.damaged:
                 return None
             raise CheckpointUnavailable(redact_message(f"reading s3://{self.bucket}/{key} failed: {exc}")) from None
         try:
@@ -132,7 +135,14 @@ class RemoteFiles:
         key = "/".join(x for x in (self.prefix, name) if x)
         body = json.dumps(data, indent=1, sort_keys=True).encode()
         try:
-            self._retry(f"put s3://{self.bucket}/{key}",
-                        lambda: self.s3.put_object(Bucket=self.bucket, Key=key, Body=body))
+            self._put_bytes(key, body)
         except S3Failure as exc:
             raise CheckpointUnavailable(redact_message(f"writing s3://{self.bucket}/{key} failed: {exc}")) from None
+
+    def _put_bytes(self, key: str, body: bytes) -> None:
+        """PUT `body` to `key` with a SHA256 checksum; S3 checks it, and the one it stored must be `body`'s."""
+        stored = self._call(f"put s3://{self.bucket}/{key}", lambda: self.s3.put_object(
+            Bucket=self.bucket, Key=key, Body=body, ChecksumAlgorithm=CHECKSUM)).get(f"Checksum{CHECKSUM}")
+        if stored != sha256_b64(hashlib.sha256(body).hexdigest()):
+            raise S3Failure(f"verify s3://{self.bucket}/{key}", f"S3 stored SHA256 checksum {stored} for the bytes sent",
+                            damaged=True)

@@ -103,7 +103,8 @@ def run_identity(cfg: PosttrainConfig) -> str:
         return local
     uri = cfg.tracking.checkpoint_uri
     if uri:
-        job = CheckpointStore(run_dir / "checkpoints", remote_uri=f"{uri.rstrip('/')}/{cfg.job.name}")
+        job = CheckpointStore(run_dir / "checkpoints", remote_uri=f"{uri.rstrip('/')}/{cfg.job.name}",
+                              s3_config=cfg.tracking.s3)
         here = str(run_dir.resolve())
         mine = sorted(rid for rid in job.remote_children() if RUN_ID.match(rid) and _recorded_run_dir(job, rid) == here)
         if len(mine) > 1:
@@ -120,7 +121,7 @@ def _recorded_run_dir(job: CheckpointStore, run_id: str) -> str | None:
     newest checkpoint, which every upload carries."""
     record = job.read_remote_json(f"{run_id}/{RUN_RECORD}")
     if record is None:
-        steps = CheckpointStore(job.root, remote_uri=f"{job.remote_uri}/{run_id}").list_remote()
+        steps = CheckpointStore(job.root, remote_uri=f"{job.remote_uri}/{run_id}", s3_config=job.s3_config).list_remote()
         record = job.read_remote_json(f"{run_id}/{step_dir_name(steps[-1])}/{META}") if steps else None
     return (record or {}).get("run_dir")
 

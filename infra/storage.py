@@ -19,25 +19,27 @@ unparsable or does not match its files is never loaded. Nothing is ever unpickle
 read with `torch.load(weights_only=True)`.
 
 With `remote_uri="s3://bucket/prefix"` each completed checkpoint is uploaded to
-`prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files) and verified (size and
-sha256 of every object) before older checkpoints are pruned. A failed upload raises
-`CheckpointUploadError`; the local checkpoint and its predecessors stay. With `background_upload=True`
+`prefix/step_XXXXXXXX/<file>` (manifest last, multipart for large files, each with a SHA256 checksum S3
+checks and stores) and verified (every object's size, and S3's checksum against the local bytes) before
+older checkpoints are pruned. A failed upload raises `CheckpointUploadError`; the local checkpoint and
+its predecessors stay. With `background_upload=True`
 (what training runs use) the upload runs in a thread, so training continues on local checkpoints
 while S3 is down, and the upload catches up when it is back; `flush()` waits for it. `upload_dir` /
 `download_dir` carry a directory of any files (the final model, `<prefix>/final_model/`) the same way:
-retried, every object verified, a listing (`manifest.json`) written last and checked on download.
+every object verified, a listing (`manifest.json`) written last and checked on download. Downloads ask
+for S3's checksum (ChecksumMode), so botocore checks the bytes as they arrive; the manifest's sha256
+checks every file after.
 
-What is retried: transient S3 errors (connection errors, timeouts, 5xx, throttling/SlowDown,
-RequestTimeout) are retried with exponential backoff and jitter for up to S3_RETRY_BUDGET_S seconds
-in all (long enough to ride out an endpoint restart; `retry_budget_s=` or the environment variable
-POSTTRAIN_S3_RETRY_BUDGET_S override it). Anything else (an invalid request such as a bad bucket
+What is retried: each request, by botocore in `adaptive` mode, up to `s3_config.max_attempts` tries (the
+config's `tracking.s3`; connection errors, timeouts, 5xx, throttling; long enough by default to ride
+out an endpoint restart). Anything botocore does not retry (an invalid request such as a bad bucket
 name, NoSuchBucket, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, missing credentials)
 fails at once, naming the URI and what to fix.
 
 Credentials come only from the environment / AWS profiles (boto3's own chain): a URI with
 `user:password@` is refused, and every message and log line goes through `rl_core.redact`.
 
-The store's S3 half is in `infra.checkpoint_remote` (checkpoints: uploads, downloads, retries, pruning) and
+The store's S3 half is in `infra.checkpoint_remote` (checkpoints: uploads, downloads, pruning) and
 `infra.remote_files` (directories and JSON beside them), mixins of `CheckpointStore`.
 """
 
@@ -82,19 +84,9 @@ from infra.checkpoint_remote import (
     RemoteCheckpoints,
 )
 from infra.remote_files import RemoteFiles
-from infra.s3 import (  # noqa: F401 - re-exported
-    JITTER,
-    RETRY_BUDGET_ENV,
-    S3_RETRY_BUDGET_S,
-    S3Failure,
-    budget_from_env,
-    chunks,
-    client_error,
-    is_transient_s3_error,
-    parse_s3_uri,
-    s3_error_fix,
-)
+from infra.s3 import S3Failure, parse_s3_uri  # noqa: F401 - re-exported
 from rl_core.atomic import fsync_dir, fsync_file
+from rl_core.config.schema import S3Config
 from rl_core.redact import redact_message
 
 log = logging.getLogger("posttrain.storage")
@@ -111,14 +103,10 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
       root: the checkpoint directory of a run, e.g. `runs/<name>/checkpoints` (created on save).
       keep: how many checkpoints to keep, locally and remotely (>= 1).
       remote_uri: `s3://bucket/prefix`, or None for local only.
-      s3_client: a boto3 S3 client; default `boto3.client("s3", endpoint_url=endpoint_url)`, which
-        honours `AWS_ENDPOINT_URL` and takes credentials from the environment / AWS profiles only.
+      s3_config: the retries and timeouts of the S3 client (`tracking.s3` of the config; None: its defaults).
+      s3_client: a boto3 S3 client; default `infra.s3.s3_client(s3_config, endpoint_url)`: botocore's adaptive
+        retries, `AWS_ENDPOINT_URL` honoured, credentials from the environment / AWS profiles only.
       endpoint_url: an explicit S3 endpoint (else `AWS_ENDPOINT_URL` or AWS).
-      retry_budget_s: how long (seconds, in all) one S3 call is retried on transient errors; None
-        reads POSTTRAIN_S3_RETRY_BUDGET_S, else S3_RETRY_BUDGET_S. Other errors are not retried.
-      retry_base_delay_s / retry_max_delay_s: between tries it sleeps base * 2**i, capped at max, with
-        jitter (a uniform draw from half of that to all of it), never past the budget.
-      upload_attempts: an optional cap on the tries of one call (None: the budget alone decides).
       background_upload: upload from a background thread, so `save` returns once the local checkpoint is
         in place and training goes on while S3 is slow or briefly down. One upload runs at a time; a
         checkpoint still waiting when a newer one is saved is skipped (the newer one supersedes it).
@@ -127,19 +115,12 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
         parts of chunksize bytes (S3 requires parts of >= 5 MiB except the last).
     """
 
-    def __init__(self, root: str | Path, *, keep: int = 3, remote_uri: str | None = None, s3_client=None,
-                 endpoint_url: str | None = None, upload_attempts: int | None = None,
-                 retry_base_delay_s: float = 0.5, retry_max_delay_s: float = 30.0,
-                 retry_budget_s: float | None = None, multipart_threshold: int = 64 * MiB,
+    def __init__(self, root: str | Path, *, keep: int = 3, remote_uri: str | None = None,
+                 s3_config: S3Config | None = None, s3_client=None, endpoint_url: str | None = None,
+                 multipart_threshold: int = 64 * MiB,
                  multipart_chunksize: int = 16 * MiB, max_concurrency: int = 4, background_upload: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep={keep}: at least the newest checkpoint must be kept (keep >= 1)")
-        if upload_attempts is not None and int(upload_attempts) < 1:
-            raise ValueError(f"upload_attempts={upload_attempts}: must be >= 1 (or None: no cap)")
-        if retry_budget_s is None:
-            retry_budget_s = budget_from_env()
-        if not float(retry_budget_s) >= 0:
-            raise ValueError(f"retry_budget_s={retry_budget_s}: must be >= 0 seconds")
         if multipart_chunksize < 5 * MiB:
             raise ValueError(f"multipart_chunksize={multipart_chunksize}: S3 parts must be >= 5 MiB")
         self.root = Path(root)
@@ -148,10 +129,7 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
         self.bucket, self.prefix = parse_s3_uri(remote_uri) if remote_uri else (None, "")
         self._s3 = s3_client
         self.endpoint_url = endpoint_url
-        self.upload_attempts = None if upload_attempts is None else int(upload_attempts)
-        self.retry_budget_s = float(retry_budget_s)
-        self.retry_base_delay_s = float(retry_base_delay_s)
-        self.retry_max_delay_s = float(retry_max_delay_s)
+        self.s3_config = s3_config if s3_config is not None else S3Config()
         self.multipart_threshold = int(multipart_threshold)
         self.multipart_chunksize = int(multipart_chunksize)
         self.max_concurrency = int(max_concurrency)
@@ -311,7 +289,7 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
         file, a crash mid-copy) is restored from its remote copy instead of falling back to an older
         step, whose next save would overwrite the intact remote one. A remote copy that is itself
         damaged is skipped with a warning naming it. When the remote cannot be listed or a download
-        fails for a transient reason (the endpoint down past the retry budget), this raises
+        fails for a transient reason (the endpoint down past botocore's retries), this raises
         CheckpointUnavailable rather than silently resuming from an older step. Every step passed over
         is logged as a warning.
         """

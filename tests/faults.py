@@ -3,15 +3,20 @@
 Driver-side faults replace a method or a task in the test's own process (the flows run in it): `fail_first` makes
 the first calls of a function raise `InjectedFault`, `faulty_reward_task` is the reward task with failed calls or a
 NaN reward. An engine's faulty load is installed inside its Ray actor with `__ray_call__`
-(`load_one_weight_wrong`). `one_weight_wrong` is the wrong load itself, on a state dict.
+(`load_one_weight_wrong`). `one_weight_wrong` is the wrong load itself, on a state dict. S3 faults go into a real
+boto3 client through botocore's own event system (`before-send`), so botocore's retries and checksum checks meet
+them as they would meet S3's: `s3_error_answers` answers requests with an S3 error, `s3_corrupted_bodies` flips a
+byte of what S3 sends back.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -104,3 +109,56 @@ def load_one_weight_wrong(worker: Any) -> str:
 
     engine.update_weights = update_then_restore
     return target
+
+
+# ------------------------------------------------------------------------------ S3, through botocore's events
+
+class _Body(io.BytesIO):
+    """A response body as botocore reads one from urllib3 (`read(amt)`, `stream()`)."""
+
+    def stream(self, amt: int = 65536, decode_content: bool | None = None) -> Iterator[bytes]:
+        while chunk := self.read(amt):
+            yield chunk
+
+
+def s3_error_answers(client: Any, operation: str, count: int, code: str = "SlowDown", status: int = 503) -> dict:
+    """The first `count` requests of `operation` (e.g. "PutObject") on `client` are not sent: S3's error `code` with
+    HTTP `status` comes back instead. Returns live counts: {"requests": every request of `operation`, "failed": those
+    answered with the error}."""
+    from botocore.awsrequest import AWSResponse
+
+    seen = {"requests": 0, "failed": 0}
+    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>injected {code}</Message>'
+            f"<RequestId>injected</RequestId></Error>").encode()
+
+    def answer(request: Any, **_: Any) -> Any:
+        seen["requests"] += 1
+        if seen["failed"] >= count:
+            return None  # sent to the server
+        seen["failed"] += 1
+        return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Body(body))
+
+    client.meta.events.register(f"before-send.s3.{operation}", answer)
+    return seen
+
+
+def s3_corrupted_bodies(client: Any, key_suffix: str) -> list[str]:
+    """Every GetObject on `client` of a key ending in `key_suffix` is sent to the server for real, and its body comes
+    back with the last byte flipped under S3's own headers (its checksum of the true bytes): what a network that
+    corrupts data delivers. Returns the URLs corrupted so far."""
+    from botocore.awsrequest import AWSResponse
+    from botocore.httpsession import URLLib3Session
+
+    session, corrupted = URLLib3Session(), []
+
+    def corrupt(request: Any, **_: Any) -> Any:
+        if not urlsplit(request.url).path.endswith(key_suffix):
+            return None
+        response = session.send(request)
+        body = bytearray(response.content)
+        body[-1] ^= 0xFF
+        corrupted.append(request.url)
+        return AWSResponse(request.url, response.status_code, response.headers, _Body(bytes(body)))
+
+    client.meta.events.register("before-send.s3.GetObject", corrupt)
+    return corrupted

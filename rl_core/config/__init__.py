@@ -21,12 +21,13 @@ from rl_core.config.schema import (
     PosttrainConfig,
     RLConfig,
     RolloutConfig,
+    S3Config,
     TrackingConfig,
     ValidationConfig,
 )
 
 __all__ = [
     "ClusterConfig", "ConfigError", "DataConfig", "JobConfig", "LoRAConfig", "ModelConfig", "OptimizerConfig", "PosttrainConfig",
-    "RLConfig", "RolloutConfig", "TrackingConfig", "ValidationConfig", "config_from_dict", "config_hash", "flatten",
+    "RLConfig", "RolloutConfig", "S3Config", "TrackingConfig", "ValidationConfig", "config_from_dict", "config_hash", "flatten",
     "load_config", "to_yaml", "write_resolved",
 ]

@@ -154,6 +154,12 @@ URI_CREDENTIALS_GO = {
 }
 
 
+class S3Config(_Section):
+    max_attempts: int = Field(15, ge=1, le=100, description="Tries of one S3 request, the first included, by botocore's adaptive retry mode: connection errors, timeouts, HTTP 5xx and throttling (SlowDown) are retried after a random wait of up to 2**(try-1) s, at most 20 s (on average about 100 s in all for 15 tries: an endpoint restart is ridden out), and a throttled client slows down. Errors that name a fix (no such bucket, access denied) are not retried. Wins over AWS_MAX_ATTEMPTS and AWS_RETRY_MODE.")
+    connect_timeout_s: float = Field(10.0, gt=0, description="Seconds to wait for a connection to the S3 endpoint before the try fails (and is retried).")
+    read_timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for the S3 endpoint to answer on an open connection before the try fails (and is retried).")
+
+
 class TrackingConfig(_Section):
     # the error text of a refused URI must not echo it (pydantic quotes the input by default)
     model_config = ConfigDict(hide_input_in_errors=True)
@@ -162,6 +168,7 @@ class TrackingConfig(_Section):
     experiment: str = Field("posttrain", min_length=1, description="MLflow experiment name.")
     checkpoint_uri: str | None = Field(None, description="s3://bucket/prefix to upload checkpoints to, without credentials (AWS env vars/profile); None keeps them local.")
     keep_checkpoints: int = Field(3, gt=0, description="Newest checkpoints kept, locally and remotely.")
+    s3: S3Config = Field(default_factory=S3Config, description="How the checkpoint uploads and downloads of tracking.checkpoint_uri talk to S3: retries and timeouts.")
 
     @field_validator("mlflow_uri", "checkpoint_uri")
     @classmethod

@@ -40,15 +40,14 @@ OUTAGE_S = 30.0
 
 @pytest.fixture
 def aws(monkeypatch, tmp_path):
-    """Dummy credentials, no profile; botocore's own retries off, so every retry is the store's."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "POSTTRAIN_S3_RETRY_BUDGET_S"):
+    """Dummy credentials, no profile: the retries are botocore's, as `tracking.s3` sets them (the defaults)."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
 
 
 # ------------------------------------------------------------------------------ S3 down for 30 s

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from infra.storage import CheckpointStore, CheckpointUploadError
-from rl_core.config import ConfigError, load_config
+from rl_core.config import ConfigError, S3Config, load_config
 from rl_core.config.loader import config_from_dict
 from rl_core.redact import has_userinfo, redact, redact_environment_values, redact_message, redact_uri
 
@@ -134,13 +134,12 @@ def test_checkpoint_store_refuses_a_credentialed_remote_uri(tmp_path):
 
 @pytest.fixture
 def no_aws(monkeypatch, tmp_path):
-    """Dummy credentials only, no profile or config file; botocore does not retry by itself."""
+    """Dummy credentials only, no profile or config file."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-key-0123")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
 
@@ -154,16 +153,16 @@ def test_storage_error_with_a_credentialed_endpoint_hides_the_secret(no_aws, tmp
         port = s.getsockname()[1]
     userinfo = f"user:{endpoint_secret}" if endpoint_secret.startswith("pa") else endpoint_secret
     store = CheckpointStore(tmp_path / "ckpt", remote_uri="s3://bucket/run",
-                            endpoint_url=f"http://{userinfo}@127.0.0.1:{port}", retry_budget_s=3.0,
-                            retry_base_delay_s=0.05, retry_max_delay_s=0.1)
+                            endpoint_url=f"http://{userinfo}@127.0.0.1:{port}", s3_config=S3Config(max_attempts=2))
     with caplog.at_level(logging.DEBUG, logger="posttrain.storage"), pytest.raises(CheckpointUploadError) as info:
         store.save(1, {"s": {"w": torch.zeros(2)}}, {})
     err = info.value
     assert f"http://***@127.0.0.1:{port}" in str(err)  # still says where it failed
-    assert "transient errors are retried" in str(err)
+    assert "no answer from the endpoint within tracking.s3.max_attempts=2 tries" in str(err)
     text = str(err) + "".join(traceback.format_exception(err)) + caplog.text
     assert endpoint_secret not in text
-    assert len([r for r in caplog.records if " failed (attempt " in r.getMessage()]) >= 2
+    tries = [r.getMessage() for r in caplog.records if " of 2 failed (" in r.getMessage()]  # botocore's tries, logged
+    assert len(tries) == 2 and all("127.0.0.1" in m for m in tries)
 
 
 def test_redact_message_scrubs_uris_and_secret_environment_values(monkeypatch):
