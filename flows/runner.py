@@ -276,7 +276,8 @@ class TrainingRun:
     def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str]) -> None:
         """Every `tracking.sample_completions_every` steps (and at the last): some of the step's completions with
         their rewards to the MLflow run's completions table."""
-        if self.due(self.cfg.tracking.sample_completions_every, step):
+        every = self.cfg.tracking.sample_completions_every
+        if every and self.due(every, step):  # 0: never, not even at the last step
             self.tracker.log_completions(step, examples, texts, rewards, count=self.cfg.tracking.sample_completions,
                                          finish_reasons=finish_reasons)
 
