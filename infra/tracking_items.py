@@ -79,7 +79,7 @@ def split_frame(rows: Any):
 
 def dataset_source(source: str, dataset_config: str | None) -> Any:
     """Where a split came from: a local file or directory as its absolute `file://` URI, else a Hugging Face hub
-    dataset (`id[:split]`, with `data.dataset_config`)."""
+    dataset (`id[:split]`, split `train` when none is named, with `data.dataset_config`)."""
     path = Path(source)
     if path.exists():
         return path.resolve().as_uri()
@@ -88,7 +88,7 @@ def dataset_source(source: str, dataset_config: str | None) -> Any:
     name, sep, split = source.rpartition(":")
     if not sep:
         name, split = source, ""
-    return HuggingFaceDatasetSource(path=redact_text(name), config_name=dataset_config, split=split or None)
+    return HuggingFaceDatasetSource(path=redact_text(name), config_name=dataset_config, split=split or "train")
 
 
 def dataset(rows: Any, source: str, dataset_config: str | None) -> Any:

@@ -475,6 +475,18 @@ def test_completion_rows_are_spread_over_the_batch():
     assert len(completions_frame(1, 1, examples[:2], texts[:2], rewards[:2], 8)) == 2
 
 
+def test_dataset_sources_name_the_file_or_the_hub_dataset(tmp_path):
+    from infra.tracking_items import dataset_source
+
+    local = tmp_path / "train.jsonl"
+    local.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert dataset_source(str(local), None) == local.resolve().as_uri()
+    hub = dataset_source("openai/gsm8k:test", "main")
+    assert (type(hub).__name__, hub.path, hub.split, hub.config_name) == ("HuggingFaceDatasetSource", "openai/gsm8k",
+                                                                          "test", "main")
+    assert dataset_source("org/prompts", None).split == "train"  # what the tasks load when no split is named
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_mlflow3_objects_on_a_server(mlflow_server, workdir, tmp_path, monkeypatch):
