@@ -214,7 +214,8 @@ class RunTracker:
               objective_identity: Mapping[str, Any], run_id: str | None = None,
               prefect_flow_run_id: str | None = None, dvc_hashes: Mapping[str, str] | None = None,
               resumed_from: str | None = None, config_path: str | os.PathLike | None = None) -> str:
-        """Open the run (create it, or reopen `run_id` on resume) and log params, tags,
+        """Open the run with `mlflow.start_run` (create it in `resolve_experiment(cfg)`, or reopen `run_id` on
+        resume; system metrics sampled unless `tracking.system_metrics` is off) and log params, tags,
         `config_resolved.yaml` and `provenance/attempt_<n>.json`. Returns the MLflow run id.
 
         `config_path` is the run directory's `config_resolved.yaml`; None renders it from `cfg`.
