@@ -93,7 +93,7 @@ def summary_line(result: dict) -> str:
     acc = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
     trend = f"held-out accuracy {acc[0][1]:.3f} (step {acc[0][0]}) -> {acc[-1][1]:.3f} (step {acc[-1][0]}); " if acc else ""
     return (f"{trend}metrics: {result['metrics']}; run directory: {result['run_dir']}; "
-            f"MLflow run {result.get('mlflow_run_id')}")
+            f"MLflow run: {result.get('mlflow_url') or result.get('mlflow_run_id')}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -114,7 +114,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
         reference_s = time.perf_counter() - t
         logger.info("DPO: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
                     len(train_df), len(val_df), reference_s)
-        run.start(tracker)
+        run.start(tracker, train=train_df, val=val_df)
         version = run.restore(cluster, sampler, logger.info)
 
         def log(record: dict) -> None:

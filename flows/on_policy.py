@@ -64,7 +64,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     step = run.start_step
     with run, RunTracker() as tracker, ExitStack() as placed:
         # the MLflow run opens first: meanwhile the trainer actors that `posttrain run` started early finish importing
-        run.start(tracker)
+        run.start(tracker, train=role.train, val=role.val)
         startup.mark("tracking")  # the MLflow run
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
         placed.enter_context(run.checkpoints_of(cluster))  # the checkpoint in flight is published however steps end
@@ -113,8 +113,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     ahead = draw(step + 1, version)
                 with timer.phase("reward"):
                     examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
-                    rewards, reward_means = reward(quote(rewards_pool), quote(examples),
-                                                   quote(completions.decode_responses(role.tokenizer)))
+                    texts = completions.decode_responses(role.tokenizer)
+                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts))
+                run.sample(step, examples, texts, rewards, completions.finish_reason)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
                                               (step - 1) * len(rewards))

@@ -5,11 +5,12 @@ is refused here), the resolved config, missing quickstart artifacts, the metrics
 the checkpoint (or restored from it: every checkpoint carries the metrics.jsonl lines up to its
 step, so a resume on a machine without the run directory, from S3, keeps the whole history), the
 objective identity and config hash. Inside the Ray cluster: `start` (the MLflow
-run, continued on resume, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
+run, continued on resume, its dataset inputs, and `run_state.json`), `restore` (trainer parts, the sampler, the policy
 version, then a checked weight sync to the rollout engines), `log` (metrics.jsonl + MLflow + progress), `due`
 (cadence), `checkpoint` (asynchronous: the ranks write their shards while the next step runs; `settle` publishes
 it, and the metrics lines of the steps since are held back until then, so a metrics line on disk always has its
-checkpoint behind it), and `finish` (final model, curve, model artifact, the flow's return value).
+checkpoint behind it), `sample` (completions with their rewards to MLflow, on cadence), and `finish` (final
+model, curve, the model as an MLflow LoggedModel, the run's MLflow UI address, the flow's return value).
 The flows keep only the phases of a step.
 """
 
@@ -40,7 +41,7 @@ from infra.resume import (
     write_run_state,
 )
 from infra.storage import FINAL_MODEL, CheckpointError, CheckpointStore
-from infra.tracking import MetricsLog, RunTracker
+from infra.tracking import MetricsLog, RunTracker, ui_command
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
 from rl_core.registry import build_objective
@@ -224,14 +225,16 @@ class TrainingRun:
     def start_step(self) -> int:
         return self.plan.start_step
 
-    def start(self, tracker: RunTracker) -> str:
-        """Open (or, on resume, continue) the MLflow run and record it in `run_state.json`."""
+    def start(self, tracker: RunTracker, *, train: Any, val: Any) -> str:
+        """Open (or, on resume, continue) the MLflow run, log the `train`/`val` splits (Examples or a DataFrame) as
+        its dataset inputs, and record it in `run_state.json`."""
         self.tracker = tracker
         self.run_id = tracker.start(
             self.cfg, recipe=self.recipe, overrides=self.overrides, objective_identity=self.identity,
             run_id=self.plan.run_state.get("mlflow_run_id"), prefect_flow_run_id=str(flow_run.id),
             dvc_hashes=dvc_hashes(self.cfg), config_path=self.config_path,
             resumed_from=str(self.plan.checkpoint) if self.plan.checkpoint else None)
+        tracker.log_datasets(self.cfg, train=train, val=val)
         write_run_state(self.run_dir, {**read_run_state(self.run_dir), "mlflow_run_id": self.run_id,
                                        "config_hash": self.cfg_hash})
         return self.run_id
@@ -270,6 +273,14 @@ class TrainingRun:
             return
         self.metrics_log.append(record)
         self.tracker.log_metrics(record, step=record["step"])
+
+    def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str]) -> None:
+        """Every `tracking.sample_completions_every` steps (and at the last): some of the step's completions with
+        their rewards to the MLflow run's completions table."""
+        every = self.cfg.tracking.sample_completions_every
+        if every and self.due(every, step):  # 0: never, not even at the last step
+            self.tracker.log_completions(step, examples, texts, rewards, count=self.cfg.tracking.sample_completions,
+                                         finish_reasons=finish_reasons)
 
     def settle(self, cluster: Any, wait: bool = True) -> None:
         """Publish the checkpoint in flight once every rank's shards are on disk (`wait`: block until then), then write
@@ -360,12 +371,15 @@ class TrainingRun:
         return time.perf_counter() - t
 
     def finish(self, cluster: Any, step: int, announce: Callable[..., None]) -> dict:
-        """Save the final model, log the curve and the model to MLflow; the flow's return value."""
+        """Save the final model, log the curve and the model (a LoggedModel) to MLflow, say where the run is in the
+        MLflow UI; the flow's return value."""
         self.settle(cluster)
         model_dir = save_model_task(cluster, self.run_dir / FINAL_MODEL, self.store)
         self.store.flush()  # every checkpoint is on S3 (or the failure is raised) before the run reports done
         self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")
-        self.tracker.log_model_dir(model_dir)
-        announce("run finished: %s (metrics: %s, MLflow run %s)", self.run_dir, self.metrics_log.path, self.run_id)
+        self.tracker.log_model(model_dir, self.cfg, step)
+        url, ui = self.tracker.url, ui_command(self.tracker.tracking_uri)
+        announce("run finished: %s (metrics: %s)", self.run_dir, self.metrics_log.path)
+        announce("MLflow run: %s%s", url, f" (serve the store with: {ui})" if ui else "")
         return {"run_dir": str(self.run_dir), "metrics": str(self.metrics_log.path), "mlflow_run_id": self.run_id,
-                "step": step}
+                "mlflow_url": url, "step": step}

@@ -1,14 +1,14 @@
 """MLflow tracking of a run. The numbers themselves are in `runs/<job.name>/metrics.jsonl`
 (`infra.metrics_log.MetricsLog`, re-exported here), the curve is drawn by `infra.plots`.
 
-`RunTracker` mirrors a run into MLflow (params, tags, metrics, artifacts, provenance per attempt);
-what it logs is scrubbed by `rl_core.redact`, the one rule for keeping credentials out of output.
+`RunTracker` mirrors a run into MLflow (params, tags, metrics, system metrics, artifacts, provenance per attempt,
+dataset inputs, sample completions, the final model as a LoggedModel); what it logs is scrubbed by
+`rl_core.redact`, the one rule for keeping credentials out of output. `run_url` is the run's page in the UI.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -16,7 +16,6 @@ import os
 import platform
 import re
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -26,6 +25,8 @@ from typing import Any, Self
 
 from infra.metrics_log import MetricsLog, last_values  # noqa: F401 - re-exported
 from infra.plots import CURVE_KEYS, metric_value, plot_curve  # noqa: F401 - re-exported
+from infra.provenance import canonical_json, git_revision, objective_hash, package_versions
+from infra.tracking_items import run_url, ui_command, using_tracking_uri  # noqa: F401 - re-exported
 from rl_core.redact import redact, redact_override, redact_text
 
 log = logging.getLogger("posttrain.tracking")
@@ -35,20 +36,26 @@ log = logging.getLogger("posttrain.tracking")
 #
 # One MLflow run per training run. Params are the flattened resolved config, tags carry the
 # identity of what was run (objective, config hash, code revision, data hashes, versions), metrics
-# are the metrics.jsonl records at their steps, artifacts are the resolved config, one provenance
-# JSON per attempt, the reward/accuracy curve and the final model. A resumed run continues the same
+# are the metrics.jsonl records at their steps (and MLflow's system/* samples), artifacts are the resolved
+# config, one provenance JSON per attempt, the reward/accuracy curve and the `completions.json` table; the
+# data splits are dataset inputs and the final model a LoggedModel. A resumed run continues the same
 # MLflow run and appends `provenance/attempt_<n+1>.json`.
 #
-# Every call goes through an explicit `MlflowClient(tracking_uri=...)`: nothing touches MLflow's
-# process-global tracking URI or active-run stack, so several trackers can live in one process.
-# mlflow itself is imported lazily, so `MetricsLog` users do not pay for it.
+# The run is opened and ended with MLflow's fluent API (`mlflow.start_run` / `mlflow.end_run`), so MLflow sets its
+# standard tags (mlflow.user, mlflow.source.*) and samples system metrics (system/*) while it is open; the final
+# model goes through `mlflow.transformers.log_model` and the datasets through `mlflow.log_inputs`. The fluent API
+# reads a process-wide tracking URI and keeps a per-thread stack of active runs: each fluent call here runs with
+# this tracker's URI set and the process's own put back after it (`using_tracking_uri`), and the run leaves the
+# stack in `finish` (called by `__exit__`, also on failure), so trackers may follow one another in one process.
+# Everything else (params, tags, metrics, artifacts, tables) goes through an explicit
+# `MlflowClient(tracking_uri=...)` with the run id. mlflow itself is imported lazily, so `MetricsLog` users do
+# not pay for it.
 
 TAG_PREFIX = "posttrain."
 MLFLOW_PARAM_MAX_CHARS = 6000
 MLFLOW_TAG_MAX_CHARS = 8000
 MLFLOW_BATCH_MAX = 100  # params/tags per log_batch call
-VERSIONED_PACKAGES = ("torch", "transformers", "vllm", "mlflow")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_EXPERIMENT = "posttrain"
 
 # ------------------------------------------------------------------------------------ redaction
 #
@@ -70,6 +77,11 @@ def resolve_tracking_uri(cfg: Any) -> str:
     return "sqlite:///" + str(Path.cwd().resolve() / "mlflow.db")  # absolute path: four slashes
 
 
+def resolve_experiment(cfg: Any) -> str:
+    """`tracking.experiment`, else `$MLFLOW_EXPERIMENT_NAME`, else "posttrain"."""
+    return cfg.tracking.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+
+
 def sqlite_artifact_location(tracking_uri: str) -> str | None:
     """Artifacts of a SQLite store live next to the database, in `mlartifacts/` (absolute)."""
     if not tracking_uri.startswith("sqlite:///"):
@@ -78,41 +90,6 @@ def sqlite_artifact_location(tracking_uri: str) -> str | None:
     if not db or db == ":memory:":
         return None
     return (Path(db).resolve().parent / "mlartifacts").as_uri()
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def objective_hash(identity: Mapping[str, Any]) -> str:
-    """sha256 of the identity's canonical JSON (sorted keys, no spaces), first 16 hex digits."""
-    return hashlib.sha256(canonical_json(dict(identity)).encode()).hexdigest()[:16]
-
-
-def git_revision(repo: str | os.PathLike = REPO_ROOT) -> tuple[str, str]:
-    """(`git rev-parse HEAD`, "true"/"false" dirty) of the code's repository; ("unknown", "unknown")
-    outside git."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=30, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
-                                timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", "unknown"
-    return (sha or "unknown"), ("true" if status.strip() else "false")
-
-
-def package_versions(names: Iterable[str] = VERSIONED_PACKAGES) -> dict[str, str]:
-    """Installed versions from package metadata (nothing is imported); absent packages are skipped."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return out
 
 
 def _param_value(value: Any) -> str:
@@ -135,9 +112,11 @@ class RunTracker:
         with RunTracker() as tracker:          # a failure inside the block finishes it as FAILED
             tracker.start(cfg, recipe=..., overrides=..., objective_identity=objective.identity, ...)
             tracker.log_metrics(record, step=record["step"])        # each metrics.jsonl record
+            tracker.log_datasets(cfg, train=rows, val=val_rows)     # dataset inputs
+            tracker.log_completions(step, examples, texts, rewards, count=8)  # sample completions
             tracker.log_curve(records, run_dir / "curve.png")       # at the end
-            tracker.log_model_dir(run_dir / "model")
-        # a clean exit finishes it as FINISHED (or call finish() yourself)
+            tracker.log_model(run_dir / "final_model", cfg, step)   # a LoggedModel (registered when configured)
+        # a clean exit finishes it as FINISHED (or call finish() yourself); tracker.url is its page in the UI
 
     `tracking_uri` overrides `resolve_tracking_uri(cfg)` (tests, tools reading another store).
     """
@@ -146,7 +125,10 @@ class RunTracker:
         self._explicit_uri = tracking_uri
         self.tracking_uri: str | None = None
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.attempt: int | None = None
+        self.model_info: Any = None  # the final model's `ModelInfo` (`log_model`)
+        self._model_tags: dict[str, str] = {}
         self._client = None
         self._finished = False
 
@@ -210,6 +192,16 @@ class RunTracker:
         for i in range(0, len(items), MLFLOW_BATCH_MAX):
             self._call("log_batch(tags)", self.client.log_batch, self.run_id, tags=items[i:i + MLFLOW_BATCH_MAX])
 
+    def _active(self) -> None:
+        """Refuse a fluent call where this run is not MLflow's active run (another thread, or already ended):
+        MLflow would start a new run instead."""
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None or active.info.run_id != self.run_id:
+            raise TrackingError(f"MLflow run {self.run_id} is not active in this thread; call the tracker from the "
+                                "thread that started it, before finish()")
+
     def _next_attempt(self) -> int:
         listed = self._call("list_artifacts", self.client.list_artifacts, self.run_id, "provenance")
         numbers = [int(m.group(1)) for f in listed
@@ -222,14 +214,15 @@ class RunTracker:
               objective_identity: Mapping[str, Any], run_id: str | None = None,
               prefect_flow_run_id: str | None = None, dvc_hashes: Mapping[str, str] | None = None,
               resumed_from: str | None = None, config_path: str | os.PathLike | None = None) -> str:
-        """Open the run (create it, or reopen `run_id` on resume) and log params, tags,
+        """Open the run with `mlflow.start_run` (create it in `resolve_experiment(cfg)`, or reopen `run_id` on
+        resume; system metrics sampled unless `tracking.system_metrics` is off) and log params, tags,
         `config_resolved.yaml` and `provenance/attempt_<n>.json`. Returns the MLflow run id.
 
         `config_path` is the run directory's `config_resolved.yaml`; None renders it from `cfg`.
         `resumed_from` names the checkpoint this attempt continues from.
         """
+        import mlflow
         from mlflow import MlflowClient
-        from mlflow.entities import RunStatus
 
         from rl_core.config.loader import config_dict, config_hash, flatten
 
@@ -241,17 +234,18 @@ class RunTracker:
         sha, dirty = git_revision()
         python = platform.python_version()
 
-        if run_id is None:
-            experiment_id = self._experiment_id(cfg.tracking.experiment)
-            run = self._call("create_run", self.client.create_run, experiment_id, run_name=cfg.job.name)
-            self.run_id = run.info.run_id
-            existing_params: dict[str, str] = {}
-        else:
-            run = self._call("get_run", self.client.get_run, run_id)
-            self.run_id = run.info.run_id
-            existing_params = dict(run.data.params)
-            self._call("update_run", self.client.update_run, self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        # a new run in its experiment (created with the artifact location of a SQLite store), or the run to continue
+        experiment_id = self._experiment_id(resolve_experiment(cfg)) if run_id is None else None
+        with using_tracking_uri(self.tracking_uri):
+            active = self._call("start_run", mlflow.start_run, run_id=run_id, experiment_id=experiment_id,
+                                run_name=cfg.job.name, log_system_metrics=cfg.tracking.system_metrics)
+        self.run_id, self.experiment_id = active.info.run_id, active.info.experiment_id
         self._finished = False
+        run = self._call("get_run", self.client.get_run, self.run_id)
+        existing_params = dict(run.data.params) if run_id is not None else {}
+        # MLflow's own tags (user, source, git remote, $MLFLOW_RUN_CONTEXT) go through the same redaction
+        scrubbed = {k: redact_text(v) for k, v in run.data.tags.items() if k.startswith("mlflow.") and redact_text(v) != v}
+        self._log_batch(tags=scrubbed)
 
         # Params are immutable in MLflow: a resumed run may only have changed cadence/logging keys
         # (resume refuses changes to the math), so those keep their first value and the new value is
@@ -284,6 +278,8 @@ class RunTracker:
         self.attempt = self._next_attempt()
         tags[f"{TAG_PREFIX}attempts"] = str(self.attempt)
         self._log_batch(tags={k: _tag_value(v) for k, v in tags.items()})
+        self._model_tags = {k: tags[k] for k in (f"{TAG_PREFIX}job_name", f"{TAG_PREFIX}algorithm",
+                                                 f"{TAG_PREFIX}config_hash", f"{TAG_PREFIX}git_sha")}
 
         # config_resolved.yaml: the file as written, unless a value in it had to be redacted.
         import yaml
@@ -350,30 +346,88 @@ class RunTracker:
                 tmp_dir.rmdir()
         return path
 
-    def log_model_dir(self, path: str | os.PathLike, artifact_path: str = "model") -> None:
-        """Log a saved model directory (weights, config, tokenizer) under `artifact_path`."""
+    def log_datasets(self, cfg: Any, *, train: Any, val: Any) -> None:
+        """The training and validation splits as MLflow dataset inputs of the run (contexts "training" and
+        "validation"): a list of `rl_core.tasks.Example` or a DataFrame each, its source `data.train`/`data.val`."""
+        import mlflow
+
+        from infra.tracking_items import dataset
+
+        sets = [dataset(train, cfg.data.train, cfg.data.dataset_config),
+                dataset(val, cfg.data.val, cfg.data.dataset_config)]
+        self._active()
+        with using_tracking_uri(self.tracking_uri):
+            self._call("log_inputs", mlflow.log_inputs, datasets=sets, contexts=["training", "validation"],
+                       tags_list=[None, None])
+
+    def log_completions(self, step: int, examples: Any, texts: Any, rewards: Any, *, count: int,
+                        finish_reasons: Any = None) -> None:
+        """Append `count` of a step's completions (spread over its batch) with prompt, answer, reward and finish
+        reason, plus this attempt's number, to the run's `completions.json` table (`mlflow.load_table`)."""
+        from infra.tracking_items import COMPLETIONS_TABLE, completions_frame
+
+        frame = completions_frame(step, self.attempt, examples, texts, rewards, count, finish_reasons)
+        self._call("log_table", self.client.log_table, self.run_id, frame, COMPLETIONS_TABLE)
+
+    def log_model(self, path: str | os.PathLike, cfg: Any, step: int) -> Any:
+        """Log a saved model directory (weights, config, tokenizer) as a transformers LoggedModel of this run at
+        `step`, named after `job.name` and registered as `tracking.registered_model_name` when that is set;
+        returns MLflow's `ModelInfo` (also kept in `model_info`)."""
+        from infra.tracking_items import log_transformers_model, model_card, pip_requirements
+
         path = Path(path)
-        if not path.is_dir():
-            raise TrackingError(f"log_model_dir({str(path)!r}): not a directory; pass the saved model directory")
-        self._call("log_artifacts", self.client.log_artifacts, self.run_id, str(path), artifact_path)
+        if not (path / "config.json").is_file():
+            raise TrackingError(f"log_model({str(path)!r}): not a saved model directory (no config.json)")
+        card = model_card(job_name=cfg.job.name, objective=cfg.rl.objective.type,
+                          base_model=cfg.model.name_or_path, steps=step, run_id=self.run_id)
+        with using_tracking_uri(self.tracking_uri):
+            self.model_info = self._call(
+                "transformers.log_model", _scrub_stdout, log_transformers_model, path, name=cfg.job.name,
+                run_id=self.run_id, step=step, card=card, requirements=pip_requirements(package_versions()),
+                tags=self._model_tags, registered_model_name=cfg.tracking.registered_model_name)
+        return self.model_info
+
+    @property
+    def url(self) -> str:
+        """The run's page in the MLflow UI (`run_url`)."""
+        return run_url(self.tracking_uri, self.experiment_id, self.run_id)
 
     def finish(self, status: str = "FINISHED") -> None:
-        """End the run with FINISHED, FAILED or KILLED (a resume can reopen it later)."""
+        """End the run with FINISHED, FAILED or KILLED (a resume can reopen it later): it leaves MLflow's active-run
+        stack and its system-metrics sampling stops, also when ending it at the server fails."""
+        import mlflow
+        from mlflow.tracking import fluent
+
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"finish(status={status!r}); expected FINISHED, FAILED or KILLED")
         if self._finished:
             return
-        self._call("set_terminated", set_terminated, self.client, self.run_id, status)
+        try:
+            with using_tracking_uri(self.tracking_uri):
+                active = mlflow.active_run()
+                if active is not None and active.info.run_id == self.run_id:
+                    self._call("end_run", _scrub_stdout, mlflow.end_run, status)
+                else:  # started in another thread (MLflow's active run is per thread): end it by id
+                    self._call("set_terminated", set_terminated, self.client, self.run_id, status)
+        finally:
+            monitor = fluent.run_id_to_system_metrics_monitor.pop(self.run_id, None)  # left when end_run failed
+            if monitor is not None:
+                monitor.finish()
         self._finished = True
 
 
-def set_terminated(client: Any, run_id: str, status: str) -> None:
-    """`client.set_terminated(run_id, status=status)`. MLflow prints "View run ... at: <tracking URI>" for a
-    server, and the URI may carry credentials ($MLFLOW_TRACKING_URI): what it prints is scrubbed first."""
+def _scrub_stdout(fn, *args, **kwargs) -> Any:
+    """`fn(*args, **kwargs)` with what it prints scrubbed of credentials. MLflow prints "View run ... at: <tracking
+    URI>" when a run on a server ends, and the URI may carry credentials ($MLFLOW_TRACKING_URI)."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            client.set_terminated(run_id, status=status)
+            return fn(*args, **kwargs)
     finally:
         if printed.getvalue():
             sys.stdout.write(redact_text(printed.getvalue()))
+
+
+def set_terminated(client: Any, run_id: str, status: str) -> None:
+    """`client.set_terminated(run_id, status=status)`, what MLflow prints scrubbed (`_scrub_stdout`)."""
+    _scrub_stdout(client.set_terminated, run_id, status=status)

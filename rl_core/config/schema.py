@@ -165,10 +165,14 @@ class TrackingConfig(_Section):
     model_config = ConfigDict(hide_input_in_errors=True)
 
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI, without credentials (MLFLOW_TRACKING_USERNAME/PASSWORD); None uses MLFLOW_TRACKING_URI or ./mlflow.db.")
-    experiment: str = Field("posttrain", min_length=1, description="MLflow experiment name.")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment name; None uses MLFLOW_EXPERIMENT_NAME, else 'posttrain'.")
     checkpoint_uri: str | None = Field(None, description="s3://bucket/prefix to upload checkpoints to, without credentials (AWS env vars/profile); None keeps them local.")
     keep_checkpoints: int = Field(3, gt=0, description="Newest checkpoints kept, locally and remotely.")
     s3: S3Config = Field(default_factory=S3Config, description="How the checkpoint uploads and downloads of tracking.checkpoint_uri talk to S3: retries and timeouts.")
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network, GPU) logged under system/* while the run goes; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL sets the seconds between samples (MLflow's default: 10).")
+    registered_model_name: str | None = Field(None, min_length=1, description="Register the final model (an MLflow LoggedModel) in the model registry under this name, a new version per run; None logs it unregistered.")
+    sample_completions_every: int = Field(10, ge=0, description="Every this many steps (and at the last) log sample completions with their rewards to the run's completions.json table; 0 never.")
+    sample_completions: int = Field(8, gt=0, description="Completions per logged step in completions.json, spread evenly over the step's batch.")
 
     @field_validator("mlflow_uri", "checkpoint_uri")
     @classmethod

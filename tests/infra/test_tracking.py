@@ -1,4 +1,6 @@
-"""MLflow tracking (infra/tracking.py): params, tags, metrics, artifacts, resume, redaction.
+"""MLflow tracking (infra/tracking.py): params, tags, metrics, artifacts, resume, redaction; MLflow's own objects
+(standard tags, system metrics, dataset inputs, the completions table, the final model as a registered LoggedModel,
+the experiment from $MLFLOW_EXPERIMENT_NAME, the UI address).
 
 Against MLflow's SQLite store in a temporary working directory and against a real `mlflow server`
 on loopback. Expected values are computed here independently of the tracker's own helpers.
@@ -6,12 +8,16 @@ on loopback. Expected values are computed here independently of the tracker's ow
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import math
+import os
 import platform
 import socket
 import subprocess
+import sys
+import time
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -76,15 +82,26 @@ def download_text(client, run_id: str, path: str, dst: Path) -> str:
     return Path(local).read_text()
 
 
-def fake_model_dir(root: Path) -> Path:
-    model = root / "model"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 16}))
-    (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
-    return model
+def logged_models(uri: str, experiment_id: str) -> list:
+    """`mlflow.search_logged_models` of an experiment, with `uri` as the process's tracking URI for the call."""
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        return mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list")
 
 
-def exercise(cfg, tracker_uri: str | None, tmp_path: Path) -> tuple[str, str]:
+def no_fluent_leftovers() -> None:
+    """After a tracker: no active fluent run in this thread, the process's tracking URI as it was (unset here)."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    assert mlflow.active_run() is None
+    assert utils._tracking_uri is None
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+
+
+def exercise(cfg, tracker_uri: str | None, tmp_path: Path, model_dir: Path) -> tuple[str, str]:
     """Run a two-attempt tracked run and check everything MLflow holds; returns (uri, run_id)."""
     from mlflow import MlflowClient
 
@@ -101,8 +118,10 @@ def exercise(cfg, tracker_uri: str | None, tmp_path: Path) -> tuple[str, str]:
         for r in RECORDS:
             tracker.log_metrics(r, step=r["step"])
         tracker.log_curve(RECORDS, run_dir / "curve.png")
-        tracker.log_model_dir(fake_model_dir(run_dir))
+        info = tracker.log_model(model_dir, cfg, step=3)
     assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if tracker_uri is None:
+        no_fluent_leftovers()
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -141,18 +160,21 @@ def exercise(cfg, tracker_uri: str | None, tmp_path: Path) -> tuple[str, str]:
     assert json.loads(tags["posttrain.objective_identity"]) == IDENTITY
     assert json.loads(tags["posttrain.overrides"]) == OVERRIDES
 
-    # metrics: every numeric, finite key at its step
+    # metrics: every numeric, finite key at its step (MLflow's system/* samples besides)
     want = expected_history(RECORDS)
-    assert set(run.data.metrics) == set(want)
+    assert {k for k in run.data.metrics if not k.startswith("system/")} == set(want)
     for key, points in want.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert got == points, key
 
     # artifacts
     names = all_artifacts(client, run_id)
-    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png",
-                 "model/config.json", "model/model.safetensors"):
+    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png"):
         assert name in names, (name, names)
+    # the model is a LoggedModel of the run (its files under the model, not the run's artifacts)
+    (model,) = logged_models(uri, run.info.experiment_id)
+    assert (model.model_id, model.source_run_id, model.name) == (info.model_id, run_id, cfg.job.name)
+    assert [(o.model_id, o.step) for o in run.outputs.model_outputs] == [(info.model_id, 3)]
     resolved = download_text(client, run_id, "config_resolved.yaml", tmp_path / "dl1")
     assert config_hash(load_config(Path(tmp_path / "dl1" / "config_resolved.yaml"))) == config_hash(cfg)
     assert yaml.safe_load(resolved) == config_dict(cfg)
@@ -186,6 +208,8 @@ def exercise(cfg, tracker_uri: str | None, tmp_path: Path) -> tuple[str, str]:
         raise RuntimeError("worker died")
     run = client.get_run(run_id)
     assert run.info.status == "FAILED"
+    if tracker_uri is None:
+        no_fluent_leftovers()  # the failed attempt left MLflow's active-run stack too
     assert len(client.search_runs([run.info.experiment_id])) == 1
     assert run.data.params["rl.save_every"] == str(cfg.rl.save_every)  # params keep their first value
     assert run.data.tags["posttrain.prefect_flow_run_id"] == "flow-run-2"
@@ -222,11 +246,11 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
 
 
 @pytest.mark.e2e
-def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch):
+def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch, workdir):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(ARITH, OVERRIDES)
-    uri, run_id = exercise(cfg, None, tmp_path)
+    uri, run_id = exercise(cfg, None, tmp_path, workdir / "artifacts" / "tiny-model" / "init")
     assert uri == "sqlite:///" + str(tmp_path.resolve() / "mlflow.db")
     assert (tmp_path / "mlflow.db").is_file()
     from mlflow import MlflowClient
@@ -240,6 +264,7 @@ def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch):
 @pytest.mark.e2e
 def test_finish_statuses_and_misuse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     from mlflow import MlflowClient
 
     uri = "sqlite:///" + str(tmp_path.resolve() / "m.db")
@@ -252,8 +277,11 @@ def test_finish_statuses_and_misuse(tmp_path, monkeypatch):
         tracker.finish("DONE")
     tracker.finish("KILLED")
     assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "KILLED"
-    with pytest.raises(TrackingError, match="not a directory"):
-        tracker.log_model_dir(tmp_path / "missing")
+    no_fluent_leftovers()
+    with pytest.raises(TrackingError, match="not a saved model directory"):
+        tracker.log_model(tmp_path / "missing", cfg, step=1)
+    with pytest.raises(TrackingError, match="not active"):  # a fluent call after finish would open a new run
+        tracker.log_datasets(cfg, train=[], val=[])
 
 
 # ---------------------------------------------------------------------------------- secrets
@@ -369,14 +397,14 @@ def test_connection_error_text_is_redacted(tmp_path, monkeypatch, caplog, capsys
 
 
 @pytest.mark.e2e
-def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypatch, capsys):
+def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypatch, capsys, workdir):
     url, artifact_root = mlflow_server
     monkeypatch.chdir(tmp_path)  # a fallback to the default store would land here, not in the repo
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(ARITH, [*OVERRIDES, f"tracking.mlflow_uri={url}"])
     flat_params = {k: str(v) for k, v in flatten(cfg).items()}
     assert flat_params["tracking.mlflow_uri"] == url
-    uri, run_id = exercise(cfg, None, tmp_path)
+    uri, run_id = exercise(cfg, None, tmp_path, workdir / "artifacts" / "tiny-model" / "init")
     assert uri == url
     from mlflow import MlflowClient
 
@@ -401,3 +429,145 @@ def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypa
     assert run.data.params["tracking.mlflow_uri"] == "None"
     for k, v in [*run.data.params.items(), *run.data.tags.items()]:
         assert SECRET not in v, (k, v)
+
+
+# --------------------------------------------------------------------- MLflow 3 objects of a run
+
+def test_experiment_name_resolution(monkeypatch):
+    from infra.tracking import resolve_experiment
+
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    cfg = load_config(ARITH, ["job.name=track-test"])
+    assert cfg.tracking.experiment is None
+    assert resolve_experiment(cfg) == "posttrain"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    assert resolve_experiment(cfg) == "from-env"
+    assert resolve_experiment(load_config(ARITH, OVERRIDES)) == "posttrain-test"  # the config's own name wins
+
+
+def test_run_url_and_ui_command():
+    from infra.tracking import run_url, ui_command
+
+    assert run_url("http://127.0.0.1:5123", "7", "abc") == "http://127.0.0.1:5123/#/experiments/7/runs/abc"
+    assert run_url(f"https://user:{SECRET}@mlflow.example/team/?x=1", "2", "r") == \
+        "https://mlflow.example/team/#/experiments/2/runs/r"
+    assert run_url("sqlite:////tmp/x/mlflow.db", "0", "r") == "http://127.0.0.1:5000/#/experiments/0/runs/r"
+    assert ui_command("sqlite:////tmp/x/mlflow.db") == "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db"
+    assert ui_command("http://127.0.0.1:5000") is None
+
+
+def test_completion_rows_are_spread_over_the_batch():
+    from infra.tracking_items import completions_frame
+    from rl_core.tasks import Example
+
+    examples = [Example(f"{i}+1=", str(i + 1)) for i in range(10)]
+    texts = [f"text {i}" for i in range(10)]
+    rewards = [float(i) / 10 for i in range(9)] + [None]
+    frame = completions_frame(4, 2, examples, texts, rewards, 4, ["stop"] * 9 + ["length"])
+    assert len(frame) == 4 and set(frame["step"]) == {4} and set(frame["attempt"]) == {2}
+    picked = [int(t.split()[1]) for t in frame["completion"]]
+    assert picked[0] == 0 and picked[-1] == 9 and len(set(picked)) == 4 and picked == sorted(picked)
+    for _, row in frame.iterrows():  # each row keeps its own prompt, answer, reward and finish reason together
+        i = int(row["completion"].split()[1])
+        assert (row["prompt"], row["answer"]) == (examples[i].prompt, examples[i].answer)
+        assert (row["reward"] == rewards[i]) if rewards[i] is not None else math.isnan(row["reward"])
+        assert row["finish_reason"] == ("length" if i == 9 else "stop")
+    assert len(completions_frame(1, 1, examples[:2], texts[:2], rewards[:2], 8)) == 2
+
+
+def test_dataset_sources_name_the_file_or_the_hub_dataset(tmp_path):
+    from infra.tracking_items import dataset_source
+
+    local = tmp_path / "train.jsonl"
+    local.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert dataset_source(str(local), None) == local.resolve().as_uri()
+    hub = dataset_source("openai/gsm8k:test", "main")
+    assert (type(hub).__name__, hub.path, hub.split, hub.config_name) == ("HuggingFaceDatasetSource", "openai/gsm8k",
+                                                                          "test", "main")
+    assert dataset_source("org/prompts", None).split == "train"  # what the tasks load when no split is named
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_mlflow3_objects_on_a_server(mlflow_server, workdir, tmp_path, monkeypatch):
+    """One tracked run on a loopback `mlflow server`: MLflow's standard tags, system metrics, the experiment from
+    $MLFLOW_EXPERIMENT_NAME, the two data splits as dataset inputs, the completions table, the final model as a
+    registered LoggedModel that loads back with the same weights, and the run's UI address."""
+    import mlflow
+    import pandas as pd
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from rl_core.tasks import get_task
+
+    url, _ = mlflow_server
+    monkeypatch.chdir(workdir)  # the config's data paths are relative to it
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    model_dir = workdir / "artifacts" / "tiny-model" / "init"
+    cfg = load_config(ARITH, ["job.name=mlflow3", f"tracking.mlflow_uri={url}",
+                              "tracking.registered_model_name=posttrain-tiny"])
+    task = get_task(cfg.data.task)
+    train, val = task.load(cfg.data.train, cfg.data), task.load(cfg.data.val, cfg.data)
+    batch = train[:6]
+    texts = [f"{e.answer} done {i}" for i, e in enumerate(batch)]
+    rewards = [1.0, 0.0, 0.5, 1.0, 0.25, 0.0]
+
+    with RunTracker() as tracker:
+        run_id = tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=[], objective_identity=IDENTITY)
+        tracker.log_datasets(cfg, train=train, val=val)
+        for step in (1, 2):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+            tracker.log_completions(step, batch, texts, rewards, count=3, finish_reasons=["stop"] * 6)
+        time.sleep(2.5)  # a few system-metrics samples at a 1 s interval
+        info = tracker.log_model(model_dir, cfg, step=2)
+        assert tracker.url == f"{url}/#/experiments/{tracker.experiment_id}/runs/{run_id}"
+    no_fluent_leftovers()
+
+    client = MlflowClient(tracking_uri=url)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "from-env"
+    tags = run.data.tags
+    assert tags["mlflow.user"] == getpass.getuser()
+    assert tags["mlflow.source.name"] == sys.argv[0] and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.git.commit"] == git("rev-parse", "HEAD").strip()
+    assert tags["mlflow.runName"] == "mlflow3"
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
+
+    # dataset inputs: the two splits, by context, each with its source file and its row count
+    inputs = {t.value: d.dataset for d in run.inputs.dataset_inputs for t in d.tags if t.key == "mlflow.data.context"}
+    assert set(inputs) == {"training", "validation"}
+    for context, key, rows in (("training", cfg.data.train, train), ("validation", cfg.data.val, val)):
+        ds = inputs[context]
+        assert ds.name == key and ds.source_type == "local"
+        assert json.loads(ds.source)["uri"] == (workdir / key).resolve().as_uri()
+        assert json.loads(ds.profile)["num_rows"] == len(rows) == len((workdir / key).read_text().splitlines())
+    assert inputs["training"].digest != inputs["validation"].digest
+
+    # the completions table: 3 rows per logged step, each a completion of the batch with its own reward
+    local = client.download_artifacts(run_id, "completions.json", str(tmp_path))
+    table = pd.read_json(local, orient="split")
+    assert list(table["step"]) == [1, 1, 1, 2, 2, 2] and set(table["attempt"]) == {1}
+    for _, row in table.iterrows():
+        i = texts.index(row["completion"])
+        assert (row["prompt"], row["reward"]) == (batch[i].prompt, rewards[i])
+    assert {"path": "completions.json", "type": "table"} in json.loads(tags["mlflow.loggedArtifacts"])
+
+    # the final model: a LoggedModel of the run, registered, that loads back with the trained weights
+    (model,) = logged_models(url, run.info.experiment_id)
+    assert (model.model_id, model.source_run_id, model.name) == (info.model_id, run_id, "mlflow3")
+    assert model.tags["posttrain.job_name"] == "mlflow3"
+    version = client.get_model_version("posttrain-tiny", "1")
+    assert (version.source, version.run_id) == (f"models:/{model.model_id}", run_id)
+    with monkeypatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", url)
+        loaded = mlflow.transformers.load_model(f"models:/{model.model_id}", return_type="components")
+    saved = load_file(model_dir / "model.safetensors")
+    state = loaded["model"].state_dict()
+    assert set(saved) <= set(state)
+    assert all(state[k].equal(v) for k, v in saved.items())
+    from transformers import AutoTokenizer
+
+    assert loaded["tokenizer"]("12+34=")["input_ids"] == AutoTokenizer.from_pretrained(model_dir)("12+34=")["input_ids"]

@@ -16,6 +16,7 @@ import subprocess
 from importlib.metadata import version
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -139,15 +140,14 @@ def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, s
     want = numeric_history(records)
     for family in ("train/", "rollout/", "perf/", "val/"):
         assert any(k.startswith(family) for k in want), family
-    assert set(mlrun.data.metrics) == set(want)
+    assert {k for k in mlrun.data.metrics if not k.startswith("system/")} == set(want)  # system/*: MLflow's samples
     for key, points in want.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert got == points, key
 
     # artifacts
     names = all_artifacts(client, run_id)
-    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png", "model/model.safetensors",
-                 "model/config.json"):
+    for name in ("config_resolved.yaml", "provenance/attempt_1.json", "plots/curve.png", "completions.json"):
         assert name in names, (name, names)
     assert not any(n.startswith("provenance/attempt_2") for n in names)
     local = download_all(client, run_id, tmp_path / "artifacts")
@@ -157,21 +157,49 @@ def check_run(client, run: dict, tmp_path: Path, *, expected_params: dict[str, s
     assert prov["prefect_flow_run_id"] == run["flow_run_id"] and prov["git_sha"] == tags["posttrain.git_sha"]
     assert (local / "plots" / "curve.png").read_bytes() == (run_dir / "curve.png").read_bytes()
     assert (local / "plots" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # sample completions of the last step (tracking.sample_completions_every is longer than the run), with rewards
+    table = pd.read_json(local / "completions.json", orient="split")
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n
+    assert list(table["step"]) == [cfg.rl.max_steps] * min(cfg.tracking.sample_completions, batch)
+    assert table["reward"].between(0.0, 1.0).all() and table["prompt"].str.fullmatch(r"\d+\+\d+=").all()
+
+    # the data splits as dataset inputs
+    inputs = {t.value: d.dataset.name for d in mlrun.inputs.dataset_inputs for t in d.tags}
+    assert inputs == {"training": cfg.data.train, "validation": cfg.data.val}
+
+    # the final model: a LoggedModel of the run at the last step, its files those of final_model/
+    (model,) = client.search_logged_models([experiment.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    assert model.name == cfg.job.name
+    assert [(o.model_id, o.step) for o in mlrun.outputs.model_outputs] == [(model.model_id, cfg.rl.max_steps)]
+    files = download_model(client, model, tmp_path / "model") / "model"
     final = run_dir / "final_model"
-    assert sorted(p.name for p in (local / "model").iterdir()) == sorted(p.name for p in final.iterdir())
+    assert sorted(p.name for p in files.iterdir()) == sorted(p.name for p in final.iterdir())
     for p in final.iterdir():
-        assert (local / "model" / p.name).read_bytes() == p.read_bytes(), p.name
+        assert (files / p.name).read_bytes() == p.read_bytes(), p.name
+    assert run["result"]["mlflow_url"].endswith(f"/#/experiments/{experiment.experiment_id}/runs/{run_id}")
     return run_id
+
+
+def download_model(client, model, dst: Path) -> Path:
+    from mlflow.artifacts import download_artifacts
+
+    return Path(download_artifacts(artifact_uri=model.artifact_location, dst_path=str(dst),
+                                   tracking_uri=client._tracking_client.tracking_uri))
 
 
 def assert_no_secret_in_mlflow(client, run_id: str, dst: Path, secrets: list[str]) -> None:
     mlrun = client.get_run(run_id)
     texts = [*mlrun.data.params, *mlrun.data.params.values(), *mlrun.data.tags, *mlrun.data.tags.values(),
              *mlrun.data.metrics]
+    files = [p for p in download_all(client, run_id, dst).rglob("*") if p.is_file()]
+    assert len(files) >= 4
+    models = client.search_logged_models([mlrun.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    assert len(models) == 1
+    for model in models:  # the final model: its params (the run's), tags and files
+        files += [p for p in download_model(client, model, dst / "models" / model.model_id).rglob("*") if p.is_file()]
+        texts += [*model.params.values(), *model.tags.values()]
     for secret in secrets:
         assert not [t for t in texts if secret in t], secret
-    files = [p for p in download_all(client, run_id, dst).rglob("*") if p.is_file()]
-    assert len(files) >= 5
     for path in files:
         data = path.read_bytes()
         for secret in secrets:

@@ -24,6 +24,9 @@ from rl_core.registry import build_objective
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flat_configs"
 CUSTOM = "rl.objective={type: custom, import_path: 'examples.custom_objective:build_objective'}"
+# a saved config names the experiment it went to (then the default, written out); a recipe now leaves it to
+# $MLFLOW_EXPERIMENT_NAME or "posttrain"
+SAVED_EXPERIMENT = "tracking.experiment=posttrain"
 # fixture -> the current recipe and overrides that build the same run
 NOW = {
     "arithmetic": ("recipes/arithmetic.py", []),
@@ -47,7 +50,7 @@ def test_a_saved_flat_config_loads_to_the_same_run_and_objective(name):
     with pytest.warns(LegacyConfigWarning, match="rl.objective"):
         old = config_from_dict(saved)
     recipe, overrides = NOW[name]
-    now = load_config(recipe, overrides)
+    now = load_config(recipe, [*overrides, SAVED_EXPERIMENT])
     assert old.model_dump() == now.model_dump()
     assert old.rl.objective.type == saved["job"]["algorithm"] or (name == "custom" and old.rl.objective.type == "custom")
     identity = build_objective(old, ObjectiveContext.from_config(old)).identity
