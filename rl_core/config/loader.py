@@ -231,17 +231,16 @@ def _describe(err: dict) -> str:
     return f"{loc}={shown}: {err['msg']}"
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> bool:
-    """Set `a.b.c` in a nested dict; returns False when a parent is not a section."""
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set `a.b.c` in a nested dict (a key the schema knows), adding the sections the dict leaves out (their
+    other keys then take the schema's defaults); a parent holding a value rather than a section is replaced."""
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            return False
-        node = nxt
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
     node[parts[-1]] = value
-    return True
 
 
 def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | None = None) -> PosttrainConfig:

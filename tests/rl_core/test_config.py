@@ -148,6 +148,14 @@ def test_unknown_key_in_a_yaml_file_is_reported(tmp_path):
     assert "rollout.temprature" in str(info.value) and "rollout.temperature" in str(info.value)
 
 
+def test_an_override_applies_where_the_dict_leaves_its_section_out():
+    """A partial dict (a section absent, or null) takes the override; nothing is dropped silently."""
+    cfg = config_from_dict({"job": {"name": "partial"}, "model": {"lora": None}},
+                           ["tracking.keep_checkpoints=5", "tracking.s3.max_attempts=4", "model.lora.r=8"])
+    assert (cfg.job.name, cfg.tracking.keep_checkpoints, cfg.tracking.s3.max_attempts) == ("partial", 5, 4)
+    assert cfg.model.lora.r == 8 and PosttrainConfig().tracking.keep_checkpoints != 5
+
+
 @pytest.mark.parametrize(
     "override, replacement",
     [("rl.objective=degenerate", "rl.objective.type=legacy_pg"),
