@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 # the `-- key=value` form, shown at the end of `posttrain --help`, `run --help` and `validate --help`
@@ -23,6 +24,16 @@ overrides: a dotlist after `--` (list the keys with `posttrain keys`), e.g.
   posttrain {cmd} recipes/arithmetic.py -- "data.rewards=[{{path: 'my_pkg.rewards:correct', weight: 1.0}}]"
 """
 OVERRIDE_COMMANDS = ("validate", "run")
+
+
+def _shell_join(words: list[str]) -> str:
+    """Words as a shell line: bare when safe, else in double quotes when nothing in them is special there (the
+    README's `"data.rewards=[{path: '...'}]"`), else shlex's quoting."""
+    def quote(word: str) -> str:
+        if shlex.quote(word) == word:
+            return word
+        return f'"{word}"' if not any(c in word for c in '"$`\\!') else shlex.quote(word)
+    return " ".join(quote(w) for w in words)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             # `posttrain run recipe k=v` (the `--` forgotten): say what was meant rather than "unrecognized"
             rest = [a for a in own if a not in extra]
             print(f"posttrain {args.command}: overrides go after `--`; did you mean: "
-                  f"posttrain {' '.join(rest)} -- {' '.join(extra + overrides)}?", file=sys.stderr)
+                  f"posttrain {_shell_join(rest)} -- {_shell_join(extra + overrides)}?", file=sys.stderr)
             return 2
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in OVERRIDE_COMMANDS:

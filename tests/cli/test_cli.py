@@ -162,3 +162,14 @@ def test_validate_a_gpu_recipe_on_a_cpu_machine(capsys, monkeypatch):
     assert rc == 1 and "no GPU on this machine" in err and "recipes/grpo_gsm8k_cpu.py" in err
     rc, _, _ = run(capsys, "validate", "--no-env", recipe("grpo_gsm8k"))
     assert rc == 0
+
+
+def test_the_hint_quotes_an_override_as_the_shell_needs_it(capsys):
+    rc, _, err = run(capsys, "run", "recipes/x.py", "data.rewards=[{path: 'my_pkg.rewards:correct'}]")
+    assert rc == 2
+    assert "-- \"data.rewards=[{path: 'my_pkg.rewards:correct'}]\"?" in err
+
+
+def test_run_params_help_shows_its_override_form(capsys):
+    rc, out, _ = run(capsys, "run-params", "--help")
+    assert rc == 0 and "posttrain run-params recipes/arithmetic.py rl.optimizer.lr=2e-4 rl.max_steps=50" in out
