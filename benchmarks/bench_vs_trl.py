@@ -142,8 +142,6 @@ def mirror_warnings(cfg) -> list[str]:
         out.append("rl.mini_batch_per_replica is set: TRL takes one update per batch")
     if cfg.model.compute_dtype != "float32":
         out.append(f"model.compute_dtype={cfg.model.compute_dtype}: TRL runs in float32")
-    if rl.temperature != cfg.rollout.temperature:
-        out.append(f"rl.temperature={rl.temperature}: TRL's log-probs use the sampling temperature")
     if rl.optimizer.warmup_steps:
         out.append(f"rl.optimizer.warmup_steps={rl.optimizer.warmup_steps}: TRL's schedule is constant")
     return out

@@ -4,6 +4,7 @@
     posttrain run RECIPE [-- key=value ...]        run the recipe's flow (GRPO family, OPD or DPO)
     posttrain init-model | warm-start | make-data  build the tiny model and data (what the DVC stages call)
     posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml overrides
+    posttrain keys [PREFIX] [--type T]              the config keys with type, default and description
 
 Overrides come as a dotlist after `--`, e.g. `posttrain run recipes/arithmetic.py -- rl.max_steps=20`.
 """
@@ -12,7 +13,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+
+# the `-- key=value` form, shown at the end of `posttrain --help`, `run --help` and `validate --help`
+OVERRIDE_EXAMPLES = """\
+overrides: a dotlist after `--` (list the keys with `posttrain keys`), e.g.
+  posttrain {cmd} recipes/arithmetic.py -- rl.optimizer.lr=2e-4 rl.max_steps=50
+  posttrain {cmd} recipes/gspo_gsm8k.py -- rl.objective.epsilon_high=5e-4 rollout.temperature=0.8
+  posttrain {cmd} recipes/arithmetic.py -- "data.rewards=[{{path: 'my_pkg.rewards:correct', weight: 1.0}}]"
+"""
+OVERRIDE_COMMANDS = ("validate", "run")
+
+
+def _shell_join(words: list[str]) -> str:
+    """Words as a shell line: bare when safe, else in double quotes when nothing in them is special there (the
+    README's `"data.rewards=[{path: '...'}]"`), else shlex's quoting."""
+    def quote(word: str) -> str:
+        if shlex.quote(word) == word:
+            return word
+        return f'"{word}"' if not any(c in word for c in '"$`\\!') else shlex.quote(word)
+    return " ".join(quote(w) for w in words)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -36,17 +57,21 @@ def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
         print(redact_message(str(exc)), file=sys.stderr)
         return 1
     report = preflight(cfg)
+    if report.ok and not args.no_env:  # what `run` checks next (rl_core.config.preflight.check): this machine
+        from rl_core.config.environment import environment_problems
+
+        report.errors.extend(environment_problems(cfg))
     # every value a URI may carry credentials in (data, models, addresses) is printed through the redactor
     print(yaml.safe_dump(redact(config_dict(cfg)), sort_keys=False, default_flow_style=False), end="")
     print(f"# config hash: {config_hash(cfg)}")
     print(redact_message(report.render()), file=sys.stderr if report.errors else sys.stdout)
-    memory_ok = print_memory_plan(cfg)
+    memory_ok = print_memory_plan(cfg, reported=report.errors)
     return 0 if report.ok and memory_ok else 1
 
 
-def print_memory_plan(cfg) -> bool:
+def print_memory_plan(cfg, reported: list[str] = ()) -> bool:
     """Print the preflight memory plan (or why there is none); False when a GPU role does not fit its GPU or a node's
-    host memory its RAM."""
+    host memory its RAM. A problem already in `reported` (the environment checks') is not printed twice."""
     import os
 
     from rl_core.config.environment import planned_memory
@@ -61,7 +86,8 @@ def print_memory_plan(cfg) -> bool:
     print(redact_message(plan.render()))
     problems = plan.problems()
     for problem in problems:
-        print(redact_message(f"  memory error: {problem}"), file=sys.stderr)
+        if problem not in reported:
+            print(redact_message(f"  memory error: {problem}"), file=sys.stderr)
     return not problems
 
 
@@ -97,19 +123,35 @@ def summary_line(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="RL post-training pipeline (Prefect flows on Ray).")
+    from importlib.metadata import version
+
+    parser = argparse.ArgumentParser(prog="posttrain", description="RL post-training pipeline (Prefect flows on Ray).",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=OVERRIDE_EXAMPLES.format(cmd="run"))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('posttrain')}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="print the resolved config, the preflight report and the memory plan "
-                                      "(exit 1 on errors or when a GPU role does not fit its GPU)")
+                                      "(exit 1 on errors or when a GPU role does not fit its GPU)",
+                       description="Check a recipe as `posttrain run` does before it starts anything: the config, "
+                                   "the rules across fields, this machine (GPUs, vLLM, the model, the data) and "
+                                   "the memory plan.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=OVERRIDE_EXAMPLES.format(cmd="validate"))
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
+    p.add_argument("--no-env", action="store_true",
+                   help="check the config alone: skip the checks of this machine (GPUs, vLLM, model and data "
+                        "paths), e.g. to validate a GPU recipe on a laptop")
     p.set_defaults(handler=cmd_validate)
-    p = sub.add_parser("run", help="run a recipe's flow")
+    p = sub.add_parser("run", help="run a recipe's flow", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=OVERRIDE_EXAMPLES.format(cmd="run"))
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
     from cli.build import add_build_commands
+    from cli.keys import add_keys_command
     from cli.report import add_report_commands
     from cli.services import add_service_commands
 
+    add_keys_command(sub)
     add_build_commands(sub)
     add_report_commands(sub)
     add_service_commands(sub)
@@ -120,8 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(PRIVATE_UMASK)
     argv = list(sys.argv[1:] if argv is None else argv)
     own, overrides = _split_overrides(argv)
-    args = build_parser().parse_args(own)
-    if args.command in ("validate", "run"):
+    parser = build_parser()
+    args, extra = parser.parse_known_args(own)
+    if extra:
+        if args.command in OVERRIDE_COMMANDS and all("=" in a and not a.startswith("-") for a in extra):
+            # `posttrain run recipe k=v` (the `--` forgotten): say what was meant rather than "unrecognized"
+            rest = [a for a in own if a not in extra]
+            print(f"posttrain {args.command}: overrides go after `--`; did you mean: "
+                  f"posttrain {_shell_join(rest)} -- {_shell_join(extra + overrides)}?", file=sys.stderr)
+            return 2
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in OVERRIDE_COMMANDS:
         return args.handler(args, overrides)
     if overrides:
         print(f"posttrain {args.command}: takes no '-- overrides'", file=sys.stderr)

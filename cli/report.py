@@ -186,8 +186,11 @@ def add_report_commands(subparsers) -> None:
     p.set_defaults(handler=cmd_summarize)
 
     p = subparsers.add_parser(
-        "run-params", help="posttrain run RECIPE with the overrides of params.yaml (the DVC train stage)"
-    )
+        "run-params", help="posttrain run RECIPE with the overrides of params.yaml (the DVC train stage)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example (the overrides here come without `--`, after the params file's):\n"
+               "  posttrain run-params recipes/arithmetic.py rl.optimizer.lr=2e-4 rl.max_steps=50 --run-dir "
+               "runs/arithmetic")
     p.add_argument("recipe", help="recipes/<name>.py")
     p.add_argument("fixed", nargs="*", metavar="KEY=VALUE", help="overrides applied after the params file's")
     p.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")

@@ -44,15 +44,16 @@ class ClippedAdvantagePG:
 
 def build_objective(rl, context, clip: float = ADVANTAGE_CLIP) -> Objective:
     """Called as build_objective(rl, context, **rl.objective.kwargs): `rl` is the config's rl section,
-    `context` holds rollout.max_tokens and the policy's identity, `clip` comes from the config's kwargs.
+    `context` holds rollout.max_tokens, rollout.temperature and the policy's identity, `clip` comes from the
+    config's kwargs.
     Everything that changes the math goes in `identity` (the kwargs are added to it for you)."""
     if not clip > 0:
         raise ValueError(f"rl.objective.kwargs.clip={clip}: must be > 0")
     return Objective(
-        fn=ClippedAdvantagePG(rl.temperature, clip),
+        fn=ClippedAdvantagePG(context.temperature, clip),
         reduction=Reduction.TOKEN_SUM,
         metric_adapter=MetricAdapter({"pg_loss": "loss", "advantage_clip_frac": "advantage_clip_frac"}),
-        identity={"objective": "clipped_advantage_pg", "advantage_clip": clip, "temperature": rl.temperature,
+        identity={"objective": "clipped_advantage_pg", "advantage_clip": clip, "temperature": context.temperature,
                   "policy": dict(context.policy_identity)},
     )
 

@@ -1,4 +1,4 @@
-"""The CLI's live view of a run (step, reward, loss, accuracy, tokens/s) with rich."""
+"""The CLI's live view of a run (step, reward, loss, accuracy, tokens/s, time left) with rich."""
 
 from __future__ import annotations
 
@@ -6,20 +6,33 @@ import sys
 from typing import Any, Self
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+# The time left is rich's: steps still to run / the step rate over this window (evaluations and checkpoints
+# included), so a run of minutes-long steps still has several steps in it.
+ETA_WINDOW_S = 3600.0
 
 
 class RunProgress:
     """A rich progress bar on a terminal; a plain line every `every` steps elsewhere (logs, workers)."""
 
-    def __init__(self, total: int, name: str, start: int = 0, every: int = 10):
+    def __init__(self, total: int, name: str, start: int = 0, every: int = 10, clock=None):
+        """`clock`: seconds now (default: the console's monotonic clock); the time left is measured with it."""
         self.console = Console(stderr=True)
         self.live = self.console.is_terminal
         self.every = every
         self.total = total
         self.progress = Progress(
             TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(), console=self.console, disable=not self.live,
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console, disable=not self.live,
+            speed_estimate_period=ETA_WINDOW_S, get_time=clock,
         )
         self.task = self.progress.add_task(name, total=total, completed=start, stats="")
         self.last_acc: float | None = None
@@ -49,4 +62,14 @@ class RunProgress:
         step = record["step"]
         self.progress.update(self.task, completed=step, stats=stats)
         if not self.live and (step % self.every == 0 or step == self.total or "val/accuracy" in record):
-            print(f"step {step}/{self.total}: {stats}", file=sys.stderr, flush=True)
+            eta = self.eta()
+            print(f"step {step}/{self.total}: {stats}{f' | eta {eta}' if eta else ''}", file=sys.stderr, flush=True)
+
+    def eta(self) -> str | None:
+        """The time left as H:MM:SS (rich's estimate), or None before two steps have been timed or at the end."""
+        task = self.progress.tasks[0]
+        left = task.time_remaining
+        if left is None or task.finished:
+            return None
+        minutes, seconds = divmod(int(left), 60)
+        return f"{minutes // 60:d}:{minutes % 60:02d}:{seconds:02d}"

@@ -291,7 +291,7 @@ class PolicyWorker:
         else:
             reference, _ = load_policy(model_cfg, device=self.device, dtype=self.cfg.model.compute_dtype)
         with self.trainer.autocast():
-            scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rl.temperature,
+            scored = with_reference_logps(reference, batch.to(self.device), temperature=self.cfg.rollout.temperature,
                                           micro_batch_size=micro_batch_size)
         return scored.ref_logp.cpu()
 

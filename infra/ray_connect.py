@@ -19,6 +19,9 @@ from rl_core.placement.run_shape import num_engines
 
 log = logging.getLogger("posttrain.cluster")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+# What the actors would draw into the driver's progress display (Ray streams their output to it): the tqdm bars of
+# vLLM, of transformers' checkpoint-shard loading and of hub downloads. Their logs and errors still come through.
+QUIET_ACTOR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def _address_host(address: str) -> str:
@@ -53,6 +56,32 @@ def auth_token_source() -> str | None:
     return str(default) if token_mode and default.is_file() else None
 
 
+def actor_runtime_env() -> dict:
+    """The job-level runtime_env of the run's Ray actors: `QUIET_ACTOR_ENV`, less any variable this process or the
+    Ray job it runs in (`ray job submit --runtime-env-json`) sets itself: a user's own value wins, and Ray refuses
+    to merge a job's env_vars with a driver's that name the same variable."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    taken = set((job.get("runtime_env") or {}).get("env_vars") or {})
+    return {"env_vars": {k: v for k, v in QUIET_ACTOR_ENV.items() if k not in os.environ and k not in taken}}
+
+
+def quiet_token_auth() -> None:
+    """Token authentication for a local Ray of our own, as Ray's default, without its notice.
+
+    Ray turns token authentication on for a new local cluster when RAY_AUTH_MODE is unset, and then logs "Token
+    authentication is enabled for this Ray cluster ..." into the run's output; with the mode set explicitly (what
+    its notice asks for) it logs nothing. A user's own RAY_AUTH_MODE is left as it is.
+    """
+    if "RAY_AUTH_MODE" not in os.environ:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()  # RAY_AUTH_MODE=token, and the config this process already read is refreshed
+
+
 def connect_ray(cfg: PosttrainConfig) -> bool:
     """Join `cluster.address` / `RAY_ADDRESS`, or start a local Ray of our own; True when we started it.
 
@@ -78,7 +107,7 @@ def connect_ray(cfg: PosttrainConfig) -> bool:
 
             _enable_token_auth()  # RAY_AUTH_MODE=token, and the config this process already read is refreshed
         try:
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
+            ray.init(address=address, log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env())
         except Exception as exc:
             raise ConnectionError(_join_failure(address, exc)) from exc
         log.info("joined Ray cluster at %s", address)
@@ -91,12 +120,13 @@ def start_local_ray(cfg: PosttrainConfig) -> None:
     """A local Ray of our own on 127.0.0.1, with at least the CPUs the run's roles reserve."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     keep_ray_on_loopback()
+    quiet_token_auth()
     c = cfg.cluster
     need = c.num_workers * c.cpus_per_worker + (
         num_engines(cfg) * c.cpus_per_engine if c.placement == "separate" else 0)
     ray.init(address="local", include_dashboard=False,
              num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
-             log_to_driver=True, configure_logging=False)
+             log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env())
     log.info("started a local Ray on 127.0.0.1")
 
 

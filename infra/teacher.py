@@ -2,7 +2,7 @@
 
 `TeacherWorker` receives the resolved config as data (like `PolicyWorker`), loads `model.teacher`
 in the policy's compute dtype (`model.compute_dtype`) on its device, freezes it and answers `score(batch) -> teacher_logp [B, T]`
-with `rl_core.algorithms.opd.teacher_logprobs` at the loss temperature (`rl.temperature`), in chunks
+with `rl_core.algorithms.opd.teacher_logprobs` at the loss temperature (`rollout.temperature`), in chunks
 of `rl.micro_batch_per_replica` rows. There is no weight-sync edge to it: its weights never change.
 
 `TeacherRole` places `cluster.teacher_replicas` of them (default: one per trainer rank) in the trainer ranks'
@@ -72,7 +72,7 @@ class TeacherWorker:
         """`teacher_logp [B, T]` float32 (0 off the loss mask) of the batch's sampled tokens, on CPU."""
         from rl_core.algorithms.opd import teacher_logprobs
 
-        out = teacher_logprobs(self.model, batch.to(self.device), temperature=self.cfg.rl.temperature,
+        out = teacher_logprobs(self.model, batch.to(self.device), temperature=self.cfg.rollout.temperature,
                                micro_batch_size=self.cfg.rl.micro_batch_per_replica)
         return out.cpu()
 

@@ -24,7 +24,6 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
     cfg.rollout.prompts_per_step = 32  # pairs per step
     cfg.rl.objective = DPO(beta=0.1)
-    cfg.rl.temperature = 1.0
     cfg.rl.max_steps = 150
     cfg.rl.optimizer.lr = 3e-5
     cfg.rl.optimizer.max_grad_norm = 1.0

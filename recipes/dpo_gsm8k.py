@@ -25,7 +25,6 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 1024
     cfg.rollout.prompts_per_step = 64  # pairs per step: 16 per worker
     cfg.rl.objective = DPO(beta=0.1)
-    cfg.rl.temperature = 1.0
     cfg.rl.mini_batch_per_replica = 16  # rows (8 pairs): 2 updates per step
     cfg.rl.micro_batch_per_replica = 4  # rows (2 pairs)
     cfg.rl.max_steps = 300

@@ -16,7 +16,6 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.n = 8
     cfg.rollout.prompts_per_step = 64
     cfg.rl.objective = GRPO(epsilon_low=0.2, epsilon_high=0.28, lower_bound_ratio=3.0, loss_type="token-mean")  # clip-higher
-    cfg.rl.temperature = 1.0
     cfg.rl.mini_batch_per_replica = 32  # 4 updates per collected batch on 4 workers
     cfg.rl.micro_batch_per_replica = 8
     cfg.rl.max_steps = 200

@@ -21,10 +21,9 @@ def build_config() -> PosttrainConfig:
     cfg.model.name_or_path = "artifacts/tiny-model/warm"
     cfg.model.teacher = "artifacts/tiny-model/teacher"
     cfg.rollout.max_tokens = 4  # up to 3 answer digits + <eos>
-    cfg.rollout.temperature = 1.0
+    cfg.rollout.temperature = 1.0  # also the trainer's and the teacher's log-prob temperature
     cfg.rollout.n = 4
     cfg.rollout.prompts_per_step = 16
-    cfg.rl.temperature = 1.0  # the teacher scores at the loss temperature (= the sampling temperature)
     # discount 1: an early wrong digit is charged with the teacher's disagreement that follows it
     cfg.rl.objective = OPD(distillation_mode="advantage", kl_coef=1.0, discount=1.0, loss_type="token-mean")
     cfg.rl.max_steps = 60

@@ -25,7 +25,6 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 1024
     cfg.rollout.n = 4
     cfg.rollout.prompts_per_step = 64
-    cfg.rl.temperature = 1.0
     cfg.rl.objective = OPD(distillation_mode="advantage", kl_coef=1.0, discount=0.0, task_reward_weight=0.1,
                            loss_type="token-mean")
     cfg.rl.mini_batch_per_replica = 32  # 2 updates per collected batch on 4 workers

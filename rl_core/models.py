@@ -50,8 +50,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def looks_local(name_or_path: str) -> bool:
-    """The hub-id rule: a hub id is `name` or `org/name`; anything else (./x, /x, ~/x, a/b/c) is a local path."""
-    return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    """Local path or hub id: a path that exists here is local (`ckpt/warm` too, as transformers' `from_pretrained`
+    reads it); otherwise a hub id is `name` or `org/name`, and anything else (./x, /x, ~/x, a/b/c) is a local path
+    that is missing."""
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        return True
+    return Path(name_or_path).exists()
 
 
 def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:

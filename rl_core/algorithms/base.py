@@ -74,7 +74,7 @@ class ObjectiveConfig(BaseModel):
 @dataclass(frozen=True)
 class LossSettings:
     """What a loss function reads: its objective's knobs (attributes fall through to `objective`) plus the two
-    values that live outside the objective's section, `rl.temperature` and `rollout.max_tokens`."""
+    values that live outside the objective's section, `rollout.temperature` and `rollout.max_tokens`."""
 
     objective: ObjectiveConfig
     temperature: float

@@ -2,7 +2,7 @@
 
 Offline: no rollout, no reward, no π_old. For a pair (x, y_w, y_l) with sequence log-probs
 `ℓ_w = Σ_t M ℓ_t` of the chosen and `ℓ_l` of the rejected response (sum over response tokens and
-EOS, at `T = rl.temperature`), and the same under the frozen reference, `β = rl.objective.beta`:
+EOS, at `T = rollout.temperature`), and the same under the frozen reference, `β = rl.objective.beta`:
 
     h      = β [(ℓ_w − ℓ^ref_w) − (ℓ_l − ℓ^ref_l)]        (the margin of implicit rewards)
     loss   = −log σ(h) = softplus(−h)                      per pair
@@ -224,7 +224,7 @@ class DPO(ObjectiveConfig):
         return {
             "objective": "dpo",
             "dpo_beta": self.beta,
-            "temperature": rl.temperature,
+            "temperature": context.temperature,
             "reference": rl.reference,  # None: the frozen initial policy
             "sequence_logp": "sum",
             "reduction": "mean_over_pairs",
@@ -232,10 +232,10 @@ class DPO(ObjectiveConfig):
         }
 
     def build(self, rl: Any, context: ObjectiveContext) -> Objective:
-        """Reads `beta` and `rl.temperature`; `rl.reference` names the model that `with_reference_logps` must be
+        """Reads `beta` and `rollout.temperature` (`context.temperature`); `rl.reference` names the model that `with_reference_logps` must be
         given."""
         return Objective(
-            fn=DPOLoss(self.beta, rl.temperature),
+            fn=DPOLoss(self.beta, context.temperature),
             reduction=Reduction.MEAN,
             metric_adapter=MetricAdapter(dict(DPO_METRIC_NAMES)),
             old_logp_cache=None,

@@ -21,7 +21,6 @@ from rl_core.algorithms.base import (
     LossSettings,
     LossTypeKnob,
     Report,
-    non_default,
 )
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names, surrogate
@@ -112,7 +111,7 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
                          epsilon_high=self.epsilon_high, lower_bound_ratio=self.lower_bound_ratio)
         ident["loss_type"] = self.loss_type
         ident["fixed_divisor"] = context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None
-        ident["temperature"] = rl.temperature
+        ident["temperature"] = context.temperature
         ident["kl_beta"] = self.kl_beta
         if self.kl_beta > 0:
             ident.update(kl_estimator=self.kl_estimator, reference=rl.reference)
@@ -126,15 +125,15 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
     def build(self, rl: Any, context: ObjectiveContext) -> Objective:
         cache = None
         if self.reads_old_logp:
-            cache = OldLogpCache(LogprobScorer(rl.temperature),
+            cache = OldLogpCache(LogprobScorer(context.temperature),
                                  certified_deterministic_forward=self.certified_deterministic_forward,
                                  accelerator_atol=self.certified_forward_atol)
         return Objective(
-            fn=GRPOLoss(LossSettings(self, rl.temperature, context.max_response_length), cache),
+            fn=GRPOLoss(LossSettings(self, context.temperature, context.max_response_length), cache),
             reduction=Reduction.TOKEN_SUM,
             metric_adapter=MetricAdapter(dict(GRPO_METRIC_NAMES)),
             old_logp_cache=cache,
-            reference_scorer=LogprobScorer(rl.temperature) if self.kl_beta > 0 else None,
+            reference_scorer=LogprobScorer(context.temperature) if self.kl_beta > 0 else None,
             identity=self.identity(rl, context),
         )
 
@@ -200,9 +199,6 @@ class LegacyPG(_PolicyGradient):
         if cfg.rollout.temperature != 1.0:
             err(f"rollout.temperature={cfg.rollout.temperature}: rl.objective.type=legacy_pg needs "
                 "rollout.temperature=1.0")
-        if non_default(cfg.rl, "temperature"):
-            err(f"rl.temperature={cfg.rl.temperature}: rl.objective.type=legacy_pg reads no rl.temperature; leave it "
-                f"at its default {type(cfg.rl).model_fields['temperature'].default}")
         if n_mini > 1:
             err(f"rl.mini_batch_per_replica={cfg.rl.mini_batch_per_replica}: gives {n_mini} updates per batch, but "
                 "rl.objective.type=legacy_pg is on-policy only (one update per rollout); remove it or use "

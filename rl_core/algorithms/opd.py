@@ -163,7 +163,7 @@ def teacher_logprobs(teacher: torch.nn.Module, batch, *, temperature: float,
     """The teacher role's per-token log-probs of the student's sampled tokens: `[B, T]` float32, 0 off the loss mask.
 
     Same primitive as the trainer's forward (`LogprobScorer`, `log_softmax(logits / T)` at
-    `T = rl.temperature`), no grad, in chunks of `micro_batch_size` rows. The teacher must share the
+    `T = rollout.temperature`), no grad, in chunks of `micro_batch_size` rows. The teacher must share the
     student's tokenizer (the token ids are the student's). Store the result as
     `batch.replace(teacher_logp=...)`.
     """
@@ -354,7 +354,7 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
             "lower_bound_ratio": self.lower_bound_ratio,
             "loss_type": self.loss_type,
             "fixed_divisor": context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None,
-            "temperature": rl.temperature,
+            "temperature": context.temperature,
         }
         if self.distillation_mode == "advantage":
             ident["opd_kl_coef"] = self.kl_coef
@@ -369,11 +369,11 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
     def build(self, rl: Any, context: ObjectiveContext) -> Objective:
         """The teacher is not part of the objective: its log-probs arrive as `batch.teacher_logp`
         (see `teacher_logprobs`)."""
-        cache = OldLogpCache(LogprobScorer(rl.temperature),
+        cache = OldLogpCache(LogprobScorer(context.temperature),
                              certified_deterministic_forward=self.certified_deterministic_forward,
                              accelerator_atol=self.certified_forward_atol)
         return Objective(
-            fn=OPDLoss(LossSettings(self, rl.temperature, context.max_response_length), cache),
+            fn=OPDLoss(LossSettings(self, context.temperature, context.max_response_length), cache),
             reduction=Reduction.TOKEN_SUM,
             metric_adapter=MetricAdapter(dict(OPD_METRIC_NAMES)),
             old_logp_cache=cache,

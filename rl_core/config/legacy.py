@@ -6,6 +6,12 @@ A saved config of that shape (a run's `config_resolved.yaml`, a checkpoint's con
 `translate`, which moves each knob into `rl.objective` under its new name; the result is the same
 run, with the same objective identity. A recipe or an override that still names an old key is
 refused with the new key (`moved_key_message`): code and command lines are fixed once, by hand.
+
+`rl.temperature`, the trainer's log-prob temperature, had to equal `rollout.temperature` by hand; the one key is
+now `rollout.temperature`. A saved config's `rl.temperature` is dropped when it equals `rollout.temperature`, and
+becomes `rollout.temperature` for an objective that samples nothing (DPO, a custom offline one), whose only
+temperature it was; the objective identity is unchanged either way. Anywhere else it is refused, naming
+`rollout.temperature` (`folded_key_message`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ OLD_DEFAULTS = {
 }
 FIXED_BY_ALGORITHM = ("grpo_surrogate", "importance_sampling_level")  # what job.algorithm pinned
 MOVED_KEYS = {"job.algorithm": "rl.objective.type", **{f"rl.{old}": f"rl.objective.{new}" for old, new in RL_KEYS.items()}}
+# keys whose value another key now owns: old key -> its owner
+FOLDED_KEYS = {"rl.temperature": "rollout.temperature"}
 
 
 class LegacyConfigWarning(UserWarning):
@@ -52,6 +60,40 @@ def moved_key_message(dotted: str, value: Any) -> str:
         hint = " with rl.objective.type=custom"
     return (f"{dotted}={value}: a knob of the objective's own section; use {new}{hint}; see docs/objectives.md "
             "('Configs written before rl.objective')")
+
+
+def folded_key_message(dotted: str, value: Any) -> str:
+    """The refusal of `rl.temperature` in a recipe, an override or a saved config where it cannot be folded."""
+    owner = FOLDED_KEYS[dotted]
+    return (f"{dotted}={value}: retired; {owner} is the one temperature, of sampling and of the trainer's "
+            f"log-probs (the importance ratio compares the two); set {owner}={value} instead")
+
+
+def _samples_nothing(objective: Any) -> bool:
+    """The objective section (a dict) names an offline objective: DPO, or a custom one with step_loop=offline."""
+    from rl_core.registry import OBJECTIVES
+
+    if not isinstance(objective, dict) or objective.get("type") not in OBJECTIVES:
+        return False
+    if objective["type"] == "custom":
+        return objective.get("step_loop") == "offline"
+    return OBJECTIVES[objective["type"]].TOPOLOGY == "offline"
+
+
+def fold_temperature(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's `rl.temperature` folded into `rollout.temperature` (see the module's docstring)."""
+    rl, rollout = data.get("rl"), data.get("rollout")
+    if not isinstance(rl, dict) or "temperature" not in rl or not isinstance(rollout, dict) \
+            or "temperature" not in rollout:
+        return data  # not there, or nothing to compare it with: a set rl.temperature is refused by validation
+    value = rl["temperature"]
+    if value != rollout["temperature"]:
+        if not _samples_nothing(rl.get("objective")):
+            return data  # sampled and trained at two temperatures: refused, naming rollout.temperature
+        warnings.warn(f"rl.temperature={value} (saved) is now rollout.temperature, the one temperature of "
+                      f"rl.objective.type={rl['objective']['type']}'s log-probs", LegacyConfigWarning, stacklevel=3)
+        rollout = {**rollout, "temperature": value}
+    return {**data, "rl": {k: v for k, v in rl.items() if k != "temperature"}, "rollout": rollout}
 
 
 def _infer_type(flat: dict[str, Any]) -> str:
@@ -111,4 +153,4 @@ def translate(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(job, dict) and "algorithm" in job:
         out["job"] = {k: v for k, v in job.items() if k != "algorithm"}
     out["rl"] = translate_rl(dict(rl) if isinstance(rl, dict) else {}, algorithm)
-    return out
+    return fold_temperature(out)

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rl_core.config.legacy import MOVED_KEYS, moved_key_message, translate
+from rl_core.config.legacy import FOLDED_KEYS, MOVED_KEYS, folded_key_message, moved_key_message, translate
 from rl_core.config.schema import PosttrainConfig
 from rl_core.redact import redact_text, redact_uri
 from rl_core.registry import OBJECTIVES
@@ -128,6 +128,8 @@ def closest_keys(dotted: str, n: int = 3) -> list[str]:
 def _unknown_key_message(dotted: str, value: Any) -> str:
     if dotted in MOVED_KEYS:
         return moved_key_message(dotted, value)
+    if dotted in FOLDED_KEYS:
+        return folded_key_message(dotted, value)
     if dotted in RETIRED_KEYS:
         table = RETIRED_KEYS[dotted]
         repl = table.get(str(value) if value is not None else None) or table[None]
@@ -291,6 +293,8 @@ def _moved_key_in(exc: Exception) -> str | None:
         dotted = f"{SECTION_OF.get(exc.title, '?')}.{e['loc'][0] if e['loc'] else ''}"
         if e["type"] == "no_such_attribute" and dotted in MOVED_KEYS:
             return moved_key_message(dotted, e.get("input"))
+        if e["type"] == "no_such_attribute" and dotted in FOLDED_KEYS:
+            return folded_key_message(dotted, e.get("input"))
     return None
 
 

@@ -1,6 +1,6 @@
 """Preflight (docs/config.md): cross-field rules checked before any placement or model construction.
 
-Errors: the temperature contract, group size, batch divisibility, placement; what involves the
+Errors: group size, batch divisibility, placement; what involves the
 objective and another section is the objective class's own `check` (rl_core/algorithms/), called
 from here. Warnings: knobs that are honoured but inert or risky; each distinct warning is emitted
 once per process through `logging` and `warnings`.
@@ -58,10 +58,6 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     objective.check(cfg, err, warn, num_mini_batches(cfg))  # what involves the objective and another section (rl_core/algorithms/)
     rep.errors.extend(user_code_problems(cfg))  # data.rewards by import path: imported and checked
 
-    # -- the temperature contract
-    if topology != "offline" and objective.reads_old_logp and ro.temperature != rl.temperature:
-        err(f"rollout.temperature={ro.temperature} != rl.temperature={rl.temperature}: rl.objective.type={kind} "
-            "compares sampling and training log-probs, which must use the same temperature; set both equal")
     if rl.async_steps:
         if topology != "on_policy":
             err(f"rl.async_steps={rl.async_steps}: only the on-policy step loop overlaps rollout and training, not "

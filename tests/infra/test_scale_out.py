@@ -327,3 +327,17 @@ def test_preflight_warns_about_vllm_inside_a_cpu_trainer():
     separate = preflight(load_config(recipe("arithmetic"), ["rollout.backend=vllm", "cluster.placement=separate"]))
     assert any("prefer cluster.placement=separate" in w for w in colocated.warnings)
     assert not any("prefer cluster.placement=separate" in w for w in separate.warnings)
+
+
+def test_a_one_slash_local_model_directory_reaches_the_actors_absolute(tmp_path, monkeypatch):
+    """`model.name_or_path=ckpt/warm` that exists here is a local directory: the actors get its absolute path,
+    while a missing `org/name` stays a hub id."""
+    from infra.policy_worker import worker_config
+    from rl_core.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt" / "warm").mkdir(parents=True)
+    cfg = load_config(recipe("arithmetic"), ["model.name_or_path=ckpt/warm", "model.teacher=org/teacher"])
+    data = worker_config(cfg)
+    assert data["model"]["name_or_path"] == str((tmp_path / "ckpt" / "warm").resolve())
+    assert data["model"]["teacher"] == "org/teacher"

@@ -187,7 +187,7 @@ def test_fractional_ints_are_refused(override):
     assert override.split("=")[0] in msg and "fractional" in msg
 
 
-@pytest.mark.parametrize("override", ["rollout.n=0", "rollout.max_tokens=-4", "rl.optimizer.lr=0", "rl.temperature=-1.0",
+@pytest.mark.parametrize("override", ["rollout.n=0", "rollout.max_tokens=-4", "rl.optimizer.lr=0", "rollout.temperature=-1.0",
                                       "cluster.num_workers=0", "rl.objective.advantage_eps=0"])
 def test_positive_fields_reject_zero_and_negatives(override):
     key, _ = override.split("=")
@@ -195,7 +195,7 @@ def test_positive_fields_reject_zero_and_negatives(override):
     assert msg.startswith(f"{key}=") and "must be >" in msg
 
 
-@pytest.mark.parametrize("override", ["rl.temperature=nan", "rl.optimizer.lr=inf", "rl.objective.kl_beta=-inf", "rollout.top_p=NaN"])
+@pytest.mark.parametrize("override", ["rollout.temperature=nan", "rl.optimizer.lr=inf", "rl.objective.kl_beta=-inf", "rollout.top_p=NaN"])
 def test_nan_and_inf_are_refused(override):
     (msg,) = errors_of(ARITH, override)
     assert override.split("=")[0] in msg and "NaN" in msg
@@ -245,15 +245,28 @@ def test_every_field_has_a_description():
 # ------------------------------------------------------------------------------------- preflight
 
 
-def test_temperature_contract_clipped():
-    bad = preflight_of(GRPO, "rollout.temperature=0.7")
-    assert any("rollout.temperature=0.7" in e and "rl.temperature" in e for e in bad.errors)
-    assert preflight_of(GRPO, "rollout.temperature=0.7", "rl.temperature=0.7").ok
+def test_one_temperature_the_trainer_follows_the_rollout():
+    """rollout.temperature is the only temperature: the trainer's log-probs, pi_old and the KL reference use it."""
+    from rl_core.algorithms.context import ObjectiveContext
+    from rl_core.registry import build_objective
+
+    assert preflight_of(GRPO, "rollout.temperature=0.7").ok
+    cfg = load_config(GRPO, ["rollout.temperature=0.7", "rl.objective.kl_beta=0.1"])
+    objective = build_objective(cfg, ObjectiveContext.from_config(cfg))
+    assert objective.fn.settings.temperature == 0.7
+    assert objective.old_logp_cache.scorer.temperature == objective.reference_scorer.temperature == 0.7
+    assert objective.identity["temperature"] == 0.7
+    assert "temperature" not in cfg.rl.model_dump()
+
+
+@pytest.mark.parametrize("recipe_path", [GRPO, ARITH])
+def test_the_retired_trainer_temperature_is_refused_naming_rollout_temperature(recipe_path):
+    (msg,) = errors_of(recipe_path, "rl.temperature=0.7")
+    assert msg.startswith("rl.temperature=0.7: retired") and "set rollout.temperature=0.7 instead" in msg
 
 
 def test_temperature_contract_legacy_pg():
     assert any("rollout.temperature=1.0" in e for e in preflight_of(ARITH, "rollout.temperature=0.5").errors)
-    assert any(e.startswith("rl.temperature=") for e in preflight_of(ARITH, "rl.temperature=0.5").errors)
     assert preflight_of(ARITH, "rollout.temperature=1.0").ok
 
 
@@ -341,7 +354,7 @@ def test_warnings_are_emitted_once_each():
 
 
 def test_check_raises_with_every_preflight_error():
-    cfg = load_config(GSPO, ["model.teacher=artifacts/teacher", "rollout.temperature=0.5"])
+    cfg = load_config(GSPO, ["model.teacher=artifacts/teacher", "cluster.teacher_replicas=2"])
     with pytest.raises(ConfigError) as info:
         check(cfg)
     assert len(info.value.problems) == 2

@@ -232,8 +232,8 @@ def test_dpo_training_moves_metrics_the_right_way_and_val_metrics():
 
 
 def test_identity_and_build():
-    ctx = ObjectiveContext(8, {"name_or_path": "policy"})
-    ident = build_objective(RLConfig(dpo_beta=0.25, temperature=0.9, reference="ref/model"), ctx).identity
+    ctx = ObjectiveContext(8, {"name_or_path": "policy"}, temperature=0.9)  # rollout.temperature
+    ident = build_objective(RLConfig(dpo_beta=0.25, reference="ref/model"), ctx).identity
     assert ident["objective"] == "dpo" and ident["dpo_beta"] == 0.25 and ident["temperature"] == 0.9
     assert ident["reference"] == "ref/model" and ident["policy"] == {"name_or_path": "policy"}
     objective = build_objective(RLConfig(objective=DPO()), ctx)
@@ -351,14 +351,15 @@ def test_arithmetic_pairs_with_the_model_use_its_wrong_answers(tmp_path, workdir
 # ------------------------------------------------------------------------------ preflight
 
 
-def dpo_cfg(**rl):
-    return config_from_dict({"rl": {"objective": {"type": "dpo", "beta": rl.pop("beta", 0.1)}, **rl}})
+def dpo_cfg(rollout=None, **rl):
+    return config_from_dict({"rl": {"objective": {"type": "dpo", "beta": rl.pop("beta", 0.1)}, **rl},
+                             "rollout": rollout or {}})
 
 
 
 def test_preflight_dpo_rules():
     assert preflight(dpo_cfg()).ok
-    assert preflight(dpo_cfg(beta=0.5, reference="some/model", temperature=0.8, micro_batch_per_replica=4)).ok
+    assert preflight(dpo_cfg({"temperature": 0.8}, beta=0.5, reference="some/model", micro_batch_per_replica=4)).ok
     found = [e for e in objective_problems(type="grpo", beta=0.5) if e.startswith("rl.objective.beta=")]
     assert found and "rl.objective.type=dpo" in found[0]
     for knob, value in (("epsilon_high", 0.28), ("kl_beta", 0.1), ("loss_type", "seq-mean-token-mean"),

@@ -58,7 +58,8 @@ def test_a_saved_flat_config_loads_to_the_same_run_and_objective(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LegacyConfigWarning)
         assert math_changes(saved, now) == []  # a run of the old shape resumes under the new one
-        assert math_changes(saved, load_config(recipe, [*overrides, "rl.temperature=0.5"])) == ["rl.temperature"]
+        assert math_changes(saved, load_config(recipe, [*overrides, "rollout.temperature=0.5"])) == \
+            ["rollout.temperature"]
 
 
 def test_a_saved_flat_config_with_a_knob_its_objective_never_reads_is_refused_naming_the_new_key():
@@ -95,3 +96,52 @@ def test_an_old_override_is_refused_naming_the_new_key(override, new):
         load_config("recipes/arithmetic.py", [override])
     (problem,) = info.value.problems
     assert problem.startswith(override.split("=")[0]) and new in problem
+
+
+# ------------------------------------------------------------------ rl.temperature, folded into rollout.temperature
+
+
+def saved_with_trainer_temperature(recipe: str, overrides: list[str], rl_temperature: float) -> dict:
+    """A config_resolved.yaml as written while the trainer had its own key, `rl.temperature`."""
+    from rl_core.config.loader import config_dict
+
+    saved = config_dict(load_config(recipe, overrides))
+    saved["rl"] = {**saved["rl"], "temperature": rl_temperature}
+    return saved
+
+
+@pytest.mark.parametrize("recipe, overrides", [("recipes/gspo_gsm8k.py", ["rollout.temperature=0.8"]),
+                                               ("recipes/opd_gsm8k.py", []), ("recipes/arithmetic.py", [])])
+def test_a_saved_rl_temperature_equal_to_the_rollouts_loads_to_the_same_run_and_identity(recipe, overrides):
+    now = load_config(recipe, overrides)
+    saved = saved_with_trainer_temperature(recipe, overrides, now.rollout.temperature)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: the value is the rollout's
+        old = config_from_dict(saved)
+    assert old.model_dump() == now.model_dump()
+    assert build_objective(old, ObjectiveContext.from_config(old)).identity == \
+        build_objective(now, ObjectiveContext.from_config(now)).identity
+    assert build_objective(old, ObjectiveContext.from_config(old)).identity["temperature"] == now.rollout.temperature
+    assert math_changes(saved, now) == []  # such a run resumes
+
+
+def test_a_saved_dpo_rl_temperature_becomes_the_one_temperature_of_its_log_probs():
+    """DPO samples nothing: its rl.temperature was the only temperature it read, so it moves to rollout.temperature
+    and the objective identity (hashed into its checkpoints) keeps it."""
+    saved = saved_with_trainer_temperature("recipes/dpo_arithmetic.py", [], 0.9)
+    assert saved["rollout"]["temperature"] == 1.0
+    with pytest.warns(LegacyConfigWarning, match="rl.temperature=0.9"):
+        old = config_from_dict(saved)
+    assert old.rollout.temperature == 0.9
+    assert build_objective(old, ObjectiveContext.from_config(old)).identity["temperature"] == 0.9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LegacyConfigWarning)
+        assert math_changes(saved, old) == []
+
+
+def test_a_saved_on_policy_config_that_sampled_and_trained_at_two_temperatures_is_refused():
+    saved = saved_with_trainer_temperature("recipes/gspo_gsm8k.py", [], 0.7)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(saved)
+    (problem,) = info.value.problems
+    assert problem.startswith("rl.temperature=0.7: retired") and "rollout.temperature" in problem

@@ -224,3 +224,24 @@ def test_artifacts_and_data_files_are_written_atomically(tmp_path, monkeypatch):
         write_jsonl([{"a": 2}], path)
     assert path.read_text() == '{"a": 1}\n' and [p.name for p in path.parent.iterdir()] == ["x.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "model"] and (model / "config.json").is_file()
+
+
+def test_an_existing_local_directory_with_one_slash_is_local_and_made_absolute(tmp_path, monkeypatch, tiny_dir):
+    """`ckpt/warm` has the shape of a hub id (`org/name`); it exists here, so it is a local directory."""
+    import shutil
+
+    from rl_core.models import looks_local, resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_dir, tmp_path / "ckpt" / "warm")
+    for local in ("ckpt/warm", "./ckpt/warm"):
+        assert looks_local(local)
+        assert resolve_model_path(local) == str((tmp_path / "ckpt" / "warm").resolve())
+    model, _ = load_policy(ModelConfig(name_or_path="ckpt/warm"))
+    assert count_parameters(model) == count_parameters(load_policy(ModelConfig(name_or_path=str(tiny_dir)))[0])
+    # a missing `org/name` is a hub id, left as it is; a missing ./x or a/b/c is a (missing) local path
+    assert not looks_local("Qwen/Qwen2.5-3B-Instruct") and resolve_model_path("Qwen/Qwen2.5-3B-Instruct") == \
+        "Qwen/Qwen2.5-3B-Instruct"
+    assert looks_local("./ckpt/cold") and looks_local("runs/x/final_model")
+    with pytest.raises(FileNotFoundError, match="ckpt/cold"):
+        resolve_model_path("./ckpt/cold")

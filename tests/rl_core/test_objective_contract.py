@@ -135,9 +135,11 @@ def test_identity_contents():
 
     # every math knob moves the identity
     for change in ({"epsilon_high": 0.28}, {"epsilon_low": 0.1}, {"lower_bound_ratio": 0.0},
-                   {"loss_type": "seq-mean-token-sum"}, {"temperature": 0.7}, {"kl_beta": 0.1},
+                   {"loss_type": "seq-mean-token-sum"}, {"kl_beta": 0.1},
                    {"unbiased_advantage": True}, {"advantage_eps": 1e-4}, {"shared_prefix_min_tokens": 4}):
         assert build_objective(RLConfig(**change), CTX).identity != base, change
+    hotter = ObjectiveContext(CTX.max_response_length, CTX.policy_identity, temperature=0.7)  # rollout.temperature
+    assert build_objective(RLConfig(), hotter).identity == {**base, "temperature": 0.7}
     assert build_objective(RLConfig(loss_type="seq-mean-token-sum-fixed"), ObjectiveContext(64)).identity[
         "fixed_divisor"] == 64
 

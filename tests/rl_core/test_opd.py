@@ -226,7 +226,8 @@ def closed_form_opd(model, batch, rl):
     """On-policy step loss and gradient written out: ρ = 1 in value, dρ/dℓ = 1, so the surrogate is
     Σ_i c_i Σ_t M (−A_{i,t}) (ℓ − sg ℓ + 1) / W, A from the batch (advantage) or −c(ℓ) (direct)."""
     model = copy.deepcopy(model)
-    logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=rl.temperature)
+    logp = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask,
+                                   temperature=ObjectiveContext(MAX_LEN).temperature)  # what opd_trainer builds with
     m = batch.loss_mask
     lengths = m.sum(-1)
     knobs = rl.objective
@@ -387,8 +388,8 @@ def test_identity_holds_every_value_that_changes_the_math():
     assert "opd_kl_coef" not in direct and "opd_task_reward_weight" not in direct
     assert direct["policy"] == {"name_or_path": "student"}
     idents = [build_objective(opd_rl(**kw), ctx).identity for kw in
-              ({}, {"opd_discount": 0.5}, {"opd_kl_coef": 2.0}, {"loss_type": "seq-mean-token-mean"},
-               {"temperature": 0.7})]
+              ({}, {"opd_discount": 0.5}, {"opd_kl_coef": 2.0}, {"loss_type": "seq-mean-token-mean"})]
+    idents.append(build_objective(opd_rl(), ObjectiveContext(MAX_LEN, {"name_or_path": "student"}, 0.7)).identity)
     assert len({repr(sorted(i.items())) for i in idents}) == len(idents)
 
 

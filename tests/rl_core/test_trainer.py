@@ -66,8 +66,9 @@ def closed_form_grpo(model, batch, loss_type, kl_beta=0.0, ref_model=None, tempe
     return total.item(), grads_of(model)
 
 
-def grpo_trainer(model, rl, hook=None, opt=NO_CLIP, aux=None):
-    return LLMTrainer(copy.deepcopy(model), build_objective(rl, ObjectiveContext(MAX_LEN)), opt,
+def grpo_trainer(model, rl, hook=None, opt=NO_CLIP, aux=None, temperature=1.0):
+    """`temperature`: rollout.temperature, which the trainer's log-probs follow."""
+    return LLMTrainer(copy.deepcopy(model), build_objective(rl, ObjectiveContext(MAX_LEN, temperature=temperature)), opt,
                       auxiliary_models=aux, dp_reducer=hook)
 
 
@@ -227,11 +228,11 @@ def test_mini_batches_take_one_optimizer_step_each():
 # ------------------------------------------------------------------------------ log-probs, KL anchor
 
 
-def test_logprobs_at_rl_temperature():
+def test_logprobs_at_the_rollout_temperature():
     model, batch = tiny_model(0), make_batch()
     out = {}
     for temperature in (1.0, 0.5):
-        trainer = grpo_trainer(model, RLConfig(temperature=temperature))
+        trainer = grpo_trainer(model, RLConfig(), temperature=temperature)
         metrics = trainer.train_step(batch, 4)
         _, expected_grads = closed_form_grpo(model, batch, "token-mean", temperature=temperature)
         assert max_diff(grads_of(trainer.model), expected_grads) <= TOL

@@ -335,13 +335,13 @@ def test_gspo_recipe_computes_in_bf16_with_ratios_within_tolerance_of_float32():
             p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=g))
     batch = make_batch([(6, 40)] * 4 + [(3, 25)] * 4)
     adv = torch.randn(8, generator=g)
-    rl = cfg.rl
+    rl, temperature = cfg.rl, cfg.rollout.temperature
 
     def ratios_and_loss(dtype):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            old = sequence_token_logprobs(old_model, batch.input_ids, batch.attention_mask, temperature=rl.temperature,
+            old = sequence_token_logprobs(old_model, batch.input_ids, batch.attention_mask, temperature=temperature,
                                           loss_mask=batch.loss_mask)
-            cur = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=rl.temperature,
+            cur = sequence_token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature,
                                           loss_mask=batch.loss_mask)
         assert cur.dtype == torch.float32  # log-probs are float32 whatever the compute dtype
         m = batch.loss_mask

@@ -1,0 +1,175 @@
+"""The `posttrain` command's help, hints, version, key listing and validate's environment checks (in process)."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+from cli.main import main
+from tests.conftest import recipe
+
+ARITH = recipe("arithmetic")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse's --help / --version / usage errors
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ------------------------------------------------------------------------------------------ help, hint, version
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_help_shows_the_override_form_with_real_keys(capsys, command):
+    from rl_core.config.loader import all_keys
+
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0
+    assert f"posttrain {command} recipes/arithmetic.py -- rl.optimizer.lr=2e-4 rl.max_steps=50" in out
+    examples = [line for line in out.splitlines() if " -- " in line and line.strip().startswith("posttrain")]
+    keys = {item.split("=", 1)[0].strip('"') for line in examples for item in line.split(" -- ", 1)[1].split()
+            if "=" in item and not item.startswith(("{", "'"))}
+    assert keys and keys <= set(all_keys()), keys - set(all_keys())  # every example names a key that exists
+
+
+def test_top_level_help_shows_the_override_form(capsys):
+    rc, out, _ = run(capsys, "--help")
+    assert rc == 0 and "-- rl.optimizer.lr=2e-4" in out and "keys" in out
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_forgotten_double_dash_gets_the_command_that_was_meant(capsys, command):
+    rc, _, err = run(capsys, command, "recipes/x.py", "rl.optimizer.lr=1e-4", "rl.max_steps=3")
+    assert rc == 2
+    assert f"did you mean: posttrain {command} recipes/x.py -- rl.optimizer.lr=1e-4 rl.max_steps=3?" in err
+    assert "unrecognized arguments" not in err
+
+
+def test_other_unknown_arguments_are_still_refused(capsys):
+    rc, _, err = run(capsys, "run", "recipes/x.py", "--bogus")
+    assert rc == 2 and "unrecognized arguments: --bogus" in err and "did you mean" not in err
+
+
+def test_version(capsys):
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"posttrain {version('posttrain')}"
+
+
+# ------------------------------------------------------------------------------------------ keys
+
+
+def _schema_leaves():
+    """Every leaf key of the schema, walked here independently of cli/keys.py: `(key, objective type, field)`."""
+    from pydantic import BaseModel
+
+    from rl_core.config.schema import PosttrainConfig
+    from rl_core.registry import OBJECTIVES
+
+    out = []
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            key = prefix + name
+            if key == "rl.objective":
+                out.extend((f"{key}.{k}", kind, f) for kind, cls in OBJECTIVES.items()
+                           for k, f in cls.model_fields.items())
+            elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation, key + ".")
+            else:
+                out.append((key, "", field))
+
+    walk(PosttrainConfig, "")
+    return out
+
+
+def _listed(out: str) -> dict[tuple[str, str], str]:
+    """`{(key, objective type): its line}` of `posttrain keys` output."""
+    rows, kind = {}, ""
+    for line in out.splitlines():
+        if line.startswith("# rl.objective.type="):
+            kind = line.split("=", 1)[1]
+        elif line.strip():
+            key = line.split()[0]
+            rows[(key, kind if key.startswith("rl.objective.") else "")] = line
+    return rows
+
+
+def test_keys_lists_every_leaf_with_type_default_and_description(capsys):
+    rc, out, _ = run(capsys, "keys")
+    assert rc == 0
+    rows = _listed(out)
+    leaves = _schema_leaves()
+    assert len(leaves) > 60
+    for key, kind, field in leaves:
+        assert (key, kind) in rows, (key, kind)
+        if field.description:
+            assert rows[(key, kind)].endswith(field.description), key
+    assert "float" in rows[("rl.optimizer.lr", "")] and "1e-06" in rows[("rl.optimizer.lr", "")]
+    assert "'hf' | 'vllm'" in rows[("rollout.backend", "")]
+    assert "0.0003" in rows[("rl.objective.epsilon_low", "gspo")] and "0.2" in rows[("rl.objective.epsilon_low", "grpo")]
+
+
+def test_keys_prefix_and_objective_type_filter(capsys):
+    rc, out, _ = run(capsys, "keys", "rl.optimizer")
+    assert rc == 0 and {k for k, _ in _listed(out)} == {k for k, _, _ in _schema_leaves() if k.startswith("rl.optimizer.")}
+    rc, out, _ = run(capsys, "keys", "rl.objective", "--type", "gspo")
+    from rl_core.registry import OBJECTIVES
+
+    assert rc == 0 and set(_listed(out)) == {(f"rl.objective.{k}", "gspo") for k in OBJECTIVES["gspo"].model_fields}
+    rc, _, err = run(capsys, "keys", "rl.lr")
+    assert rc == 1 and "rl.optimizer.lr" in err
+
+
+# ------------------------------------------------------------------------------------------ validate
+
+
+def test_validate_makes_the_environment_checks_that_run_makes(capsys, monkeypatch):
+    """A missing data file stops `run` (preflight.check); validate reports it too, and --no-env skips it."""
+    from rl_core.config import ConfigError, load_config
+    from rl_core.config.preflight import check
+
+    bad = ["data.train=missing/train.jsonl", "model.name_or_path=./missing/model"]
+    with pytest.raises(ConfigError) as stopped:  # what `run` does before the flow
+        check(load_config(ARITH, bad))
+    rc, _, err = run(capsys, "validate", ARITH, "--", *bad)
+    assert rc == 1
+    for problem in stopped.value.problems:
+        assert problem in err
+    assert "data.train='missing/train.jsonl': no such file" in err and "model.name_or_path='./missing/model': no such local directory" in err
+    rc, _, err = run(capsys, "validate", "--no-env", ARITH, "--", *bad)
+    assert rc == 0 and "missing/train.jsonl" not in err
+
+
+def test_validate_does_not_fail_on_the_quickstart_artifacts_run_builds(capsys, tmp_path, monkeypatch):
+    """A fresh machine (no tiny model, no data): `run` builds them, so validate accepts them missing."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, "validate", ARITH)
+    assert rc == 0, err
+    assert "preflight: ok" in out
+
+
+def test_validate_a_gpu_recipe_on_a_cpu_machine(capsys, monkeypatch):
+    from rl_core.config import environment
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(environment, "visible_gpus", lambda: 0)  # this machine's GPUs, as torch would report none
+    rc, _, err = run(capsys, "validate", recipe("grpo_gsm8k"))
+    assert rc == 1 and "no GPU on this machine" in err and "recipes/grpo_gsm8k_cpu.py" in err
+    rc, _, _ = run(capsys, "validate", "--no-env", recipe("grpo_gsm8k"))
+    assert rc == 0
+
+
+def test_the_hint_quotes_an_override_as_the_shell_needs_it(capsys):
+    rc, _, err = run(capsys, "run", "recipes/x.py", "data.rewards=[{path: 'my_pkg.rewards:correct'}]")
+    assert rc == 2
+    assert "-- \"data.rewards=[{path: 'my_pkg.rewards:correct'}]\"?" in err
+
+
+def test_run_params_help_shows_its_override_form(capsys):
+    rc, out, _ = run(capsys, "run-params", "--help")
+    assert rc == 0 and "posttrain run-params recipes/arithmetic.py rl.optimizer.lr=2e-4 rl.max_steps=50" in out
