@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CURVE_KEYS = ("rollout/reward_mean", "val/accuracy")  # the two headline series (progress line, summary)
+CURVE_KEYS = ("rollout/reward_mean", "val/accuracy")  # the two headline series: the first two panels
 MAX_SPAN = 50  # the longest EMA window, in steps
 
 
