@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.test_layout import _graph, _sources
@@ -132,3 +133,59 @@ def test_the_train_stage_depends_on_exactly_the_code_the_training_imports():
     assert not unused, f"the train stage depends on code it never imports: {unused}"
     assert {"rl_core", "flows", "tasks", "infra", "cli/params.py"} <= code
     assert not {"tests", "docs", "benchmarks", "pipelines", "cli"} & set(deps)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dvc_exp_run_sets_a_train_value_through_run_params(tmp_path):
+    """A DVC project of the train stage's shape, without the training: `resolve` runs the real `posttrain
+    run-params --dry-run` on the real recipe and params.yaml, `summarize` the real `posttrain summarize`.
+    `dvc exp run -S train.rl.optimizer.lr=2e-4` changes the value the config resolves to, and `dvc exp show`
+    lists the parameter of the baseline and the experiment, and the summary's metrics.
+    (tests/flows/test_dvc.py runs `dvc exp run` on the real pipeline, training included.)"""
+    import json
+    import shutil
+    import subprocess
+
+    from tests.flows.test_dvc import BIN, _env
+
+    repo = tmp_path / "project"
+    (repo / "recipes").mkdir(parents=True)
+    shutil.copy(REPO / "recipes" / "arithmetic.py", repo / "recipes")
+    shutil.copy(REPO / "params.yaml", repo)
+    (repo / "run").mkdir()
+    records = [{"step": 0, "val/accuracy": 0.5}, {"step": 1, "rollout/reward_mean": 0.25, "train/loss": 0.5,
+                                                  "val/accuracy": 0.75}]
+    (repo / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "resolve": {"cmd": "posttrain run-params ${run.recipe} --dry-run > resolved.txt",
+                    "deps": ["${run.recipe}"], "params": ["run.recipe", "train"], "outs": ["resolved.txt"]},
+        "summarize": {"cmd": "posttrain summarize run", "deps": ["run/metrics.jsonl"],
+                      "metrics": ["run/summary.json"], "outs": ["run/curve.json"]},
+    }}, sort_keys=False))
+    env = {**_env(tmp_path, REPO), "GIT_AUTHOR_NAME": "posttrain-test", "GIT_AUTHOR_EMAIL": "test@localhost",
+           "GIT_COMMITTER_NAME": "posttrain-test", "GIT_COMMITTER_EMAIL": "test@localhost"}
+
+    def sh(*args: str) -> str:
+        proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+        return proc.stdout
+
+    sh("git", "init", "-q")
+    sh(str(BIN / "dvc"), "init", "-q")
+    sh(str(BIN / "dvc"), "repro")
+    assert "rl.optimizer.lr=0.0001\n" in (repo / "resolved.txt").read_text()
+    sh("git", "add", "-A")
+    sh("git", "commit", "-q", "-m", "baseline")
+
+    sh(str(BIN / "dvc"), "exp", "run", "-n", "faster", "-S", "train.rl.optimizer.lr=2e-4")
+    resolved = (repo / "resolved.txt").read_text()
+    assert "rl.optimizer.lr=0.0002\n" in resolved and "rl.max_steps=300\n" in resolved
+
+    shown = json.loads(sh(str(BIN / "dvc"), "exp", "show", "--json"))
+    (baseline,) = [entry for entry in shown if entry["rev"] != "workspace"]
+    (experiment,) = [rev for group in baseline["experiments"] for rev in group["revs"] if rev["name"] == "faster"]
+    for entry, lr in ((baseline, 1e-4), (experiment, 2e-4)):
+        assert entry["data"]["params"]["params.yaml"]["data"]["train"]["rl"]["optimizer"]["lr"] == lr
+        summary = entry["data"]["metrics"]["run/summary.json"]["data"]
+        assert (summary["initial_val_accuracy"], summary["final_val_accuracy"]) == (0.5, 0.75)
