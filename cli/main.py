@@ -3,7 +3,7 @@
     posttrain validate RECIPE [-- key=value ...]   print the resolved config, the preflight report and the memory plan
     posttrain run RECIPE [-- key=value ...]        run the recipe's flow (GRPO family, OPD or DPO)
     posttrain init-model | warm-start | make-data  build the tiny model and data (what the DVC stages call)
-    posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml overrides
+    posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml's train: values
     posttrain keys [PREFIX] [--type T]              the config keys with type, default and description
 
 Overrides come as a dotlist after `--`, e.g. `posttrain run recipes/arithmetic.py -- rl.max_steps=20`.
@@ -148,12 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_run)
     from cli.build import add_build_commands
     from cli.keys import add_keys_command
+    from cli.params import add_params_command
     from cli.report import add_report_commands
     from cli.services import add_service_commands
 
     add_keys_command(sub)
     add_build_commands(sub)
     add_report_commands(sub)
+    add_params_command(sub)
     add_service_commands(sub)
     return parser
 

@@ -1,25 +1,20 @@
-"""`posttrain summarize | run-params`: the commands the DVC `train` and `evaluate` stages call.
+"""`posttrain summarize`: what the DVC `summarize` stage calls.
 
-    posttrain summarize RUN_DIR [--out-summary PATH] [--out-curve PATH]
-        reads RUN_DIR/metrics.jsonl; writes a flat summary JSON (DVC metrics) and a curve JSON, a
-        list of {step, reward_mean, accuracy} (DVC plots)
-    posttrain run-params RECIPE [KEY=VALUE ...] [--params params.yaml] [--run-dir DIR]
-        `posttrain run RECIPE` with the dotlist `run.overrides` of params.yaml, then KEY=VALUE
-
-`run-params` exists because DVC cannot put a list parameter into a command (`${run.overrides}` is
-refused: "Cannot interpolate data of type 'list'"), and params.yaml must stay the one owner of
-the run's overrides.
+    posttrain summarize RUN_DIR [--out-summary PATH] [--out-curve PATH] [--out-png PATH]
+        reads RUN_DIR/metrics.jsonl; writes a flat summary JSON (DVC metrics), a curve JSON, one
+        {step, <metric>...} point per step for the panels of `infra.plots` (DVC plots; a metric key's
+        `/` becomes `_`: `rollout/reward_mean` -> `rollout_reward_mean`), and optionally the figure
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from infra.plots import PANELS, curve_title, plot_curve, series
 from rl_core.data.jsonl import iter_jsonl
 
 REWARD_KEY = "rollout/reward_mean"
@@ -53,12 +48,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     """`(step, value)` for every record with a finite number under `key`."""
-    out = []
-    for r in records:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out.append((r["step"], float(v)))
-    return out
+    return list(zip(*series(records, key), strict=True))
 
 
 def _last(series: list[tuple[int, float]]) -> float | None:
@@ -100,11 +90,29 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def curve_field(key: str) -> str:
+    """The curve.json field of a metrics key: `rollout/reward_mean` -> `rollout_reward_mean`."""
+    return key.replace("/", "_")
+
+
 def curve_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One point per logged step: `{step, reward_mean, accuracy}`, None where the step has no such value."""
-    reward, accuracy = dict(_series(records, REWARD_KEY)), dict(_series(records, ACCURACY_KEY))
+    """One point per logged step: `{step, <field>: value}` for every metric of the figure's panels (`infra.plots`),
+    None where the step has no such value: every run has the same fields, so `dvc plots` compares any two."""
+    keys = [k for p in PANELS for k in (*p.keys, *((p.band,) if p.band else ()))]
+    values = {k: dict(zip(*series(records, k), strict=True)) for k in keys}
     steps = sorted({r["step"] for r in records})
-    return [{"step": s, "reward_mean": reward.get(s), "accuracy": accuracy.get(s)} for s in steps]
+    return [{"step": s, **{curve_field(k): v.get(s) for k, v in values.items()}} for s in steps]
+
+
+def _run_title(run_dir: Path) -> str | None:
+    """`job.name — objective` from the run's config_resolved.yaml, if it has one."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config_resolved.yaml").read_text()) or {}
+        return curve_title(cfg["job"]["name"], cfg["rl"]["objective"]["type"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -126,74 +134,26 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     curve_path = Path(args.out_curve or run_dir / "curve.json")
     _write_json(summary_path, summary)
     _write_json(curve_path, curve_points(records))
+    if args.out_png:
+        plot_curve(records, args.out_png, _run_title(run_dir) or run_dir.name)
     def fmt(x):
         return "n/a" if x is None else f"{x:.3f}"
 
     print(f"summarize: {summary['steps']} steps, held-out val/accuracy {fmt(summary['initial_val_accuracy'])} before "
           f"training (the warm start, as built on this machine) -> {fmt(summary['final_val_accuracy'])} at step "
-          f"{summary['final_val_step']}; summary -> {summary_path}, curve -> {curve_path}")
-    return 0
-
-
-def params_overrides(params_path: str | Path, key: str) -> list[str]:
-    """The dotlist at `key` (dotted, e.g. `run.overrides`) of a params file; every item a `k=v` string."""
-    import yaml
-
-    path = Path(params_path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such params file")
-    node: Any = yaml.safe_load(path.read_text()) or {}
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ValueError(f"{path}: no key {key!r}; set it to a list of overrides, e.g. [rl.max_steps=50]")
-        node = node[part]
-    if node is None:
-        return []
-    if not isinstance(node, list) or not all(isinstance(x, str) and "=" in x for x in node):
-        raise ValueError(f"{path}: {key} must be a list of 'key=value' strings, got {node!r}")
-    return list(node)
-
-
-def cmd_run_params(args: argparse.Namespace) -> int:
-    from rl_core.config import ConfigError, load_config
-    from rl_core.redact import redact_message
-
-    try:
-        overrides = params_overrides(args.params, args.overrides_key) + list(args.fixed)
-        if args.run_dir is not None:
-            cfg = load_config(args.recipe, overrides)
-            if Path(cfg.run_dir).resolve() != Path(args.run_dir).resolve():
-                raise ValueError(f"the run directory is {cfg.run_dir!r} but this stage's outputs are under "
-                                 f"{args.run_dir!r}; keep job.name/job.out_dir or change dvc.yaml")
-        print(redact_message(f"run-params: posttrain run {args.recipe} -- {' '.join(overrides)}"), flush=True)
-        from flows.entry import run_recipe
-
-        run_recipe(args.recipe, overrides)
-    except (ValueError, ConfigError) as exc:
-        print(redact_message(f"posttrain run-params: {exc}"), file=sys.stderr)
-        return 1
+          f"{summary['final_val_step']}; summary -> {summary_path}, curve -> {curve_path}"
+          + (f", figure -> {args.out_png}" if args.out_png else ""))
     return 0
 
 
 def add_report_commands(subparsers) -> None:
-    """Register `summarize` and `run-params` on `subparsers`."""
+    """Register `summarize` on `subparsers`."""
     p = subparsers.add_parser(
         "summarize", help="summary JSON (DVC metrics) and curve JSON (DVC plots) of a run directory"
     )
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl, e.g. runs/arithmetic")
     p.add_argument("--out-summary", default=None, help="summary JSON path (default RUN_DIR/summary.json)")
     p.add_argument("--out-curve", default=None, help="curve JSON path (default RUN_DIR/curve.json)")
+    p.add_argument("--out-png", default=None, help="also draw the training-curves figure (PNG) to this path")
     p.set_defaults(handler=cmd_summarize)
 
-    p = subparsers.add_parser(
-        "run-params", help="posttrain run RECIPE with the overrides of params.yaml (the DVC train stage)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example (the overrides here come without `--`, after the params file's):\n"
-               "  posttrain run-params recipes/arithmetic.py rl.optimizer.lr=2e-4 rl.max_steps=50 --run-dir "
-               "runs/arithmetic")
-    p.add_argument("recipe", help="recipes/<name>.py")
-    p.add_argument("fixed", nargs="*", metavar="KEY=VALUE", help="overrides applied after the params file's")
-    p.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
-    p.add_argument("--overrides-key", default="run.overrides", help="dotted key of the override list")
-    p.add_argument("--run-dir", default=None, help="fail unless the resolved run directory is this one")
-    p.set_defaults(handler=cmd_run_params)

@@ -28,6 +28,7 @@ from typing import Any, Self
 
 from prefect.runtime import flow_run
 
+from infra.plots import curve_title
 from infra.provenance import dvc_hashes
 from infra.resume import (
     ResumePlan,
@@ -376,7 +377,8 @@ class TrainingRun:
         self.settle(cluster)
         model_dir = save_model_task(cluster, self.run_dir / FINAL_MODEL, self.store)
         self.store.flush()  # every checkpoint is on S3 (or the failure is raised) before the run reports done
-        self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png")
+        self.tracker.log_curve(self.metrics_log.read(), self.run_dir / "curve.png",
+                               curve_title(self.cfg.job.name, self.cfg.rl.objective.type))
         self.tracker.log_model(model_dir, self.cfg, step)
         url, ui = self.tracker.url, ui_command(self.tracker.tracking_uri)
         announce("run finished: %s (metrics: %s)", self.run_dir, self.metrics_log.path)

@@ -81,6 +81,3 @@ class MetricsLog:
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
 
-
-def last_values(records: Iterable[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], r[key]) for r in records if key in r and r[key] is not None]

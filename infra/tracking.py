@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from infra.metrics_log import MetricsLog, last_values  # noqa: F401 - re-exported
+from infra.metrics_log import MetricsLog  # noqa: F401 - re-exported
 from infra.plots import CURVE_KEYS, metric_value, plot_curve  # noqa: F401 - re-exported
 from infra.provenance import canonical_json, git_revision, objective_hash, package_versions
 from infra.tracking_items import run_url, ui_command, using_tracking_uri  # noqa: F401 - re-exported
@@ -37,8 +37,8 @@ log = logging.getLogger("posttrain.tracking")
 # One MLflow run per training run. Params are the flattened resolved config, tags carry the
 # identity of what was run (objective, config hash, code revision, data hashes, versions), metrics
 # are the metrics.jsonl records at their steps (and MLflow's system/* samples), artifacts are the resolved
-# config, one provenance JSON per attempt, the reward/accuracy curve and the `completions.json` table; the
-# data splits are dataset inputs and the final model a LoggedModel. A resumed run continues the same
+# config, one provenance JSON per attempt, the training curves (plots/curve.png) and the `completions.json`
+# table; the data splits are dataset inputs and the final model a LoggedModel. A resumed run continues the same
 # MLflow run and appends `provenance/attempt_<n+1>.json`.
 #
 # The run is opened and ended with MLflow's fluent API (`mlflow.start_run` / `mlflow.end_run`), so MLflow sets its
@@ -330,13 +330,14 @@ class RunTracker:
         for i in range(0, len(metrics), 1000):
             self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=metrics[i:i + 1000])
 
-    def log_curve(self, records: Iterable[dict[str, Any]], path_png: str | os.PathLike) -> Path:
-        """Plot reward/accuracy against step to `path_png` and log it as `plots/curve.png`."""
+    def log_curve(self, records: Iterable[dict[str, Any]], path_png: str | os.PathLike,
+                  title: str | None = None) -> Path:
+        """Plot the training curves (`infra.plots`) to `path_png` and log it as `plots/curve.png`."""
         path = Path(path_png)
         tmp_dir = path.parent / f".curve-{os.getpid()}"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         try:  # the artifact name is fixed whatever the local file is called
-            staged = plot_curve(records, tmp_dir / "curve.png")
+            staged = plot_curve(records, tmp_dir / "curve.png", title)
             self._call("log_artifact", self.client.log_artifact, self.run_id, str(staged), "plots")
             os.replace(staged, path)
         finally:

@@ -26,7 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 QUICKSTART = ("arithmetic_data", "arithmetic_pairs", "tiny_model", "warm_start", "teacher_warm_start", "train",
-              "evaluate")
+              "summarize")
 UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
 GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
 OWN_DATA_STAGE = "pipelines/own_data/dvc.yaml:own_data"
@@ -46,9 +46,9 @@ OUTPUTS = (
     "runs/arithmetic/summary.json",
     "runs/arithmetic/curve.json",
 )
-# A run small enough for CI; the validation cadence makes step 0, every step and the last step evaluated.
-TINY_RUN = ["rollout.prompts_per_step=2", "rollout.n=4", "rl.validation.max_prompts=8",
-            "rl.validation.every_steps=1"]
+# A run small enough for CI, as params.yaml's train: values; the validation cadence makes step 0, every step and
+# the last step evaluated.
+TINY_RUN = {"rollout": {"prompts_per_step": 2, "n": 4}, "rl": {"validation": {"max_prompts": 8, "every_steps": 1}}}
 SUMMARY_KEYS = {
     "steps", "final_step", "initial_val_accuracy", "final_val_accuracy", "final_val_step",
     "best_val_accuracy", "best_val_step", "final_reward_mean", "mean_reward_mean", "final_train_loss",
@@ -130,16 +130,24 @@ def _file_hashes(base: Path, rel: str) -> dict[str, str]:
     return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def _set_run_overrides(clone: Path, max_steps: int) -> None:
+def _merge(tree: dict, values: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _merge(tree.setdefault(key, {}), value)
+        else:
+            tree[key] = value
+
+
+def _set_train_params(clone: Path, max_steps: int) -> None:
+    """params.yaml's train: section with the tiny run's values and `rl.max_steps`."""
     params_path = clone / "params.yaml"
     params = yaml.safe_load(params_path.read_text())
-    params["run"]["overrides"] = [f"rl.max_steps={max_steps}", *TINY_RUN]
+    _merge(params["train"], {**TINY_RUN, "rl": {**TINY_RUN["rl"], "max_steps": max_steps}})
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def _max_steps(clone: Path) -> int:
-    overrides = yaml.safe_load((clone / "params.yaml").read_text())["run"]["overrides"]
-    return int(next(o.split("=", 1)[1] for o in overrides if o.startswith("rl.max_steps=")))
+    return yaml.safe_load((clone / "params.yaml").read_text())["train"]["rl"]["max_steps"]
 
 
 def _commit_lock(clone: Path) -> None:
@@ -195,7 +203,7 @@ def pipeline(tmp_path_factory):
     params["teacher_warm_start"].update(steps=7, batch_size=8)
     params_path = clone / "params.yaml"
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
-    _set_run_overrides(clone, max_steps=2)
+    _set_train_params(clone, max_steps=2)
     started = time.monotonic()
     output = _dvc(clone, env, "repro")
     print(f"dvc repro of the quickstart: {time.monotonic() - started:.1f}s")
@@ -223,9 +231,9 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
     assert set(lock) == set(QUICKSTART)
     assert lock["warm_start"]["params"]["params.yaml"]["warm_start"]["steps"] == 5
     assert "--steps 5 " in lock["warm_start"]["cmd"]
-    assert lock["train"]["params"]["params.yaml"]["run"]["overrides"][0] == f"rl.max_steps={steps}"
+    assert lock["train"]["params"]["params.yaml"]["train"]["rl"]["max_steps"] == steps
 
-    # the run used the overrides of params.yaml plus the stage's fixed ones
+    # the run used the train: values of params.yaml plus the stage's fixed ones
     config = yaml.safe_load((clone / "runs/arithmetic/config_resolved.yaml").read_text())
     assert config["rl"]["max_steps"] == steps and config["rollout"]["n"] == 4
     assert config["rl"]["resume"] == "off" and config["job"]["overwrite"] is True
@@ -236,14 +244,20 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
     assert set(summary) == SUMMARY_KEYS
     assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
     curve = json.loads((clone / "runs/arithmetic/curve.json").read_text())
-    assert curve == [{"step": r["step"], "reward_mean": r.get("rollout/reward_mean"),
-                      "accuracy": r.get("val/accuracy")} for r in records]
+    assert [p["step"] for p in curve] == [r["step"] for r in records]
+    for point, record in zip(curve, records, strict=True):
+        for field in ("rollout_reward_mean", "rollout_reward_std", "val_accuracy", "train_entropy", "train_grad_norm"):
+            assert point[field] == record.get(field.replace("_", "/", 1)), field
+        assert point["train_clip_frac"] is None  # legacy_pg has no ratio to clip
 
     # DVC sees the metrics and the plots
     (shown,) = _dvc_json(clone, env, "metrics", "show").values()  # the workspace, the only revision
     assert shown["data"]["runs/arithmetic/summary.json"]["data"] == summary
     plots = _dvc_json(clone, env, "plots", "show", "-o", str(root / "dvc_plots"))
-    assert "reward and held-out accuracy" in plots["data"]
+    assert not plots.get("errors"), plots.get("errors")  # every field dvc.yaml names is in curve.json
+    for name in ("reward (mean and std over the batch)", "held-out accuracy", "entropy", "grad norm"):
+        assert plots["data"][name], name
+    assert any(name.endswith("curve.png") for name in plots["data"])  # the train stage's figure
 
     # the MLflow run of the train stage is tagged with the dvc.lock hashes of its data and model
     with sqlite3.connect(clone / "mlflow.db") as db:
@@ -264,19 +278,19 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
+def test_changing_a_train_param_reruns_only_train_and_summarize(pipeline):
     _, clone, env, _ = pipeline
     assert _status(clone, env, "dvc.yaml") == {}
     before = _lock(clone)
     steps = _max_steps(clone) + 1
-    _set_run_overrides(clone, max_steps=steps)
+    _set_train_params(clone, max_steps=steps)
 
-    assert set(_status(clone, env, "dvc.yaml")) == {"train"}  # evaluate changes once train has run
+    assert set(_status(clone, env, "dvc.yaml")) == {"train"}  # summarize changes once train has run
     output = _dvc(clone, env, "repro")
     for stage in UPSTREAM_OF_TRAIN:
         assert f"Stage '{stage}' didn't change, skipping" in output, output
         assert f"Running stage '{stage}'" not in output
-    assert "Running stage 'train'" in output and "Running stage 'evaluate'" in output
+    assert "Running stage 'train'" in output and "Running stage 'summarize'" in output
 
     after = _lock(clone)
     for stage in UPSTREAM_OF_TRAIN:
@@ -287,6 +301,43 @@ def test_changing_a_run_param_reruns_only_train_and_evaluate(pipeline):
     summary = json.loads((clone / "runs/arithmetic/summary.json").read_text())
     assert summary["steps"] == steps
     assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
+    assert _status(clone, env, "dvc.yaml") == {}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dvc_exp_run_varies_a_train_hyperparameter_and_exp_show_compares_the_runs(pipeline):
+    """`dvc exp run -S train.rl.optimizer.lr=...` retrains with that learning rate (the data and the model are
+    reused); `dvc exp show` lists the parameter and the summary's metrics of the baseline and the experiment."""
+    _, clone, env, _ = pipeline
+    assert _status(clone, env, "dvc.yaml") == {}
+    _commit_lock(clone)  # the experiment's baseline: the reproduced pipeline, committed
+    baseline_lr = yaml.safe_load((clone / "params.yaml").read_text())["train"]["rl"]["optimizer"]["lr"]
+    git_identity = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
+                    for what, value in (("NAME", "posttrain-test"), ("EMAIL", "test@localhost"))}
+    output = _dvc(clone, {**env, **git_identity}, "exp", "run", "-n", "lr-2e-4", "-S", "train.rl.optimizer.lr=2e-4")
+    assert "Running stage 'train'" in output and "Running stage 'summarize'" in output, output
+    for stage in UPSTREAM_OF_TRAIN:
+        assert f"Running stage '{stage}'" not in output
+
+    # the experiment's run (applied to the workspace) trained with the varied value, through run-params
+    config = yaml.safe_load((clone / "runs/arithmetic/config_resolved.yaml").read_text())
+    assert config["rl"]["optimizer"]["lr"] == 2e-4 != baseline_lr
+    assert config["rl"]["max_steps"] == _max_steps(clone)  # the other train: values still apply
+
+    shown = _dvc_json(clone, env, "exp", "show")
+    (baseline,) = [entry for entry in shown if entry["rev"] != "workspace"]
+    (experiment,) = [rev for group in baseline["experiments"] for rev in group["revs"] if rev["name"] == "lr-2e-4"]
+
+    def lr(entry: dict) -> float:
+        return entry["data"]["params"]["params.yaml"]["data"]["train"]["rl"]["optimizer"]["lr"]
+
+    def metrics(entry: dict) -> dict:
+        return entry["data"]["metrics"]["runs/arithmetic/summary.json"]["data"]
+
+    assert (lr(baseline), lr(experiment)) == (baseline_lr, 2e-4)
+    assert metrics(experiment) == json.loads((clone / "runs/arithmetic/summary.json").read_text())
+    assert set(metrics(baseline)) == SUMMARY_KEYS and metrics(baseline)["steps"] == _max_steps(clone)
     assert _status(clone, env, "dvc.yaml") == {}
 
 
@@ -405,6 +456,7 @@ HAND_WRITTEN = [
 
 def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
     from cli.main import main
+    from infra.plots import PANELS
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -429,12 +481,17 @@ def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
         "mean_step_s": 1.5,
         "train_loop_s": 7.5,  # steps 6.0 + evaluations 1.0 + checkpoints 0.5
     })
-    assert json.loads(curve_path.read_text()) == [
-        {"step": 0, "reward_mean": None, "accuracy": 0.25},
-        {"step": 1, "reward_mean": 0.2, "accuracy": None},
-        {"step": 2, "reward_mean": 0.4, "accuracy": 0.5},
-        {"step": 3, "reward_mean": 0.6, "accuracy": None},
-        {"step": 4, "reward_mean": 0.8, "accuracy": 0.5},
+    curve = json.loads(curve_path.read_text())
+    # one point per step, every panel's field (null where the step or the run has none): dvc.yaml's plots always
+    # find their fields
+    fields = {"step"} | {k.replace("/", "_") for p in PANELS for k in (*p.keys, *((p.band,) if p.band else ()))}
+    assert all(set(point) == fields for point in curve)
+    assert [(p["step"], p["rollout_reward_mean"], p["val_accuracy"], p["train_loss"], p["train_kl"]) for p in curve] == [
+        (0, None, 0.25, None, None),
+        (1, 0.2, None, 0.5, None),
+        (2, 0.4, 0.5, 0.3, None),
+        (3, 0.6, None, 0.1, None),
+        (4, 0.8, 0.5, -0.1, None),
     ]
     # default output paths: next to metrics.jsonl
     assert main(["summarize", str(run_dir)]) == 0
@@ -464,30 +521,3 @@ def test_summarize_names_what_is_wrong_with_the_metrics_file(tmp_path, capsys):
     assert main(["summarize", str(tmp_path)]) == 1
     assert "metrics.jsonl:1: a metrics record needs an integer 'step'" in capsys.readouterr().err
     assert not (tmp_path / "summary.json").exists()
-
-
-# ------------------------------------------------------------------------------ posttrain run-params
-
-
-def test_run_params_refuses_bad_overrides_and_another_run_dir(tmp_path, capsys):
-    """The train stage's command: errors come before any flow starts, naming the key or the directory."""
-    from cli.main import main
-
-    recipe = str(REPO / "recipes" / "arithmetic.py")
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"run": {"recipe": recipe, "overrides": ["rl.max_steps"]}}))
-    assert main(["run-params", recipe, "--params", str(params)]) == 1
-    assert "run.overrides must be a list of 'key=value' strings" in capsys.readouterr().err
-
-    params.write_text(yaml.safe_dump({"other": {}}))
-    assert main(["run-params", recipe, "--params", str(params)]) == 1
-    assert "no key 'run.overrides'" in capsys.readouterr().err
-
-    params.write_text(yaml.safe_dump({"run": {"recipe": recipe, "overrides": ["job.name=elsewhere"]}}))
-    assert main(["run-params", recipe, "--params", str(params), "--run-dir", "runs/arithmetic"]) == 1
-    err = capsys.readouterr().err
-    assert "the run directory is 'runs/elsewhere'" in err and "runs/arithmetic" in err
-    # the fixed overrides come last and win over the params file's
-    assert main(["run-params", recipe, "job.name=arithmetic", "rl.max_steps=x", "--params", str(params),
-                 "--run-dir", "runs/arithmetic"]) == 1
-    assert "rl.max_steps" in capsys.readouterr().err  # a config error (bad int), not a run-dir mismatch

@@ -211,8 +211,15 @@ def test_cli_validate_and_run_params_print_no_credential_of_any_uri_like_key(tmp
     assert "https://***@host0.example/x" in text, text[-2000:]
     assert SECRET not in text and not any(f"user{i}" in text for i in range(len(URI_KEYS))), text[-3000:]
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"run": {"overrides": [
-        f"tracking.checkpoint_uri=s3://AKIAEXAMPLE:{SECRET}@bucket/run", *overrides]}}))
+    train: dict = {"tracking": {"checkpoint_uri": f"s3://AKIAEXAMPLE:{SECRET}@bucket/run"}}
+    for item in overrides:  # params.yaml's train: section holds the same values, nested
+        key, value = item.split("=", 1)
+        section, leaf = key.rsplit(".", 1)
+        node = train
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    params.write_text(yaml.safe_dump({"train": train}))
     out = subprocess.run([sys.executable, "-m", "cli.main", "run-params", "recipes/arithmetic.py", "--params",
                           str(params)], capture_output=True, text=True, cwd=ROOT, check=False, timeout=300)
     text = out.stdout + out.stderr
