@@ -89,7 +89,7 @@ def _start_temporary_api() -> threading.Thread | None:
 
     def start() -> None:
         with contextlib.suppress(Exception):
-            # imported here, not by the caller: the server's package takes ~2 s to import, while Ray starts
+            # in this thread, while Ray starts: get_client imports the server's package (~2 s) and starts it
             from prefect.client.orchestration import get_client
 
             client = get_client(sync_client=True)  # returns once the server answers /health

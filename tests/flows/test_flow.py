@@ -75,12 +75,12 @@ def test_the_flow_run_is_named_after_the_job_and_carries_its_artifacts(faulty_ru
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(flow_run_id).name == "faulty"
-    artifacts = {a.type: a for a in flow_run_artifacts(flow_run_id)}
-    assert set(artifacts) == {"progress", "markdown"}
-    assert artifacts["progress"].key == "faulty-progress" and artifacts["progress"].data == 100.0
-    assert artifacts["progress"].description == "faulty: step 3 of 3"
-    summary = artifacts["markdown"]
-    assert summary.key == "faulty-summary"
+    artifacts = {a.key: a for a in flow_run_artifacts(flow_run_id)}
+    assert set(artifacts) == {"faulty-progress", "faulty-summary"}  # no faulty-mlflow
+    progress, summary = artifacts["faulty-progress"], artifacts["faulty-summary"]
+    assert progress.type == "progress" and progress.data == 100.0
+    assert progress.description == "faulty: step 3 of 3"
+    assert summary.type == "markdown"
     last = read_metrics(run_dir)[-1]
     for row in ("| steps | 3 of 3 |", f"| final reward (rollout/reward_mean) | {last['rollout/reward_mean']:.4f} (step 3)",
                 "| held-out accuracy (val/accuracy) |", f"`{run_dir.resolve()}`",
@@ -105,11 +105,11 @@ def test_the_mlflow_link_has_no_credentials_and_the_progress_follows_the_steps()
         assert not artifacts.off
         return str(flow_run.id)
 
-    found = {a.type: a for a in flow_run_artifacts(linked())}
-    assert found["link"].key == "link-test-1-mlflow"
-    assert "http://127.0.0.1:5999/mlflow/#/experiments/7/runs/abc123" in found["link"].data
-    assert "secret" not in found["link"].data and "user" not in found["link"].data
-    assert found["progress"].data == 50.0 and found["progress"].description == "Link test_1: step 2 of 4"
+    found = {a.key: a for a in flow_run_artifacts(linked())}
+    assert set(found) == {"link-test-1-mlflow", "link-test-1-progress"}
+    link, progress = found["link-test-1-mlflow"], found["link-test-1-progress"]
+    assert link.data == "[MLflow run abc123](http://127.0.0.1:5999/mlflow/#/experiments/7/runs/abc123)"
+    assert progress.data == 50.0 and progress.description == "Link test_1: step 2 of 4"
 
 
 @pytest.mark.e2e
