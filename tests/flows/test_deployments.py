@@ -346,6 +346,12 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
         names.add(f"{flow.name}/{d.name}")
         assert d.work_pool_name == WORK_POOL
         assert d.pull_steps == [{"infra.deploy_steps.enter_project": {"directory": str(REPO)}}]
+        # one run at a time (prefect.yaml's concurrency_limit, as the server keeps it)
+        assert d.global_concurrency_limit.limit == 1
+        assert d.concurrency_options.collision_strategy.value == (
+            "CANCEL_NEW" if d.name == "nightly-regression" else "ENQUEUE")
+        if d.name != "nightly-regression":  # the typed knobs reach the run form
+            assert d.parameter_openapi_schema["definitions"]["RunKnobs"]["properties"]["max_steps"]["description"]
     assert names == DEPLOYMENTS
 
 
@@ -421,6 +427,18 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
                                        filter_string=f"tags.`posttrain.prefect_flow_run_id` = '{flow_run_id}'")
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.run_name == "deployed-arithmetic"
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [1, 2]
+    # the flow run was created with a generated name and renamed job.name; its artifacts link the MLflow run
+    assert api(env["PREFECT_API_URL"], lambda c: c.read_flow_run(flow_run_id)).name == "deployed-arithmetic"
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    artifacts = {a.key: a for a in api(env["PREFECT_API_URL"], lambda c: c.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))))}
+    assert set(artifacts) == {"deployed-arithmetic-mlflow", "deployed-arithmetic-progress",
+                              "deployed-arithmetic-summary"}
+    run_id = mlflow_run.info.run_id
+    assert artifacts["deployed-arithmetic-mlflow"].data == (
+        f"[MLflow run {run_id}]({env['MLFLOW_TRACKING_URI']}/#/experiments/{exp.experiment_id}/runs/{run_id})")
+    assert artifacts["deployed-arithmetic-progress"].data == 100.0
 
 
 @pytest.mark.e2e
