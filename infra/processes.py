@@ -28,10 +28,10 @@ def free_port() -> int:
 
 
 def child_listening_on(port: int) -> int | None:
-    """The pid of this process's child (or grandchild) that listens on TCP `port`; None when there is none."""
+    """The pid of this process's child that listens on TCP `port`; None when there is none."""
     import psutil
 
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children():
         try:
             if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
                    for c in child.net_connections("tcp")):
