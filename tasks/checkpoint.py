@@ -36,7 +36,7 @@ def commit_checkpoint_task(store: CheckpointStore, tmp: Path, step: int, meta: d
     return str(store.commit(tmp, step, meta, written))
 
 
-@task(name="save_model", cache_policy=NO_CACHE)
+@task(name="save_model", task_run_name="save_model", cache_policy=NO_CACHE)
 def save_model_task(cluster: Any, path: Path, store: CheckpointStore | None = None) -> str:
     """The final policy as a transformers directory (safetensors), loadable by `model.name_or_path`; also under
     `store`'s remote prefix when it has one (`Cluster.save_pretrained`)."""

@@ -103,8 +103,9 @@ def save_checkpoint(store, cfg, step: int, run_id: str = "run-abc") -> None:
 
 
 def phase(task_run_name: str) -> str:
-    """The phase of a task run's name: `rollout step 12` (the step loop's tasks) or `save_model-0` (Prefect's own)."""
-    return re.sub(r"( step \d+|-\d+)$", "", task_run_name)
+    """The phase of a task run's name: `rollout step 12` (the step loop's tasks), `save_model`, or Prefect's own
+    `<name>-<key>` (a task without a name template)."""
+    return re.sub(r"( step \d+|-[0-9a-z]+)$", "", task_run_name)
 
 
 def task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 60.0) -> list:
