@@ -42,7 +42,9 @@ def measure(calls: int) -> tuple[float, float]:
     """(driver seconds, API server CPU seconds) per task run, against a temporary server started here."""
     from prefect import flow, task
     from prefect.cache_policies import NO_CACHE
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.client.orchestration import get_client
+
+    from infra.processes import child_listening_on
 
     logging.getLogger("prefect.task_runs").setLevel("WARNING")
 
@@ -55,7 +57,7 @@ def measure(calls: int) -> tuple[float, float]:
         for _ in range(20):  # warm-up
             noop(1)
         time.sleep(2)  # let the server catch up on the warm-up's events
-        server = SubprocessASGIServer().server_process.pid
+        server = child_listening_on(get_client(sync_client=True).api_url.port)  # the temporary API server's pid
         cpu0, t0 = cpu_seconds(server), time.perf_counter()
         for _ in range(n):
             noop(1)

@@ -21,7 +21,7 @@ import time
 
 from prefect import flow, get_run_logger
 
-from flows.guard import check_run_parameters
+from flows.params import NO_KNOBS, RunKnobs, open_run
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
 from infra.artifacts import ensure_quickstart_artifacts
@@ -31,7 +31,6 @@ from infra.tracking import RunTracker
 from rl_core.config import PosttrainConfig
 from rl_core.config.environment import check_memory
 from rl_core.config.loader import ConfigError
-from rl_core.config.preflight import load_checked
 from rl_core.data import PromptSampler
 from rl_core.data.preferences import (
     load_preference_pairs,
@@ -70,11 +69,17 @@ def accuracy_examples(df, task: str) -> list[Example]:
 
 
 @flow(name="dpo", log_prints=True)
-def dpo(recipe: str, overrides: list[str] | None = None) -> dict:
-    """Train a DPO recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
-    overrides = list(overrides or [])
-    check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
-    cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
+def dpo(recipe: str, overrides: list[str] | None = None, knobs: RunKnobs = NO_KNOBS) -> dict:
+    """Train a DPO recipe (offline preference pairs).
+
+    Args:
+        recipe: A recipe file under recipes/ (Python: its build_config() returns the config), or a finished run's
+            config_resolved.yaml.
+        overrides: Changes to the recipe, `key=value` each (e.g. rl.max_steps=20); from the API, the keys of
+            flows/guard.py's allowlist only.
+        knobs: The recipe knobs changed most often, typed; each one set is one more override.
+    """
+    overrides, cfg = open_run(recipe, overrides, knobs)  # guarded, checked (preflight), the run named job.name
     if cfg.rl.objective.topology != "offline":
         raise ConfigError([(f"rl.objective.type={cfg.rl.objective.type}: the dpo flow trains offline objectives only "
                            "(rl.objective.type=dpo)")])
@@ -121,10 +126,10 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
             run.log(record, bar)
 
         def evaluate() -> dict:
-            out = evaluate_pairs_task.with_options(**retry)(cluster, val_pairs)
+            out = evaluate_pairs_task.with_options(**retry)(cluster, val_pairs, step=step)  # the step being evaluated
             if val_examples:
                 out.update(evaluate_task.with_options(**retry)(cluster.engines, tokenizer, val_examples, cfg.data,
-                                                               cfg.rollout.max_tokens, rewards))
+                                                               cfg.rollout.max_tokens, rewards, step=step))
             return out
 
         run.finish_pending_evaluation(evaluate, logger.info)
@@ -138,13 +143,13 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
                     idx = sampler.next_batch()
                     batch = train_pairs.select(pair_rows(idx))
                 with timer.phase("validate"):
-                    validate_pairs_task(batch, len(cluster.workers))
+                    validate_pairs_task(batch, len(cluster.workers), step=step)
                 with timer.phase("train"):
-                    per_rank = train_task(cluster, batch)
+                    per_rank = train_task(cluster, batch, step=step)
                 if run.due(cfg.rl.validation.every_steps, step):  # the engines evaluate: bring them to this step
                     with timer.phase("sync"):
                         version = step
-                        synced = sync_task(cluster, version)
+                        synced = sync_task(cluster, version, step=step)
                 else:
                     synced = {}
                 record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps, **synced}

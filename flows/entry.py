@@ -8,6 +8,7 @@ import os
 import threading
 
 from flows import startup
+from infra.processes import child_listening_on
 from infra.services import use_prefect_server_defaults
 from rl_core.config.preflight import load_checked
 from rl_core.redact import redact_text
@@ -69,15 +70,18 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")
+        # named job.name when it is created (a deployment's run is renamed by the flow: flows.params.open_run)
+        flow = flow_for(cfg.rl.objective).with_options(flow_run_name=lambda: cfg.job.name)
         with placement.offered():  # the flow's Cluster takes it over
-            return flow_for(cfg.rl.objective)(recipe=str(recipe), overrides=list(overrides))
+            return flow(recipe=str(recipe), overrides=list(overrides))
     finally:
         placement.close()  # what no Cluster took: the actors started ahead, and the local Ray
 
 
 def _start_temporary_api() -> threading.Thread | None:
-    """Start the temporary Prefect API server the flow would start (no PREFECT_API_URL set), in a thread; the
-    flow's client finds it running (Prefect keeps one such server per process)."""
+    """Start the temporary Prefect API server the flow would start (no PREFECT_API_URL set), in a thread: Prefect's
+    `get_client()` starts it when no API URL is set, and keeps one such server per process, which the flow's own
+    client then finds running."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
@@ -85,13 +89,14 @@ def _start_temporary_api() -> threading.Thread | None:
 
     def start() -> None:
         with contextlib.suppress(Exception):
-            # imported here, not by the caller: the server's package takes ~2 s to import, while Ray starts
-            from prefect.server.api.server import SubprocessASGIServer
+            # in this thread, while Ray starts: get_client imports the server's package (~2 s) and starts it
+            from prefect.client.orchestration import get_client
 
-            server = SubprocessASGIServer()
-            server.start()
-            # its bookkeeping (every task run's events) yields the CPU to the trainer and engine actors
-            os.setpriority(os.PRIO_PROCESS, server.server_process.pid, min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19))
+            client = get_client(sync_client=True)  # returns once the server answers /health
+            pid = child_listening_on(client.api_url.port)
+            if pid is not None:
+                # its bookkeeping (every task run's events) yields the CPU to the trainer and engine actors
+                os.setpriority(os.PRIO_PROCESS, pid, min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19))
 
     thread = threading.Thread(target=start, name="posttrain-prefect-api", daemon=True)
     thread.start()

@@ -10,7 +10,8 @@ subflows that a checked flow starts itself:
   sizes, sampling, objective coefficients, evaluation cadence, resources). Everything else comes
   from the recipe or the operator only: import paths (`rl.objective.import_path`/`kwargs`, `data.rewards`, `data.task`),
   models (`model.*`, `rl.reference`), data paths, the Ray address, tracking and checkpoint URIs
-  (the worker's credentials go to them), output paths and names, pruning.
+  (the worker's credentials go to them), output paths and names, pruning. The typed `knobs`
+  (flows/params.py) are overrides by the time they are judged, the same way.
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
   directory and MLflow store from the operator only, its overrides under the same allowlist.
 

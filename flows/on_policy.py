@@ -78,8 +78,10 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             run.log(record, bar)
 
         def evaluate() -> dict:
+            # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
-                                                       quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool))
+                                                       quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
+                                                       step=step)
 
         def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
@@ -90,8 +92,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}))
             cache_dir = str((run.run_dir / "cache").resolve())
             if overlap:
-                return rows, rollout.submit(*args, cache_dir=cache_dir)
-            return rows, lambda: rollout(*args, cache_dir=cache_dir)
+                return rows, rollout.submit(*args, cache_dir=cache_dir, step=at_step)
+            return rows, lambda: rollout(*args, cache_dir=cache_dir, step=at_step)
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
@@ -114,25 +116,25 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 with timer.phase("reward"):
                     examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                     texts = completions.decode_responses(role.tokenizer)
-                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts))
+                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts), step=step)
                 run.sample(step, examples, texts, rewards, completions.finish_reason)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
-                                              (step - 1) * len(rewards))
+                                              (step - 1) * len(rewards), step=step)
                 if teacher is not None:
                     with timer.phase("teacher"):
-                        scored = teacher_task(quote(teacher), quote(annotated.batch))
+                        scored = teacher_task(quote(teacher), quote(annotated.batch), step=step)
                     with timer.phase("distill"):
-                        annotated = distill_task(quote(annotated), quote(scored), quote(cfg.rl))
+                        annotated = distill_task(quote(annotated), quote(scored), quote(cfg.rl), step=step)
                 with timer.phase("validate"):
                     validate_task(quote(annotated), cfg.rollout.max_tokens, group_relative,
-                                  (version - cfg.rl.async_steps, version))
+                                  (version - cfg.rl.async_steps, version), step=step)
                 staleness = version - completions.policy_version
                 with timer.phase("train"):
-                    per_rank = train_task(quote(cluster), quote(annotated.batch))
+                    per_rank = train_task(quote(cluster), quote(annotated.batch), step=step)
                 with timer.phase("sync"):
                     version += 1
-                    synced = sync_task(quote(cluster), version)
+                    synced = sync_task(quote(cluster), version, step=step)
                 step_s = timer.elapsed()
                 train_s = max(m["perf/train_compute_s"] for m in per_rank)
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,

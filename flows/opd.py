@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from flows.guard import check_run_parameters
 from flows.on_policy import run_on_policy
+from flows.params import NO_KNOBS, RunKnobs, open_run
 from flows.runner import run_with_restarts
 from rl_core.config import PosttrainConfig
 from rl_core.config.loader import ConfigError
-from rl_core.config.preflight import load_checked
 
 
 def require_teacher(cfg: PosttrainConfig) -> None:
@@ -36,11 +35,17 @@ def require_teacher(cfg: PosttrainConfig) -> None:
 
 
 @flow(name="opd", log_prints=True)
-def opd(recipe: str, overrides: list[str] | None = None) -> dict:
-    """Train an OPD recipe. Parameters are what a deployment passes: a recipe path and a dotlist."""
-    overrides = list(overrides or [])
-    check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input
-    cfg = load_checked(recipe, overrides)  # preflight: before any placement or model construction
+def opd(recipe: str, overrides: list[str] | None = None, knobs: RunKnobs = NO_KNOBS) -> dict:
+    """Train an OPD recipe (on-policy distillation from a frozen teacher).
+
+    Args:
+        recipe: A recipe file under recipes/ (Python: its build_config() returns the config), or a finished run's
+            config_resolved.yaml.
+        overrides: Changes to the recipe, `key=value` each (e.g. rl.max_steps=20); from the API, the keys of
+            flows/guard.py's allowlist only.
+        knobs: The recipe knobs changed most often, typed; each one set is one more override.
+    """
+    overrides, cfg = open_run(recipe, overrides, knobs)  # guarded, checked (preflight), the run named job.name
     require_teacher(cfg)
     return run_with_restarts(cfg, lambda c: run_on_policy(c, recipe, overrides, with_teacher=True),
                              get_run_logger().warning)

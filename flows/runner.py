@@ -28,6 +28,7 @@ from typing import Any, Self
 
 from prefect.runtime import flow_run
 
+from flows.artifacts import RunArtifacts
 from infra.plots import curve_title
 from infra.provenance import dvc_hashes
 from infra.resume import (
@@ -171,6 +172,7 @@ class TrainingRun:
     evaluation_pending: bool = False  # the checkpoint's step was due for an evaluation (restore sets it)
     saving: tuple[int, Path, dict] | None = None  # the checkpoint in flight: (step, temporary directory, meta)
     held: list[dict] = field(default_factory=list)  # metrics lines waiting for it
+    artifacts: RunArtifacts | None = None  # the flow run's Prefect artifacts (flows/artifacts.py), from `start`
 
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
@@ -238,6 +240,8 @@ class TrainingRun:
         tracker.log_datasets(self.cfg, train=train, val=val)
         write_run_state(self.run_dir, {**read_run_state(self.run_dir), "mlflow_run_id": self.run_id,
                                        "config_hash": self.cfg_hash})
+        self.artifacts = RunArtifacts(self.cfg.job.name, self.cfg.rl.max_steps)
+        self.artifacts.start(tracker.server_url, self.run_id, self.start_step)
         return self.run_id
 
     def record_placement(self, cluster: Any, teachers: Any = None) -> dict:
@@ -269,6 +273,8 @@ class TrainingRun:
     def log(self, record: dict, bar: Any) -> None:
         """The progress display now; metrics.jsonl and MLflow once the checkpoint in flight (if any) is published."""
         bar.update(record)
+        if self.artifacts is not None:
+            self.artifacts.step(record["step"])
         if self.saving is not None:
             self.held.append(record)
             return
@@ -383,5 +389,10 @@ class TrainingRun:
         url, ui = self.tracker.url, ui_command(self.tracker.tracking_uri)
         announce("run finished: %s (metrics: %s)", self.run_dir, self.metrics_log.path)
         announce("MLflow run: %s%s", url, f" (serve the store with: {ui})" if ui else "")
+        if self.artifacts is not None:
+            valid = self.store.list_valid()
+            self.artifacts.summary(self.metrics_log.read(), step=step, run_dir=self.run_dir,
+                                   checkpoint=valid[-1] if valid else None, model_dir=model_dir,
+                                   mlflow_run_id=self.run_id, tracking_uri=self.tracker.tracking_uri)
         return {"run_dir": str(self.run_dir), "metrics": str(self.metrics_log.path), "mlflow_run_id": self.run_id,
                 "mlflow_url": url, "step": step}

@@ -27,6 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_listening_on(port: int) -> int | None:
+    """The pid of this process's child that listens on TCP `port`; None when there is none."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in child.net_connections("tcp")):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
 def start_time(pid: int) -> float | None:
     """The process's start time (psutil), None when it is gone or a zombie."""
     import psutil

@@ -26,7 +26,7 @@ from typing import Any, Self
 from infra.metrics_log import MetricsLog  # noqa: F401 - re-exported
 from infra.plots import CURVE_KEYS, metric_value, plot_curve  # noqa: F401 - re-exported
 from infra.provenance import canonical_json, git_revision, objective_hash, package_versions
-from infra.tracking_items import run_url, ui_command, using_tracking_uri  # noqa: F401 - re-exported
+from infra.tracking_items import run_url, server_run_url, ui_command, using_tracking_uri  # noqa: F401 - re-exported
 from rl_core.redact import redact, redact_override, redact_text
 
 log = logging.getLogger("posttrain.tracking")
@@ -392,6 +392,11 @@ class RunTracker:
     def url(self) -> str:
         """The run's page in the MLflow UI (`run_url`)."""
         return run_url(self.tracking_uri, self.experiment_id, self.run_id)
+
+    @property
+    def server_url(self) -> str | None:
+        """The run's page on the MLflow server; None for a local store (`server_run_url`)."""
+        return server_run_url(self.tracking_uri, self.experiment_id, self.run_id)
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run with FINISHED, FAILED or KILLED (a resume can reopen it later): it leaves MLflow's active-run

@@ -177,6 +177,14 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
+def server_run_url(tracking_uri: str | None, experiment_id: str, run_id: str) -> str | None:
+    """The run's page when the tracking URI is an MLflow server (`run_url`); None for a local store, which has no
+    page until `mlflow ui` serves it."""
+    if urlsplit(tracking_uri or "").scheme not in ("http", "https"):
+        return None
+    return run_url(tracking_uri, experiment_id, run_id)
+
+
 def ui_command(tracking_uri: str) -> str | None:
     """The command that serves a local store in the MLflow UI (None for a tracking server: it is the UI)."""
     if urlsplit(tracking_uri or "").scheme in ("http", "https"):

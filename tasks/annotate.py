@@ -11,7 +11,7 @@ from rl_core.annotate import Annotated, annotate
 from rl_core.config import RLConfig
 
 
-@task(name="annotate", cache_policy=NO_CACHE)
+@task(name="annotate", task_run_name="annotate step {step}", cache_policy=NO_CACHE)
 def annotate_task(completions: Any, rewards: list[float], prompt_ids: list[int], rl: RLConfig,
-                  first_sample_id: int) -> Annotated:
+                  first_sample_id: int, *, step: int) -> Annotated:
     return annotate(completions, rewards, prompt_ids, rl=rl, first_sample_id=first_sample_id)

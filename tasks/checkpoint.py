@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.storage import CheckpointStore
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE)
+@task(name="checkpoint", task_run_name="checkpoint step {step}", cache_policy=NO_CACHE)
 def start_checkpoint_task(store: CheckpointStore, cluster: Any, step: int, driver_state: dict) -> Path:
     """Start checkpoint `step` in a temporary directory of `store`: every trainer rank writes its shards there in the
     background, the driver its plain parts now; `commit_checkpoint_task` publishes it."""
@@ -30,13 +30,13 @@ def start_checkpoint_task(store: CheckpointStore, cluster: Any, step: int, drive
     return tmp
 
 
-@task(name="commit_checkpoint", cache_policy=NO_CACHE)
+@task(name="commit_checkpoint", task_run_name="commit_checkpoint step {step}", cache_policy=NO_CACHE)
 def commit_checkpoint_task(store: CheckpointStore, tmp: Path, step: int, meta: dict, written: dict) -> str:
     """Publish checkpoint `step` (the ranks' shards are on disk, `written`): manifest last, rename, then the upload."""
     return str(store.commit(tmp, step, meta, written))
 
 
-@task(name="save_model", cache_policy=NO_CACHE)
+@task(name="save_model", task_run_name="save_model", cache_policy=NO_CACHE)
 def save_model_task(cluster: Any, path: Path, store: CheckpointStore | None = None) -> str:
     """The final policy as a transformers directory (safetensors), loadable by `model.name_or_path`; also under
     `store`'s remote prefix when it has one (`Cluster.save_pretrained`)."""

@@ -10,13 +10,13 @@ from prefect.cache_policies import NO_CACHE
 from rl_core.data.preferences import validate_pair_batch
 
 
-@task(name="validate", cache_policy=NO_CACHE)
-def validate_pairs_task(batch: Any, num_workers: int) -> Any:
+@task(name="validate", task_run_name="validate step {step}", cache_policy=NO_CACHE)
+def validate_pairs_task(batch: Any, num_workers: int, *, step: int) -> Any:
     """The DPO gate (`rl_core.data.preferences.validate_pair_batch`) before dispatch."""
     return validate_pair_batch(batch, num_workers)
 
 
-@task(name="evaluate_pairs", cache_policy=NO_CACHE)
-def evaluate_pairs_task(cluster: Any, batch: Any) -> dict[str, float]:
+@task(name="evaluate_pairs", task_run_name="evaluate_pairs step {step}", cache_policy=NO_CACHE)
+def evaluate_pairs_task(cluster: Any, batch: Any, *, step: int) -> dict[str, float]:
     """`val/loss`, `val/reward_accuracy`, `val/margin`, ... of the held-out pairs under the current policy."""
     return cluster.evaluate_pairs(batch, "val")

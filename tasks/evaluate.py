@@ -10,9 +10,9 @@ from prefect.cache_policies import NO_CACHE
 from rl_core.evaluation import evaluate_accuracy
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate step {step}", cache_policy=NO_CACHE)
 def evaluate_task(engine: Any, tokenizer: Any, examples: list, data_cfg: Any, max_tokens: int,
-                  rewards: Any = None) -> dict[str, float]:
+                  rewards: Any = None, *, step: int) -> dict[str, float]:
     result = evaluate_accuracy(None, tokenizer, examples, data=data_cfg, max_tokens=max_tokens, engine=engine,
                                scorer=rewards.score if rewards is not None else None)
     return {"val/accuracy": result["accuracy"], "val/mean_reward": result["mean_reward"], "val/n": result["n"]}

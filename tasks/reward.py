@@ -10,8 +10,8 @@ from prefect.cache_policies import NO_CACHE
 from rl_core.rewards import reward_inputs
 
 
-@task(name="reward", cache_policy=NO_CACHE)
-def reward_task(rewards: Any, examples: list, texts: list[str]) -> tuple[list[float], dict[str, float]]:
+@task(name="reward", task_run_name="reward step {step}", cache_policy=NO_CACHE)
+def reward_task(rewards: Any, examples: list, texts: list[str], *, step: int) -> tuple[list[float], dict[str, float]]:
     """`(reward per completion, rollout/rewards/<name>/mean)`; `examples[i]` is completion i's prompt."""
     values, means = rewards.score(reward_inputs(examples, texts))
     return values, means

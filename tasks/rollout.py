@@ -56,9 +56,9 @@ def prune_rollout_cache(cache_dir: str | os.PathLike, through_step: int) -> int:
     return removed
 
 
-@task(name="rollout", cache_policy=NO_CACHE)
+@task(name="rollout", task_run_name="rollout step {step}", cache_policy=NO_CACHE)
 def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any, cache_identity: dict,
-                 cache_dir: str | None = None) -> tuple[Any, float]:
+                 cache_dir: str | None = None, *, step: int) -> tuple[Any, float]:
     """`(completions, seconds inside the engines' generate)` for `prompt_ids`; completions read back from
     `cache_dir` when this exact rollout was made before (then 0 seconds)."""
     from rl_core.rollout import Completions
@@ -82,7 +82,7 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
     return completions, generate_s
 
 
-@task(name="sync", cache_policy=NO_CACHE)
-def sync_task(cluster: Any, version: int) -> dict[str, float]:
+@task(name="sync", task_run_name="sync step {step}", cache_policy=NO_CACHE)
+def sync_task(cluster: Any, version: int, *, step: int) -> dict[str, float]:
     """Bring every rollout engine to trainer rank 0's weights as policy `version` (versions and checksums checked)."""
     return cluster.sync_weights(version)

@@ -13,16 +13,16 @@ from rl_core.config import RLConfig
 from rl_core.gate import validate_teacher_logp
 
 
-@task(name="teacher", cache_policy=NO_CACHE)
-def teacher_task(teacher: Any, batch: Any) -> Any:
+@task(name="teacher", task_run_name="teacher step {step}", cache_policy=NO_CACHE)
+def teacher_task(teacher: Any, batch: Any, *, step: int) -> Any:
     """The batch with `teacher_logp [B, T]` from the teacher role, checked by the gate (present, finite, <= 0)."""
     scored = batch.replace(teacher_logp=teacher.score(batch))
     validate_teacher_logp(scored)
     return scored
 
 
-@task(name="distill", cache_policy=NO_CACHE)
-def distill_task(annotated: Annotated, batch: Any, rl: RLConfig) -> Annotated:
+@task(name="distill", task_run_name="distill step {step}", cache_policy=NO_CACHE)
+def distill_task(annotated: Annotated, batch: Any, rl: RLConfig, *, step: int) -> Annotated:
     """`opd_annotate` on the teacher-scored batch: per-token advantages (advantage mode); the table is unchanged."""
     batch, stats = opd_annotate(batch, rl)
     return Annotated(batch=batch, table=annotated.table, stats={**annotated.stats, **stats})

@@ -9,9 +9,9 @@ from rl_core.annotate import Annotated
 from rl_core.gate import validate_annotations, validate_batch_tensors
 
 
-@task(name="validate", cache_policy=NO_CACHE)
+@task(name="validate", task_run_name="validate step {step}", cache_policy=NO_CACHE)
 def validate_task(annotated: Annotated, max_tokens: int, group_relative: bool = True,
-                  versions: tuple[int, int] | None = None) -> Annotated:
+                  versions: tuple[int, int] | None = None, *, step: int) -> Annotated:
     """`versions`: (oldest, newest) policy version the batch may come from: the trainer's version and
     `rl.async_steps` before it."""
     validate_annotations(annotated.table, max_tokens=max_tokens, group_relative=group_relative, versions=versions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,12 @@ def save_checkpoint(store, cfg, step: int, run_id: str = "run-abc") -> None:
 
     store.save(step, {"trainer": {"w": torch.full((2, 3), float(step))}, "driver": {"step": step}},
                checkpoint_meta(cfg, mlflow_run_id=run_id))
+
+
+def phase(task_run_name: str) -> str:
+    """The phase of a task run's name: `rollout step 12` (the step loop's tasks), `save_model`, or Prefect's own
+    `<name>-<key>` (a task without a name template)."""
+    return re.sub(r"( step \d+|-[0-9a-z]+)$", "", task_run_name)
 
 
 def task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 60.0) -> list:

@@ -64,6 +64,52 @@ def test_prefect_yaml_declares_the_deployments():
         assert not d["work_pool"].get("job_variables")  # the pool's template refuses them (infra.services)
 
 
+def test_deployments_run_one_at_a_time_and_the_gpu_pool_example_deploys():
+    """prefect.yaml as `prefect deploy` reads it (its own model of the file): one run of a training deployment at a
+    time, the next one queued (the run directory's lock would fail it: both have the recipe's job.name); the
+    nightly run skipped while the last one still runs. The GPU pool's example deployment, uncommented, is valid
+    too, and its job variable is accepted by the GPU pool's template and refused by the process pool's."""
+    import jsonschema
+    from prefect.cli.deploy._models import PrefectYamlModel
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy
+    from prefect.utilities.templating import apply_values
+
+    from infra.services import process_pool_template
+    from infra.work_pools import GPU_POOL, gpu_pool_template
+
+    def read(text: str):
+        spec = yaml.safe_load(text)  # the schedule is checked above (reading one imports croniter, which runs `file`)
+        spec["deployments"] = [{k: v for k, v in d.items() if k != "schedules"} for d in spec["deployments"]]
+        return PrefectYamlModel.model_validate(spec)
+
+    text = (REPO / "prefect.yaml").read_text()
+    model = read(text)
+    for d in model.deployments:
+        strategy = "CANCEL_NEW" if d.name == "nightly-regression" else "ENQUEUE"
+        assert (d.concurrency_limit.limit, d.concurrency_limit.collision_strategy) == (1, strategy), d.name
+        ConcurrencyLimitStrategy(d.concurrency_limit.collision_strategy)  # a strategy the API knows
+    example = text.split("# - name: grpo-gsm8k-gpu", 1)[1]
+    uncommented = text.split("  # - name: grpo-gsm8k-gpu", 1)[0] + "  - name: grpo-gsm8k-gpu" + "\n".join(
+        line.replace("  # ", "  ", 1) for line in example.splitlines())
+    gpu = read(uncommented).deployments[-1]
+    assert gpu.name == "grpo-gsm8k-gpu" and gpu.work_pool.name == GPU_POOL
+    assert gpu.entrypoint == "flows/grpo.py:grpo" and (REPO / gpu.parameters["recipe"]).is_file()
+    assert gpu.concurrency_limit.limit == 1
+    variables = gpu.work_pool.job_variables
+    assert variables == {"cuda_visible_devices": "0,1,2,3"}
+    template = gpu_pool_template()
+    jsonschema.validate(variables, template["variables"])
+    job = apply_values(template["job_configuration"], variables)
+    assert job["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "command" not in job
+    assert apply_values(template["job_configuration"], {})["env"] == {}  # unset: the machine's GPUs
+    for refused in ({"cuda_visible_devices": "0; touch /tmp/x"}, {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+                    {"command": "touch /tmp/x"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(refused, template["variables"])
+    with pytest.raises(jsonschema.ValidationError):  # the process pool has no such variable: a pool of its own
+        jsonschema.validate(variables, process_pool_template()["variables"])
+
+
 # --------------------------------------------------------------------- environment preflight
 
 
@@ -300,6 +346,12 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
         names.add(f"{flow.name}/{d.name}")
         assert d.work_pool_name == WORK_POOL
         assert d.pull_steps == [{"infra.deploy_steps.enter_project": {"directory": str(REPO)}}]
+        # one run at a time (prefect.yaml's concurrency_limit, as the server keeps it)
+        assert d.global_concurrency_limit.limit == 1
+        assert d.concurrency_options.collision_strategy.value == (
+            "CANCEL_NEW" if d.name == "nightly-regression" else "ENQUEUE")
+        if d.name != "nightly-regression":  # the typed knobs reach the run form
+            assert d.parameter_openapi_schema["definitions"]["RunKnobs"]["properties"]["max_steps"]["description"]
     assert names == DEPLOYMENTS
 
 
@@ -375,6 +427,18 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
                                        filter_string=f"tags.`posttrain.prefect_flow_run_id` = '{flow_run_id}'")
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.run_name == "deployed-arithmetic"
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [1, 2]
+    # the flow run was created with a generated name and renamed job.name; its artifacts link the MLflow run
+    assert api(env["PREFECT_API_URL"], lambda c: c.read_flow_run(flow_run_id)).name == "deployed-arithmetic"
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    artifacts = {a.key: a for a in api(env["PREFECT_API_URL"], lambda c: c.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))))}
+    assert set(artifacts) == {"deployed-arithmetic-mlflow", "deployed-arithmetic-progress",
+                              "deployed-arithmetic-summary"}
+    run_id = mlflow_run.info.run_id
+    assert artifacts["deployed-arithmetic-mlflow"].data == (
+        f"[MLflow run {run_id}]({env['MLFLOW_TRACKING_URI']}/#/experiments/{exp.experiment_id}/runs/{run_id})")
+    assert artifacts["deployed-arithmetic-progress"].data == 100.0
 
 
 @pytest.mark.e2e

@@ -11,9 +11,19 @@ from safetensors.torch import load_file
 
 from tests.conftest import FAST, recipe
 from tests.faults import fail_first, faulty_reward_task
-from tests.run_helpers import read_metrics, task_runs
+from tests.run_helpers import phase, read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "validate", "train", "sync")
+
+
+def flow_run_artifacts(flow_run_id) -> list:
+    """The artifacts of a flow run, as the API holds them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +52,72 @@ def test_flow_completes_with_every_phase_per_step(faulty_run):
     state, _ = faulty_run
     assert state.is_completed(), state.message
     runs = task_runs(state.state_details.flow_run_id)
-    names = Counter(r.name.rsplit("-", 1)[0] for r in runs)
-    for phase in PHASES:
-        assert names[phase] == 3, f"{phase}: {names[phase]} task runs for 3 steps"
+    names = Counter(phase(r.name) for r in runs)
+    for name in PHASES:
+        assert names[name] == 3, f"{name}: {names[name]} task runs for 3 steps"
     assert names["evaluate"] == 2  # step 2 (every_steps) and the final step 3
     assert names["checkpoint"] == 2  # step 2 (save_every) and the final step 3
+    # each task run is named after its phase and step (the retried ones keep one run, and their name)
+    by_step = {r.name for r in runs}
+    assert {f"{name} step {s}" for name in PHASES for s in (1, 2, 3)} <= by_step
+    assert {"evaluate step 2", "evaluate step 3", "checkpoint step 2", "checkpoint step 3",
+            "commit_checkpoint step 2", "commit_checkpoint step 3"} <= by_step
+
+
+@pytest.mark.e2e
+def test_the_flow_run_is_named_after_the_job_and_carries_its_artifacts(faulty_run):
+    """The flow run is renamed `job.name` once its config is checked (it was created with a generated name); its
+    artifacts: progress at 100% after the last step, the summary, and no MLflow link (a SQLite store has no
+    page to link to)."""
+    from prefect.client.orchestration import get_client
+
+    state, run_dir = faulty_run
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == "faulty"
+    artifacts = {a.key: a for a in flow_run_artifacts(flow_run_id)}
+    assert set(artifacts) == {"faulty-progress", "faulty-summary"}  # no faulty-mlflow
+    progress, summary = artifacts["faulty-progress"], artifacts["faulty-summary"]
+    assert progress.type == "progress" and progress.data == 100.0
+    assert progress.description == "faulty: step 3 of 3"
+    assert summary.type == "markdown"
+    last = read_metrics(run_dir)[-1]
+    for row in ("| steps | 3 of 3 |", f"| final reward (rollout/reward_mean) | {last['rollout/reward_mean']:.4f} (step 3)",
+                "| held-out accuracy (val/accuracy) |", f"`{run_dir.resolve()}`",
+                f"`{run_dir.resolve() / 'checkpoints'}", f"| MLflow run | `{state.result()['mlflow_run_id']}` in "):
+        assert row in summary.data, (row, summary.data)
+
+
+@pytest.mark.e2e
+def test_the_mlflow_link_has_no_credentials_and_the_progress_follows_the_steps():
+    """The link artifact on an MLflow server (the URL is not fetched by Prefect: a made-up server does), and the
+    progress artifact updated in place."""
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from flows.artifacts import RunArtifacts
+    from infra.tracking_items import server_run_url
+
+    @flow
+    def linked() -> str:
+        artifacts = RunArtifacts("Link test_1", 4)
+        artifacts.start(server_run_url("http://user:secret@127.0.0.1:5999/mlflow/", "7", "abc123"), "abc123", 1)
+        artifacts.step(2)
+        assert not artifacts.off
+        return str(flow_run.id)
+
+    found = {a.key: a for a in flow_run_artifacts(linked())}
+    assert set(found) == {"link-test-1-mlflow", "link-test-1-progress"}
+    link, progress = found["link-test-1-mlflow"], found["link-test-1-progress"]
+    assert link.data == "[MLflow run abc123](http://127.0.0.1:5999/mlflow/#/experiments/7/runs/abc123)"
+    assert progress.data == 50.0 and progress.description == "Link test_1: step 2 of 4"
 
 
 @pytest.mark.e2e
 def test_injected_failures_are_retried_and_no_step_is_lost(faulty_run):
     state, run_dir = faulty_run
     runs = task_runs(state.state_details.flow_run_id)
-    retried = {r.name.rsplit("-", 1)[0] for r in runs if r.run_count > 1}
+    retried = {phase(r.name) for r in runs if r.run_count > 1}
     assert retried == {"rollout", "reward"}
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == [1, 2, 3]
@@ -148,11 +212,11 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
     @flow
     def rollouts():
         args = (engine, prompts, 2, role.sampling(1), {"config": "x", "step": 1, "version": 0})
-        first = rollout_task(*args, cache_dir=str(cache))
-        second = rollout_task(*args, cache_dir=str(cache))
+        first = rollout_task(*args, cache_dir=str(cache), step=1)
+        second = rollout_task(*args, cache_dir=str(cache), step=1)
         other = rollout_task(engine, prompts, 2, role.sampling(2), {"config": "x", "step": 2, "version": 0},
-                             cache_dir=str(cache))
-        third = rollout_task(engine, prompts, 2, sampling3, planted_ident, cache_dir=str(cache))
+                             cache_dir=str(cache), step=2)
+        third = rollout_task(engine, prompts, 2, sampling3, planted_ident, cache_dir=str(cache), step=3)
         return first, second, other, third
 
     (first, first_s), (second, second_s), (other, _), (third, _) = rollouts()

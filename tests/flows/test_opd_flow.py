@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import recipe
-from tests.run_helpers import read_metrics, task_runs
+from tests.run_helpers import phase, read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "teacher", "distill", "validate", "train", "sync")
 # the random-init student, a briefly warm-started teacher (different weights: a non-zero signal)
@@ -60,9 +60,9 @@ def opd_run(opd_dir):
 def test_every_phase_runs_each_step(opd_run):
     state, _ = opd_run
     assert state.is_completed(), state.message
-    names = Counter(r.name.rsplit("-", 1)[0] for r in task_runs(state.state_details.flow_run_id))
-    for phase in PHASES:
-        assert names[phase] == 3, f"{phase}: {names[phase]} task runs for 3 steps"
+    names = Counter(phase(r.name) for r in task_runs(state.state_details.flow_run_id))
+    for name in PHASES:
+        assert names[name] == 3, f"{name}: {names[name]} task runs for 3 steps"
     assert names["evaluate"] == 3  # before training, step 2 (every_steps) and the final step 3
     assert names["checkpoint"] == 2
 

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import FAST, REPO, recipe
+from tests.run_helpers import phase
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,7 +28,8 @@ async def read():
     async with get_client() as client:
         (flow_run,) = await client.read_flow_runs()
         runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
-        return flow_run.state.type.value, [[r.name, r.state.type.value if r.state else None] for r in runs]
+        return (flow_run.name, flow_run.state.type.value,
+                [[r.name, r.state.type.value if r.state else None] for r in runs])
 
 print(json.dumps(asyncio.run(read())))
 """
@@ -53,9 +55,11 @@ def test_posttrain_run_marks_its_start_up_and_every_task_run_outlives_the_proces
 
     read = subprocess.run([sys.executable, "-c", READ_TASK_RUNS], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300, check=True)
-    flow_state, runs = json.loads(read.stdout.strip().splitlines()[-1])
+    flow_name, flow_state, runs = json.loads(read.stdout.strip().splitlines()[-1])
     assert flow_state == "COMPLETED"
-    names = Counter(name.rsplit("-", 1)[0] for name, _ in runs)
+    assert flow_name == "cli-run"  # job.name, given at the flow run's creation (flows/entry.py)
+    assert {name for name, _ in runs if name.startswith("train")} == {"train step 1", "train step 2"}
+    names = Counter(phase(name) for name, _ in runs)
     assert {phase: names[phase] for phase in PHASES} == dict.fromkeys(PHASES, 2), names
     assert names["evaluate"] == 1 and names["save_model"] == 1, names  # step 2 (every_steps), the final model
     assert [state for _, state in runs] == ["COMPLETED"] * len(runs), runs

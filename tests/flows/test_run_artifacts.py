@@ -1,0 +1,72 @@
+"""The training flow run's Prefect artifacts (flows/artifacts.py) without a flow: the MLflow link, the keys, the
+summary's text, and a Prefect API that cannot be reached (the run goes on). The artifacts of real flow runs:
+tests/flows/test_flow.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+
+def test_the_mlflow_link_is_for_a_server_only_and_never_carries_credentials():
+    from infra.tracking_items import server_run_url as _mlflow_run_url
+
+    assert _mlflow_run_url("http://127.0.0.1:5000", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+    assert _mlflow_run_url("https://me:s3cret@mlflow.example.org/base/", "3", "abc") == \
+        "https://mlflow.example.org/base/#/experiments/3/runs/abc"
+    assert _mlflow_run_url("http://[::1]:5000", "1", "r") == "http://[::1]:5000/#/experiments/1/runs/r"
+    for local in ("sqlite:////tmp/mlflow.db", "file:///tmp/mlruns", "/tmp/mlruns", "databricks", None):
+        assert _mlflow_run_url(local, "1", "r") is None
+
+
+def test_artifact_keys_are_what_the_api_accepts():
+    from flows.artifacts import artifact_key
+
+    assert artifact_key("gspo-gsm8k") == "gspo-gsm8k"
+    assert artifact_key("My_Run.v2 (test)") == "my-run-v2-test"
+    assert artifact_key("___") == "run"
+
+
+def test_the_summary_names_steps_reward_accuracy_and_where_things_are(tmp_path):
+    from flows.artifacts import summary_markdown
+
+    records = [{"step": 0, "val/accuracy": 0.1}, {"step": 1, "rollout/reward_mean": 0.25},
+               {"step": 2, "rollout/reward_mean": 0.5, "val/accuracy": 0.4}]
+    text = summary_markdown("arith", records, step=2, total=2, run_dir=tmp_path / "runs" / "arith",
+                            checkpoint=tmp_path / "runs" / "arith" / "checkpoints" / "step_00000002",
+                            model_dir="/m/final_model", mlflow_run_id="r1", mlflow_url=None,
+                            tracking_uri="sqlite:////x/mlflow.db")
+    assert text.startswith("# arith\n")
+    for row in ("| steps | 2 of 2 |", "| final reward (rollout/reward_mean) | 0.5000 (step 2) |",
+                "| held-out accuracy (val/accuracy) | 0.1000 (step 0) → 0.4000 (step 2) |",
+                f"| run directory | `{tmp_path / 'runs' / 'arith'}` |", "| final model | `/m/final_model` |",
+                "| MLflow run | `r1` in `sqlite:////x/mlflow.db` |"):
+        assert row in text, (row, text)
+    dpo = summary_markdown("pairs", [{"step": 1, "train/reward_accuracy": 0.75}], step=1, total=4, run_dir=Path("r"),
+                           checkpoint=None, model_dir=None, mlflow_run_id="r2", mlflow_url="http://h/#/x",
+                           tracking_uri="http://h")
+    assert "| final preference accuracy (train/reward_accuracy) | 0.7500 (step 1) |" in dpo
+    assert "| newest checkpoint | none (rl.save_every=0) |" in dpo and "| MLflow run | [r2](http://h/#/x) |" in dpo
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside of a flow:FutureWarning")
+def test_an_unreachable_prefect_api_costs_one_warning_and_no_failure(caplog):
+    """A real client against a port nothing listens on: the first artifact call fails, is logged, and switches the
+    artifacts off, so no later step waits on the API again."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from flows.artifacts import RunArtifacts
+    from infra.processes import free_port
+
+    artifacts = RunArtifacts("offline", 10)
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api", PREFECT_CLIENT_MAX_RETRIES: 0}), \
+            caplog.at_level(logging.WARNING, logger="posttrain"):
+        artifacts.start(None, "r", 0)
+        artifacts.step(1)
+        artifacts.summary([], step=1, run_dir=Path("r"), checkpoint=None, model_dir=None, mlflow_run_id="r",
+                          tracking_uri=None)
+    assert artifacts.off and artifacts.progress_id is None
+    warnings = [r.getMessage() for r in caplog.records if "Prefect artifacts" in r.getMessage()]
+    assert len(warnings) == 1 and "create_progress_artifact failed" in warnings[0], warnings
