@@ -138,7 +138,7 @@ def test_gpu_recipe_without_gpu_fails_preflight_naming_the_fix(monkeypatch):
 
 
 def test_environment_is_probed_only_after_the_config_is_clean():
-    cfg = load_config(recipe("gspo_gsm8k"), ["model.teacher=artifacts/teacher", "rollout.temperature=0.5"])
+    cfg = load_config(recipe("gspo_gsm8k"), ["model.teacher=artifacts/teacher", "cluster.teacher_replicas=2"])
     with pytest.raises(ConfigError) as info:
         check(cfg)
     assert len(info.value.problems) == 2 and not any("GPU" in p for p in info.value.problems)
