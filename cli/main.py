@@ -107,12 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
     from cli.build import add_build_commands
+    from cli.export import add_export_command
     from cli.report import add_report_commands
     from cli.services import add_service_commands
 
     add_build_commands(sub)
     add_report_commands(sub)
     add_service_commands(sub)
+    add_export_command(sub)
     return parser
 
 
