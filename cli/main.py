@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
     p.set_defaults(handler=cmd_run)
     from cli.build import add_build_commands
+    from cli.export import add_export_command
     from cli.keys import add_keys_command
     from cli.params import add_params_command
     from cli.report import add_report_commands
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_commands(sub)
     add_params_command(sub)
     add_service_commands(sub)
+    add_export_command(sub)
     return parser
 
 

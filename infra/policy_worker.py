@@ -343,19 +343,12 @@ class PolicyWorker:
         Sharded, every rank calls this: the full weights are gathered into rank 0's host memory first, tensor by
         tensor. With LoRA the directory holds the merged model, and `adapter/` the adapter in PEFT's format
         (`rl_core.lora`)."""
-        from rl_core import lora
+        from rl_core.models import save_policy
 
         state = self.trainer.exported_model_state() if self.trainer.sharded else None
         if self.rank != 0:
             return None
-        if lora.is_lora(self.trainer.model):
-            lora.save_merged(self.trainer.model, path)
-            lora.save_adapter(self.trainer.model, str(Path(path) / "adapter"))
-        elif state is None:
-            self.trainer.model.save_pretrained(path, safe_serialization=True)
-        else:
-            self.trainer.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        save_policy(self.trainer.model, self.tokenizer, path, state=state)
         return path
 
     def shutdown(self) -> None:

@@ -204,7 +204,7 @@ def write_run_state(run_dir: Path, state: dict[str, Any]) -> None:
 # What a run directory holds (flows/runner.py): `job.overwrite` deletes a directory only when it has one of
 # these and nothing that is not one of them, so a mistyped job.out_dir/job.name never deletes other data.
 RUN_ENTRIES = ("config_resolved.yaml", "metrics.jsonl", "metrics.jsonl.tmp", RUN_STATE, RUN_STATE + ".tmp",
-               "placement.json", "checkpoints", "cache", "final_model", "curve.png", "curve.json", "summary.json",
+               "placement.json", "checkpoints", "cache", "final_model", "export", "curve.png", "curve.json", "summary.json",
                "model", "plots", "provenance", ".lock")
 RUN_MARKERS = ("config_resolved.yaml", "metrics.jsonl", RUN_STATE, "checkpoints")
 

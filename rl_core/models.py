@@ -116,6 +116,31 @@ def load_policy(model_cfg, *, device: str | torch.device | None = None, dtype: s
     return model, tokenizer
 
 
+def save_policy(model, tokenizer, path: str | Path, *, state: dict[str, torch.Tensor] | None = None,
+                merged: bool = True, adapter_dir: str | None = "adapter") -> Path:
+    """The policy and its tokenizer as a transformers directory (safetensors) at `path`: what `final_model/` and
+    `posttrain export` write. `state`: the whole model's tensors when `model` holds only shards of them.
+
+    With LoRA (`rl_core.lora`), `merged` writes the merged model at `path` (loadable as any model) and `adapter_dir`
+    the adapter in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`) under `path/adapter_dir`
+    (`""`: at `path` itself, loadable with `peft.PeftModel.from_pretrained(base, path)`; None: not written).
+    Without LoRA the model is written whole and both are ignored."""
+    from rl_core import lora
+
+    path = Path(path)
+    if not lora.is_lora(model):
+        model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    else:
+        if not merged and adapter_dir is None:
+            raise ValueError("save_policy: a LoRA policy needs merged=True or an adapter_dir")
+        if merged:
+            lora.save_merged(model, str(path))
+        if adapter_dir is not None:
+            lora.save_adapter(model, str(path / adapter_dir))
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_tiny_tokenizer():
     """The character-level tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then "\\n" and printable ASCII.
 

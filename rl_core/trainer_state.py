@@ -61,6 +61,26 @@ def optimizer_by_name(state: Mapping, names: list[str]) -> dict:
             "param_groups": [{**g, "params": [names[int(p)] for p in g["params"]]} for g in state["param_groups"]]}
 
 
+def model_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors in a checkpoint, in this process's layout: the trained ones (with LoRA the adapters) by
+    parameter name, DTensor shards when sharded. What `TrainerState.shard_state` writes and `load_model_shards`
+    reads."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+
+
+def load_model_shards(model: torch.nn.Module, fill: Callable[[dict], None]) -> None:
+    """The model half of `TrainerState.load_shard_state`, for a model without a trainer (an export): `fill(tensors)`
+    reads `{"model": model_shards(model)}` in place (`infra.checkpoint_shards.read_shards`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    tensors = model_shards(model)
+    fill({"model": tensors})
+    # not strict: with LoRA the frozen base is not in it (the read refuses any tensor the checkpoint lacks)
+    set_model_state_dict(model, tensors, options=StateDictOptions(strict=False))
+
+
 class TrainerState:
     """Saving and restoring an `LLMTrainer`'s state (model, optimizer, scheduler, RNG, counters)."""
 
@@ -131,13 +151,9 @@ class TrainerState:
         ranks in either mode. With LoRA only the adapters. Nothing is gathered. `rest`: everything else
         (optimizer hyperparameters, scheduler, RNG, counters, identities), small plain values.
         """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        model = get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
+        model = model_shards(self.model)
         optimizer = get_optimizer_state_dict(self.model, self.optimizer)
         rest = {
             **lora.identity_entry(self.model),

@@ -81,7 +81,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_fsdp_flow_trains_like_unsharded_and_a_sharded_checkpoint_resumes_unsharded(in_workdir, warm_model):
     """GRPO on 2 Ray trainer ranks: fsdp and none give the same rollouts and (within 1e-5) the same final
     weights; a run checkpointed by 2 fsdp ranks at step 2 resumes on 1 unsharded rank for step 3 and lands there
-    too."""
+    too; its last checkpoint, exported in one process, holds the final model's weights."""
     from flows.grpo import grpo
     from tests.conftest import FAST, recipe
 
@@ -116,6 +116,11 @@ def test_fsdp_flow_trains_like_unsharded_and_a_sharded_checkpoint_resumes_unshar
 
     loaded, exported = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final_model"), _weights(runs["fsdp"])
     assert all(torch.equal(v, exported[k]) for k, v in loaded.state_dict().items() if k in exported)
+    # the last step as the sharded ranks checkpointed it, exported in one process (`posttrain export`): the same
+    from infra.export import export_checkpoint
+
+    step3 = _weights_of_dir(export_checkpoint(runs["fsdp"], 3).path)
+    assert step3.keys() == exported.keys() and all(torch.equal(step3[k], exported[k]) for k in exported)
 
 
 def _weights_of_dir(model_dir: Path) -> dict:

@@ -1,0 +1,250 @@
+"""`posttrain export` (infra/export.py): a step's checkpoint as a directory that transformers and PEFT load alone.
+
+A trainer rank (`PolicyWorker`, in this process: no Ray, no Prefect) trains the tiny model and writes step
+checkpoints the way a run does (its shards, the driver's parts, the manifest last). Its own log-probs
+(`sequence_token_logprobs` on the trainer's model, the path the objectives use) of greedy continuations are taken
+at the checkpointed step, and it trains one step more, so that only a reader of that step's files gives them
+back. The export, loaded with `AutoModelForCausalLM.from_pretrained` (or PEFT's `PeftModel.from_pretrained` on
+the base), must continue greedily the same way and give the same log-probs; the last step's export holds what
+the run's `final_model/` holds (one writer). Then what an export refuses, the CLI, and a step only on S3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.builders import grpo_batch
+from tests.conftest import FAST, recipe
+
+BASE = "artifacts/tiny-model/init"
+PROMPTS = ["12+34=", "7+8=", "99+1=", "40+2="]
+NEW_TOKENS = 6
+
+
+def greedy_sequences(model, tokenizer) -> list[torch.Tensor]:
+    """Each prompt with its greedy continuation (no padding: one sequence at a time)."""
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                      do_sample=False, pad_token_id=tokenizer.pad_token_id)[0])
+    return out
+
+
+def trainer_logprobs(model, sequences) -> list[torch.Tensor]:
+    """The trainer's log-probs of every token after the first: `sequence_token_logprobs`, the objectives' path."""
+    from rl_core.primitives.logprobs import sequence_token_logprobs
+
+    model.eval()
+    with torch.no_grad():
+        return [sequence_token_logprobs(model, s[None], torch.ones_like(s[None]), temperature=1.0)[0, 1:]
+                for s in sequences]
+
+
+def plain_logprobs(model, sequences) -> list[torch.Tensor]:
+    """Log-probs as any transformers user computes them: the full logits, log_softmax, the next token's entry."""
+    with torch.no_grad():
+        return [torch.log_softmax(model(input_ids=s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0]
+                for s in sequences]
+
+
+def save_step(worker, store, cfg, step: int) -> Path:
+    """Checkpoint `step` as a run writes it (`Cluster.start_checkpoint`, `tasks.checkpoint`), with one rank."""
+    from infra.resume import checkpoint_meta
+
+    tmp = store.begin(step)
+    state = worker.start_checkpoint(str(tmp.resolve()))
+    store.write_parts(tmp, {"trainer": {k: v for k, v in state.items() if k != "rng"},
+                            "rng_rank0": {"rng": state["rng"]}, "driver": {"step": step}})
+    return store.commit(tmp, step, checkpoint_meta(cfg), worker.checkpoint_written(True))
+
+
+def train_run(workdir: Path, name: str, *overrides: str) -> dict:
+    """Train 3 steps with checkpoints at 2 and 3; what the trainer gave at step 2 and at the base model."""
+    from infra.policy_worker import PolicyWorker, worker_config
+    from infra.storage import CheckpointStore
+    from rl_core.config import load_config
+    from rl_core.models import load_policy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(workdir)
+        cfg = load_config(recipe("arithmetic"), [*FAST, f"job.name={name}", "cluster.placement=separate",
+                                                 "rl.optimizer.lr=1e-2", "rl.optimizer.warmup_steps=0", *overrides])
+        worker = PolicyWorker(worker_config(cfg), 0, 1, 1, 0.0)
+        worker.setup(None, None, None)
+        trainer, tokenizer = worker.trainer, worker.tokenizer
+        base, _ = load_policy(cfg.model)
+        store = CheckpointStore(Path(cfg.run_dir) / "checkpoints")
+        run: dict = {"run_dir": workdir / cfg.run_dir, "tokenizer": tokenizer, "cfg": cfg}
+        for step in (1, 2, 3):
+            trainer.model.train()
+            trainer.train_step(grpo_batch([3, 5, 2, 4], [2, 3, 4, 2], seed=step, policy_version=step - 1,
+                                          vocab_size=len(tokenizer)))
+            if step >= 2:
+                save_step(worker, store, cfg, step)
+            if step == 2:
+                run["sequences"] = greedy_sequences(trainer.model, tokenizer)
+                run["logp"] = trainer_logprobs(trainer.model, run["sequences"])
+                run["base_logp"] = trainer_logprobs(base, run["sequences"])
+        run["final_logp"] = trainer_logprobs(trainer.model, run["sequences"])
+        worker.save_pretrained(str(run["run_dir"] / "final_model"))  # what a run writes at its end (step 3)
+    return run
+
+
+@pytest.fixture(scope="module")
+def full_run(workdir) -> dict:
+    return train_run(workdir, "export-full")
+
+
+@pytest.fixture(scope="module")
+def lora_run(workdir) -> dict:
+    return train_run(workdir, "export-lora", "model.lora.r=4", "model.lora.alpha=8")
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], atol: float) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert float((g - w).abs().max()) <= atol, float((g - w).abs().max())
+
+
+def assert_learned(run: dict) -> None:
+    """The checkpointed weights are neither the base model's nor the ones trained after them."""
+    for other in ("base_logp", "final_logp"):
+        assert max(float((a - b).abs().max()) for a, b in zip(run["logp"], run[other])) > 1e-4, other
+
+
+def test_an_exported_step_loads_with_from_pretrained_and_gives_the_trainers_logprobs(full_run, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infra.export import export_checkpoint
+
+    assert_learned(full_run)
+    monkeypatch.chdir(tmp_path)  # not the run's working directory: the base model is found from the run's
+    done = export_checkpoint(full_run["run_dir"], 2)
+    assert done.path == full_run["run_dir"] / "export" / "step-2" and done.step == 2 and done.form == "model"
+    names = {p.name for p in done.path.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= names and not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+
+    model = AutoModelForCausalLM.from_pretrained(done.path)
+    assert [s.tolist() for s in greedy_sequences(model, AutoTokenizer.from_pretrained(done.path))] == \
+        [s.tolist() for s in full_run["sequences"]]
+    assert_same(trainer_logprobs(model, full_run["sequences"]), full_run["logp"], 0.0)  # bitwise
+    assert_same(plain_logprobs(model, full_run["sequences"]), full_run["logp"], 1e-6)
+
+    newest = export_checkpoint(full_run["run_dir"], to=tmp_path / "newest")  # no step: the newest, step 3
+    assert newest.step == 3
+    assert_same(trainer_logprobs(AutoModelForCausalLM.from_pretrained(newest.path), full_run["sequences"]),
+                full_run["final_logp"], 0.0)
+
+
+def test_a_lora_step_exports_the_adapter_for_peft_and_merged_for_transformers(lora_run, workdir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from infra.export import export_checkpoint
+
+    assert_learned(lora_run)
+    adapter = export_checkpoint(lora_run["run_dir"], 2, tmp_path / "adapter")
+    assert adapter.form == "adapter"
+    names = {p.name for p in adapter.path.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    assert "model.safetensors" not in names
+    config = json.loads((adapter.path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and Path(config["base_model_name_or_path"]).is_dir()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / BASE), adapter.path)
+    assert [s.tolist() for s in greedy_sequences(peft, lora_run["tokenizer"])] == \
+        [s.tolist() for s in lora_run["sequences"]]
+    assert_same(trainer_logprobs(peft, lora_run["sequences"]), lora_run["logp"], 0.0)  # bitwise
+
+    merged = export_checkpoint(lora_run["run_dir"], 2, tmp_path / "merged", merged=True)
+    assert merged.form == "merged" and not (merged.path / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(merged.path)  # a plain model: W + (alpha/r) B A
+    assert not hasattr(model, "peft_config")
+    assert [s.tolist() for s in greedy_sequences(model, lora_run["tokenizer"])] == \
+        [s.tolist() for s in lora_run["sequences"]]
+    assert_same(plain_logprobs(model, lora_run["sequences"]), lora_run["logp"], 1e-6)
+
+    # the last step exports what the run's final_model/ holds (merged) and its adapter/, tensor for tensor
+    final = lora_run["run_dir"] / "final_model"
+    for form, exported, written in (("adapter", "adapter_model.safetensors", "adapter/adapter_model.safetensors"),
+                                    ("merged", "model.safetensors", "model.safetensors")):
+        done = export_checkpoint(lora_run["run_dir"], 3, tmp_path / f"last-{form}", merged=form == "merged")
+        got, want = load_file(done.path / exported), load_file(final / written)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), form
+
+
+def test_what_an_export_refuses_names_the_file_and_what_to_do(full_run, tmp_path):
+    from infra.export import ExportError, export_checkpoint
+
+    run_dir = full_run["run_dir"]
+    with pytest.raises(ExportError, match=r"no checkpoint of step 7 in .*checkpoints; available steps: 2, 3$"):
+        export_checkpoint(run_dir, 7, tmp_path / "x")
+    with pytest.raises(ExportError, match="no run directory 'nowhere'"):
+        export_checkpoint("nowhere")
+
+    torn = run_dir / "checkpoints" / "step_00000005"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000002", torn)
+    (torn / "manifest.json").unlink()  # a save cut before its manifest
+    try:
+        with pytest.raises(ExportError, match=r"step 5 is torn: .*step_00000005/manifest.json is missing.*"
+                                              r"export another step \(available steps: 2, 3\)"):
+            export_checkpoint(run_dir, 5, tmp_path / "x")
+        assert export_checkpoint(run_dir, to=tmp_path / "latest").step == 3  # the newest complete step
+    finally:
+        shutil.rmtree(torn)
+
+    target = tmp_path / "occupied"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"occupied exists and is not empty; pass --overwrite"):
+        export_checkpoint(run_dir, 2, target)
+    assert (target / "notes.txt").read_text() == "mine"
+    export_checkpoint(run_dir, 2, target, overwrite=True)
+    assert (target / "config.json").is_file() and not (target / "notes.txt").exists()
+    assert not list(tmp_path.glob(".tmp-*"))  # nothing half-written left beside the targets
+
+
+def test_the_cli_exports_by_job_name_and_reports_a_refusal(full_run, workdir, tmp_path, monkeypatch, capsys):
+    from cli.main import main
+
+    monkeypatch.chdir(workdir)  # the job name is looked up under runs/
+    assert main(["export", "export-full", "--step", "3", "--to", str(tmp_path / "cli")]) == 0
+    assert capsys.readouterr().out.strip() == f"exported step 3 (model) to {tmp_path / 'cli'}"
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
+    assert main(["export", "export-full", "--step", "3", "--to", str(tmp_path / "cli")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("posttrain export: ") and "is not empty; pass --overwrite" in err
+
+
+@pytest.mark.e2e
+def test_a_step_that_is_only_on_s3_is_downloaded_verified_and_exported(full_run, bucket, tmp_path):
+    """A run directory without its checkpoints (another machine) whose run mirrored them to S3 (moto's server)."""
+    from transformers import AutoModelForCausalLM
+
+    from infra.export import ExportError, export_checkpoint
+    from infra.resume import checkpoint_prefix, write_run_state
+    from infra.storage import CheckpointStore
+    from rl_core.config import config_from_dict, write_resolved
+    from rl_core.config.loader import config_dict
+
+    cfg = config_from_dict(config_dict(full_run["cfg"]), [f"tracking.checkpoint_uri=s3://{bucket}/ckpt"])
+    run_dir, run_id = tmp_path / "far" / cfg.job.name, "0123456789abcdef"
+    write_resolved(cfg, run_dir)
+    write_run_state(run_dir, {"run_id": run_id})
+    prefix = checkpoint_prefix(cfg, run_id)
+    CheckpointStore(tmp_path / "unused", remote_uri=prefix).upload(full_run["run_dir"] / "checkpoints" / "step_00000002")
+
+    done = export_checkpoint(run_dir, to=tmp_path / "out")  # the newest: the one step on S3
+    assert done.step == 2 and not (run_dir / "checkpoints").exists()  # downloaded elsewhere, then removed
+    model = AutoModelForCausalLM.from_pretrained(done.path)
+    assert_same(trainer_logprobs(model, full_run["sequences"]), full_run["logp"], 0.0)
+    with pytest.raises(ExportError, match=rf"no checkpoint of step 3 in .* nor at {prefix}; available steps: 2$"):
+        export_checkpoint(run_dir, 3, tmp_path / "out3")
