@@ -427,7 +427,7 @@ def test_the_plan_constants_are_the_code_s():
 def test_validate_prints_the_plan(qwen3b_dir, capsys):
     from cli.main import main
 
-    code = main(["validate", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FSDP_BF16_CKPT])
+    code = main(["validate", "--no-env", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FSDP_BF16_CKPT])
     out = capsys.readouterr()
     assert code == 0, out.err
     plan = out.out[out.out.index("preflight: ok"):]
@@ -436,7 +436,7 @@ def test_validate_prints_the_plan(qwen3b_dir, capsys):
     assert "trainer rank (x4, 1 GPU each)" in plan and "1/4 shard (FSDP)" in plan
     assert "of 72.00 GiB usable (90% of its GPU): fits" in plan
 
-    code = main(["validate", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FP32_UNSHARDED,
+    code = main(["validate", "--no-env", str(GRPO), "--", f"model.name_or_path={qwen3b_dir}", *ON_4X80, *FP32_UNSHARDED,
                  "model.gradient_checkpointing=false"])
     out = capsys.readouterr()
     assert code == 1 and "DOES NOT FIT" in out.out
@@ -446,7 +446,7 @@ def test_validate_prints_the_plan(qwen3b_dir, capsys):
 def test_validate_says_why_there_is_no_plan(capsys):
     from cli.main import main
 
-    code = main(["validate", str(GRPO), "--", "model.name_or_path=posttrain-tests/no-such-model"])
+    code = main(["validate", "--no-env", str(GRPO), "--", "model.name_or_path=posttrain-tests/no-such-model"])
     out = capsys.readouterr()
     assert code == 0
     assert "memory plan: none (model.name_or_path='posttrain-tests/no-such-model' is neither a local directory " \

@@ -150,6 +150,7 @@ def test_the_custom_objective_and_its_parameter_are_part_of_the_run_identity():
         build_objective(load_config(ARITH, [custom(OBJECTIVE, clip=-1)]), ObjectiveContext.from_config(cfg))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_custom_objective_and_reward_train_three_steps_through_the_flow(cwd):
     """The example objective (only it emits `advantage_clip_frac`) trains 3 steps in the Ray trainer; the custom
