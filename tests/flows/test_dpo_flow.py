@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import recipe
-from tests.run_helpers import read_metrics, task_runs
+from tests.run_helpers import phase, read_metrics, task_runs
 
 DPO_FAST = [
     "model.name_or_path=artifacts/tiny-model/init",
@@ -59,7 +59,9 @@ def test_pairs_are_built_when_missing(dpo_run, dpo_dir):
 def test_every_phase_runs(dpo_run):
     state, _ = dpo_run
     assert state.is_completed(), state.message
-    names = Counter(r.name.rsplit("-", 1)[0] for r in task_runs(state.state_details.flow_run_id))
+    runs = task_runs(state.state_details.flow_run_id)
+    names = Counter(phase(r.name) for r in runs)
+    assert {r.name for r in runs} >= {"validate step 1", "train step 2", "sync step 3", "checkpoint step 2"}
     assert names["validate"] == 3 and names["train"] == 3
     assert names["sync"] == 2  # step 2 (every_steps) and the final step 3
     assert names["evaluate_pairs"] == 3 and names["evaluate"] == 3  # + before training
