@@ -111,7 +111,8 @@ def expected_sha256(path: Path, size: int, sha256: str, transfer) -> tuple[str, 
                 break
             digests.append(part.digest())
     if whole.hexdigest() != sha256:
-        raise ValueError(f"{path} no longer has the sha256 its manifest records ({sha256})")
+        raise ValueError(f"{path}: its sha256 {whole.hexdigest()} differs from the manifest's {sha256}; the local "
+                         "checkpoint changed after it was written, so it is not uploaded")
     return base64.b64encode(hashlib.sha256(b"".join(digests)).digest()).decode(), len(digests)
 
 
