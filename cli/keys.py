@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-OBJECTIVE_KEY = "rl.objective"
+from rl_core.config.loader import OBJECTIVE_KEY, section_model
 
 
 def type_name(annotation: Any) -> str:
@@ -43,10 +43,6 @@ def default_text(field: Any) -> str:
     return "(required)" if field.default is PydanticUndefined else repr(field.default)
 
 
-def _section(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
 def key_rows(model: type[BaseModel] | None = None, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
     """`(key, objective type or '', type, default, description)` for every leaf of the config tree; the keys of
     `rl.objective` once per objective type that has them."""
@@ -61,7 +57,7 @@ def key_rows(model: type[BaseModel] | None = None, prefix: str = "") -> list[tup
                 for knob, f in cls.model_fields.items():
                     rows.append((f"{dotted}.{knob}", kind, type_name(f.annotation), default_text(f),
                                  f.description or ""))
-        elif (sub := _section(field.annotation)) is not None:
+        elif (sub := section_model(field.annotation)) is not None:
             rows.extend(key_rows(sub, dotted + "."))
         else:
             rows.append((dotted, "", type_name(field.annotation), default_text(field), field.description or ""))

@@ -72,7 +72,7 @@ def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
     return dict(model.model_fields)
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None
@@ -91,7 +91,7 @@ def all_keys(model: type[BaseModel] = PosttrainConfig, prefix: str = "") -> list
     """Every dotted leaf key of the config tree, e.g. `rl.optimizer.lr` (`rl.objective.*`: of every objective)."""
     keys: list[str] = []
     for name, field in _section_fields(model).items():
-        sub = _submodel(field.annotation)
+        sub = section_model(field.annotation)
         dotted = f"{prefix}{name}"
         if dotted == OBJECTIVE_KEY:
             keys.extend(f"{dotted}.{k}" for k in objective_keys())
@@ -109,7 +109,7 @@ def _field_for(dotted: str) -> Any | None:
         if model is None or part not in model.model_fields:
             return None
         field = model.model_fields[part]
-        model = _submodel(field.annotation)
+        model = section_model(field.annotation)
     return field
 
 
@@ -253,8 +253,8 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | No
         if (key in RETIRED_KEYS and key != OBJECTIVE_KEY) or key in MOVED_KEYS or _field_for(key) is None:
             problems.append(_unknown_key_message(key, raw))
             continue
-        if _submodel(_field_for(key).annotation) is not None:
-            problems.append(f"{key}: is a section; set one of its keys, e.g. {all_keys(_submodel(_field_for(key).annotation), key + '.')[0]}")
+        if section_model(_field_for(key).annotation) is not None:
+            problems.append(f"{key}: is a section; set one of its keys, e.g. {all_keys(section_model(_field_for(key).annotation), key + '.')[0]}")
             continue
         if key == OBJECTIVE_KEY + ".type":
             _switch_objective(data, value)
