@@ -19,11 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# DEMO_OVERRIDES: more overrides of the quickstart (tests/test_front_door.py runs `make demo` with a short one)
+DEMO_OVERRIDES ?=
 demo: venv
 	@# --no-env: the GPU recipes are checked as configs here; `run` checks this machine for the one it runs
 	@for r in $(RECIPES); do $(VENV)/bin/posttrain validate --no-env $$r > /dev/null || exit 1; done
 	@echo "every recipe validates; running the arithmetic quickstart (builds the tiny model and data first)"
-	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true
+	$(VENV)/bin/posttrain run recipes/arithmetic.py -- rl.resume=off job.overwrite=true $(DEMO_OVERRIDES)
 	@# the warm start's accuracy tells which CPU build this machine made (docs/quickstart.md)
 	@$(VENV)/bin/posttrain summarize runs/arithmetic
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"

@@ -16,6 +16,8 @@ import os
 import shlex
 import sys
 
+from infra.processes import passive_openmp
+
 # the `-- key=value` form, shown at the end of `posttrain --help`, `run --help` and `validate --help`
 OVERRIDE_EXAMPLES = """\
 overrides: a dotlist after `--` (list the keys with `posttrain keys`), e.g.
@@ -162,8 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_code_on_path() -> None:
+    """Put the working directory on `sys.path`, after the installed packages (a file there never shadows one), as
+    `python -m` does: a recipe's `data.rewards`, `data.task` or `rl.objective.import_path` may name a module beside
+    it (`my_rewards:correct`) without installing it. The Ray workers of this driver get the same directory: Ray
+    puts the driver's working directory on their path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.umask(PRIVATE_UMASK)
+    passive_openmp()  # before anything imports torch: its OpenMP runtime reads the wait policy once, when loaded
+    user_code_on_path()
     argv = list(sys.argv[1:] if argv is None else argv)
     own, overrides = _split_overrides(argv)
     parser = build_parser()
