@@ -22,6 +22,7 @@ from typing import Any
 import ray
 import torch
 
+from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.placement.run_shape import tensor_parallel_size
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
@@ -103,7 +104,7 @@ class RolloutWorker:
     `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, index: int, threads: int, gpus: float):
-        torch.set_num_threads(max(int(threads), 1))
+        use_threads(threads)
         self.cfg = config_from_dict(cfg_data)
         self.index = index
         self.device = actor_device(gpus)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
+from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import looks_local
@@ -48,7 +49,7 @@ class PolicyWorker:
     run's `infra.placement.Placement` and driven by `Cluster`."""
 
     def __init__(self, cfg_data: dict, rank: int, world_size: int, threads: int, gpus: float):
-        torch.set_num_threads(max(int(threads), 1))
+        use_threads(threads)
         self.cfg = config_from_dict(cfg_data)
         self.rank, self.world_size = rank, world_size
         self.device = actor_device(gpus)

@@ -1,5 +1,11 @@
 """Processes and ports on this machine: whether a recorded process is still the one started (not a reused pid),
-its process group signalled and awaited, and free TCP ports on 127.0.0.1."""
+its process group signalled and awaited, free TCP ports on 127.0.0.1, and the CPU threads of each process role.
+
+Threads per role (docs/benchmarks.md, the threads table): the driver uses `DRIVER_THREADS`; a trainer rank, a
+rollout engine and a teacher use `cluster.cpus_per_worker` / `cpus_per_engine` (what Ray reserves for them); a
+reward worker one. Every one of them runs OpenMP with `OPENMP_ENV` (idle threads sleep instead of spinning), set by
+`posttrain` before torch loads and passed to the Ray actors in their runtime_env (`infra.ray_connect`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 HOST = "127.0.0.1"
+# OpenMP's default lets each idle thread of torch's pool busy-wait after every parallel region. Where the driver,
+# trainer ranks, engines and reward workers share cores, the spinning takes the cores the others are waiting for
+# (a tiny-model generate next to one busy process: 1.5 s alone, 42 s spinning, 2.5 s passive). Read by the OpenMP
+# runtime when torch loads it: set before `import torch`, in the environment of every process started after.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The driver holds no model: its tensor work (annotate, the gate, the rewards' bookkeeping) is small, and its
+# threads would only compete with the actors' on the same cores.
+DRIVER_THREADS = 1
 
 
 def port_free(port: int) -> bool:
@@ -107,3 +121,17 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return predicate()
+
+
+def passive_openmp() -> None:
+    """`OPENMP_ENV` in this process's environment where unset (a user's own value wins): in effect for this process
+    when called before torch is imported, and for every process started from it."""
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def use_threads(threads: int) -> None:
+    """This process's torch intra-op threads (a role's CPUs; at least one)."""
+    import torch
+
+    torch.set_num_threads(max(int(threads), 1))

@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 import torch
 
+from infra.processes import OPENMP_ENV
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import num_engines
 
@@ -57,16 +58,20 @@ def auth_token_source() -> str | None:
 
 
 def actor_runtime_env() -> dict:
-    """The job-level runtime_env of the run's Ray actors: `QUIET_ACTOR_ENV`, less any variable this process or the
-    Ray job it runs in (`ray job submit --runtime-env-json`) sets itself: a user's own value wins, and Ray refuses
-    to merge a job's env_vars with a driver's that name the same variable."""
+    """The job-level runtime_env of the run's Ray actors: `QUIET_ACTOR_ENV`, less any variable this process sets
+    itself, and OpenMP's wait policy (`infra.processes.OPENMP_ENV`, this process's own value where set, so the
+    actors of a cluster on other nodes run with the driver's); less any variable the Ray job it runs in
+    (`ray job submit --runtime-env-json`) sets: a user's own value wins, and Ray refuses to merge a job's env_vars
+    with a driver's that name the same variable."""
     import json
 
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
     job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
     taken = set((job.get("runtime_env") or {}).get("env_vars") or {})
-    return {"env_vars": {k: v for k, v in QUIET_ACTOR_ENV.items() if k not in os.environ and k not in taken}}
+    env = {k: v for k, v in QUIET_ACTOR_ENV.items() if k not in os.environ}
+    env.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
+    return {"env_vars": {k: v for k, v in env.items() if k not in taken}}
 
 
 def quiet_token_auth() -> None:

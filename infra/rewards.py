@@ -21,6 +21,7 @@ from typing import Any, Self
 import ray
 
 from infra.actor import ActorGroup, PlacementError, describe_resources
+from infra.processes import use_threads
 from rl_core.config import PosttrainConfig
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
 from rl_core.rewards.configured import reward_functions as configured_functions
@@ -33,6 +34,7 @@ class RewardWorker:
     def __init__(self, cfg_data: dict):
         from rl_core.config import config_from_dict
 
+        use_threads(1)  # a reward function's tensor work, if any, is small; the trainer and engines need the cores
         self.functions = configured_functions(config_from_dict(cfg_data).data)
 
     def preload(self) -> float:

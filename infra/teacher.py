@@ -26,6 +26,7 @@ import ray
 import torch
 
 from infra.actor import ActorGroup, PlacementError, describe_resources
+from infra.processes import use_threads
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import TEACHER_GPU_SHARE, teacher_replicas
@@ -38,7 +39,7 @@ class TeacherWorker:
         from infra.engines import actor_device, enable_tf32
         from rl_core.config import config_from_dict
 
-        torch.set_num_threads(max(int(threads), 1))
+        use_threads(threads)
         self.cfg = config_from_dict(cfg_data)
         if not self.cfg.model.teacher:
             raise ValueError("model.teacher is not set: the OPD teacher role needs a teacher model")

@@ -11,8 +11,10 @@ tokens and `<eos>` only. The prompt tokens are fed but not scored: their operand
 random digits, so scoring them only adds irreducible loss and gradient noise (with the loss on
 all tokens the same budget reached ~0.05 accuracy instead of ~0.5).
 
-Deterministic given the seed (init snapshot, data order from `PromptSampler(seed)`, no dropout),
-on a fixed thread count; the saved snapshot is what RL results depend on.
+Deterministic given the seed (init snapshot, data order from `PromptSampler(seed)`, no dropout) and the CPU's
+float kernels: it trains on `WARM_START_THREADS` torch threads whatever the process's own count, so `dvc repro`,
+`posttrain run` (which builds a missing warm start in its driver) and the tests build the same bytes on machines
+with any number of cores. The saved snapshot is what RL results depend on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rl_core.evaluation import evaluate_accuracy
 from rl_core.tasks import format_prompt, get_task, load_examples
 
 DEFAULT_STEPS = 800
+WARM_START_THREADS = 1  # a reduction split over threads sums in another order: the bytes depend on the count
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH_SIZE = 32
 
@@ -58,7 +61,20 @@ def encode_supervised_batch(
     return ids, mask, labels
 
 
-def warm_start(
+def warm_start(init_dir: str | Path, train_path: str | Path, val_path: str | Path, out_dir: str | Path,
+               **options) -> dict:
+    """Train `init_dir`'s model for `steps` AdamW steps on `WARM_START_THREADS` threads, save model+tokenizer to
+    `out_dir`, return metrics (`_train_warm_start`: the options and metrics). The process's thread count is put back
+    afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
+    try:
+        return _train_warm_start(init_dir, train_path, val_path, out_dir, **options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_warm_start(
     init_dir: str | Path,
     train_path: str | Path,
     val_path: str | Path,

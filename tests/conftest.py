@@ -23,6 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from infra.processes import passive_openmp
+
+# A pytest worker is a process role of its own: one torch thread (`make test` runs two workers on two cores) whose
+# OpenMP runtime sleeps when idle. Set before anything imports torch; the processes a test starts (`posttrain run`,
+# Ray, servers) inherit both, and the run's actors set their own thread counts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+passive_openmp()
+
 from infra.services import use_prefect_server_defaults
 from tests.builders import STARTUP_TIMEOUT_S
 
@@ -72,6 +80,13 @@ class StartsAProcess(RuntimeError):
 
 
 _STARTED: list[str] = []  # what the running unit test started, reported by pytest_runtest_makereport
+
+
+def pytest_configure(config):
+    """In quick mode, matplotlib's font cache is built here, before any test: its first import on a machine runs
+    `fc-list`, a process the unit tests may not start."""
+    if quick_mode(config):
+        import matplotlib.font_manager  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):

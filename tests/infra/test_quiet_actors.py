@@ -15,15 +15,19 @@ from tests.conftest import REPO, recipe
 TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
-def test_the_actors_runtime_env_turns_their_progress_bars_off(monkeypatch):
-    for name in QUIET_ACTOR_ENV:
+def test_the_actors_runtime_env_turns_their_progress_bars_off_and_openmp_spinning(monkeypatch):
+    for name in (*QUIET_ACTOR_ENV, "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    assert actor_runtime_env() == {"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
-    # a user's own value wins; a variable the Ray job sets is left to the job (Ray would refuse the merge)
+    assert actor_runtime_env() == {"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                                "OMP_WAIT_POLICY": "PASSIVE"}}
+    # a user's own value wins (the wait policy is the driver's, passed on to actors on any node); a variable the
+    # Ray job sets is left to the job (Ray would refuse the merge)
     monkeypatch.setenv("TQDM_DISABLE", "0")
-    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
-                       json.dumps({"runtime_env": {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "0"}}}))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert actor_runtime_env() == {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_WAIT_POLICY": "ACTIVE"}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": {
+        "HF_HUB_DISABLE_PROGRESS_BARS": "0", "OMP_WAIT_POLICY": "PASSIVE"}}}))
     assert actor_runtime_env() == {"env_vars": {}}
 
 
@@ -57,7 +61,7 @@ start_local_ray(load_config(sys.argv[1]))
 def probe():
     from tqdm import tqdm
     print("actor says hello", flush=True)
-    return {k: os.environ.get(k) for k in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}, tqdm([1]).disable
+    return {k: os.environ.get(k) for k in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "OMP_WAIT_POLICY")}, tqdm([1]).disable
 print("RESULT", ray.get(probe.remote()), flush=True)
 ray.shutdown()
 """
@@ -66,14 +70,15 @@ ray.shutdown()
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_local_ray_started_for_a_run_is_quiet(tmp_path):
-    """`posttrain run`'s local Ray (start_local_ray): the actors' tqdm is off, their prints still reach the driver,
-    and Ray prints no token notice."""
+    """`posttrain run`'s local Ray (start_local_ray): the actors' tqdm is off and their idle OpenMP threads sleep,
+    their prints still reach the driver, and Ray prints no token notice."""
     env = {k: v for k, v in __import__("os").environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *QUIET_ACTOR_ENV)}
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "OMP_WAIT_POLICY", *QUIET_ACTOR_ENV)}
     env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", CHILD, recipe("arithmetic")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "RESULT ({'TQDM_DISABLE': '1', 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}, True)" in out.stdout
+    assert ("RESULT ({'TQDM_DISABLE': '1', 'HF_HUB_DISABLE_PROGRESS_BARS': '1', 'OMP_WAIT_POLICY': 'PASSIVE'}, "
+            "True)") in out.stdout
     assert "actor says hello" in out.stdout + out.stderr  # the actors' own output is not hidden
     assert TOKEN_NOTICE not in out.stdout + out.stderr
