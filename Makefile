@@ -30,11 +30,14 @@ demo: venv
 	@$(VENV)/bin/posttrain summarize runs/arithmetic
 	@echo "metrics: runs/arithmetic/metrics.jsonl, curve: runs/arithmetic/curve.png, MLflow: mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
-# Two test processes (one module each at a time): most end-to-end tests wait on Prefect and Ray start-up.
+# TEST_WORKERS pytest processes (one module each at a time, the longest modules first: tests/conftest.py's
+# HEAVIEST_FIRST, kept in that order by --no-loadscope-reorder). Three keep a 2-core machine busy: most end-to-end
+# tests wait on Prefect and Ray start-up.
 # Markers (pyproject.toml): `e2e` tests start Ray, a Prefect server or flow, or a subprocess; `slow` ones take more
 # than a few seconds (most e2e tests, and a few in-process ones such as the 800-step warm start).
+TEST_WORKERS ?= 3
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests only: no Ray, no Prefect server, no subprocess. POSTTRAIN_TEST_QUICK=1 makes any process a test
 # starts fail it, naming the marker to add (tests/conftest.py). `pytest -m "not slow"` still leaves out only the

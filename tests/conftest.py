@@ -15,6 +15,7 @@ import json
 import multiprocessing.process
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,9 +90,26 @@ def pytest_configure(config):
         import matplotlib.font_manager  # noqa: F401
 
 
+# The longest modules (a clean clone's `make test`, slowest first), run first: `--dist loadfile
+# --no-loadscope-reorder` (Makefile) hands each worker a whole module at a time in collection order, so a long module
+# handed out last would run alone at the end.
+HEAVIEST_FIRST = (
+    "tests/flows/test_deployments.py", "tests/flows/test_resume_after_kill.py", "tests/flows/test_dpo_flow.py",
+    "tests/flows/test_opd_flow.py", "tests/flows/test_resume.py", "tests/infra/test_scale_out.py",
+    "tests/infra/test_vllm_cpu.py", "tests/flows/test_dvc.py", "tests/infra/test_faults.py",
+    "tests/infra/test_ray_cluster.py", "tests/infra/test_fsdp.py", "tests/flows/test_lora_flow.py",
+    "tests/infra/test_ray_job_submit.py", "tests/test_front_door.py", "tests/flows/test_regression.py",
+    "tests/flows/test_flow.py", "tests/flows/test_gsm8k_recipes.py", "tests/flows/test_posttrain_run.py",
+    "tests/infra/test_tracking_e2e.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every `e2e` test gets the session's local Ray (`ray_session`) before any other fixture, so a module-scoped
-    fixture that runs a flow joins it too."""
+    """The longest modules first (`HEAVIEST_FIRST`; the others keep their order after them). Every `e2e` test gets
+    the session's local Ray (`ray_session`) before any other fixture, so a module-scoped fixture that runs a flow
+    joins it too."""
+    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     for item in items:
         if item.get_closest_marker(E2E) is not None and "ray_session" not in item.fixturenames:
             item.fixturenames.insert(0, "ray_session")
@@ -227,6 +245,17 @@ def moto_server(tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A `prefect server` on 127.0.0.1 for one test module (`tests/servers.py`); yields its API URL. The module's
+    `posttrain run` subprocesses that are not about start-up get it as PREFECT_API_URL: each would otherwise start
+    a temporary API server of its own (seconds of CPU on a loaded machine)."""
+    from tests.servers import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
 @pytest.fixture
 def bucket(moto_server, monkeypatch, tmp_path) -> str:
     """A fresh bucket on the module's moto server, with this process's AWS settings pointing at it (and nothing
@@ -267,6 +296,14 @@ def recipe(name: str) -> str:
     return str(REPO / "recipes" / f"{name}.py")
 
 
+# What a short test run leaves out unless it is what the test is about: the reward actors (rewards run in the driver;
+# tests/infra/test_reward_pool.py has the pool), MLflow's system-metrics sampler and the completions table
+# (tests/infra/test_tracking*.py turn them on).
+LEAN = [
+    "data.reward_workers=0",
+    "tracking.system_metrics=false",
+    "tracking.sample_completions_every=0",
+]
 # Short CPU runs of the arithmetic recipe on the random-init tiny model (fast to build).
 FAST = [
     "model.name_or_path=artifacts/tiny-model/init",
@@ -274,6 +311,7 @@ FAST = [
     "rollout.n=4",
     "rl.validation.max_prompts=16",
     "rl.validation.every_steps=2",
+    *LEAN,
 ]
 
 
@@ -289,8 +327,32 @@ def ref_model(tmp_path_factory) -> Path:
     return path
 
 
+_MIGRATED_MLFLOW_DB: list[Path] = []
+
+
+def migrated_mlflow_db(directory: Path) -> Path:
+    """`directory`/mlflow.db: a copy of an empty MLflow SQLite store whose schema is migrated, built once per
+    process. A new store runs every MLflow migration first (seconds on a loaded machine); a copy opens at once. The
+    copy holds no experiment: MLflow creates the Default one, with the directory's own artifact location, when it
+    opens a store without it."""
+    if not _MIGRATED_MLFLOW_DB:
+        import sqlite3
+
+        from mlflow import MlflowClient
+
+        template = Path(tempfile.mkdtemp(prefix="posttrain-test-mlflow-")) / "mlflow.db"
+        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+        with sqlite3.connect(template) as db:
+            db.execute("DELETE FROM experiment_tags")
+            db.execute("DELETE FROM experiments")
+        _MIGRATED_MLFLOW_DB.append(template)
+    directory.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(_MIGRATED_MLFLOW_DB[0], directory / "mlflow.db"))
+
+
 def make_cwd(path: Path, workdir: Path, ref: Path) -> Path:
-    """A private working directory (own runs/, own mlflow.db) sharing the session's data and model."""
+    """A private working directory (own runs/, own mlflow.db, migrated) sharing the session's data and model."""
+    migrated_mlflow_db(path)
     (path / "artifacts" / "tiny-model").mkdir(parents=True)
     (path / "data").symlink_to(workdir / "data", target_is_directory=True)
     (path / "artifacts" / "tiny-model" / "init").symlink_to(workdir / "artifacts" / "tiny-model" / "init")
