@@ -1,4 +1,5 @@
-"""Loopback services the tests start and stop by their own process ids: moto's S3 server, an MLflow server.
+"""Loopback services the tests start and stop by their own process ids: moto's S3 server, an MLflow server, a
+Prefect API server.
 
 Fixtures in `conftest.py` wrap these (`moto_server` per test module, `mlflow_server` per test). Ports,
 console scripts, polling and process-group signals are `infra.services`' (what `posttrain services` uses).
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.processes import free_port, signal_group, wait_until
-from infra.services import http_ok, venv_bin
+from infra.services import PREFECT_SERVER_DEFAULTS, QUIET, http_ok, venv_bin
 from tests.builders import STARTUP_TIMEOUT_S
 
 
@@ -110,6 +111,30 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, Path]]:
     try:
         _started(proc, lambda: http_ok(url + "/health"), STARTUP_TIMEOUT_S, "mlflow server", log)
         yield url, root / "server-artifacts"
+    finally:
+        stop_group(proc, proc.pid)
+
+
+@contextmanager
+def prefect_server(root: Path) -> Iterator[str]:
+    """`prefect server start` (its own PREFECT_HOME and SQLite database under `root`, posttrain's server settings,
+    no UI) on 127.0.0.1:<free port>. Yields its API URL once `/api/health` answers; its process group is stopped on
+    exit. A `posttrain run` given it as PREFECT_API_URL starts no temporary API server of its own."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({**PREFECT_SERVER_DEFAULTS, **QUIET, "PREFECT_HOME": str(root), "PREFECT_UI_ENABLED": "false",
+                "PREFECT_LOGGING_LEVEL": "WARNING"})
+    log = root / "server.log"
+    url = f"http://127.0.0.1:{port}/api"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([venv_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, cwd=root)
+    try:
+        _started(proc, lambda: http_ok(url + "/health"), STARTUP_TIMEOUT_S, "prefect server", log)
+        yield url
     finally:
         stop_group(proc, proc.pid)
 

@@ -191,13 +191,14 @@ def _expected_summary(records: list[dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    """A fresh clone with tiny params in which `dvc repro` ran: (root, clone, env, repro output)."""
+def pipeline(tmp_path_factory, prefect_api):
+    """A fresh clone with tiny params in which `dvc repro` ran: (root, clone, env, repro output). The train stages'
+    `posttrain` runs report to the module's Prefect API server."""
     root = tmp_path_factory.mktemp("dvc")
     clone = root / "clone"
     _sh(["git", "clone", "-q", str(REPO), str(clone)], root, dict(os.environ))
     assert (clone / "dvc.yaml").is_file(), "dvc.yaml is not committed: the clone has no pipeline"
-    env = _env(root, clone)
+    env = {**_env(root, clone), "PREFECT_API_URL": prefect_api}
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["warm_start"].update(steps=5, batch_size=8)
     params["teacher_warm_start"].update(steps=7, batch_size=8)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import recipe
+from tests.conftest import LEAN, recipe
 from tests.run_helpers import phase, read_metrics, task_runs
 
 PHASES = ("rollout", "reward", "annotate", "teacher", "distill", "validate", "train", "sync")
@@ -22,7 +22,11 @@ OPD_FAST = [
     "rl.validation.max_prompts=16",
     "rl.validation.every_steps=2",
     "rl.optimizer.lr=1e-3",
+    *LEAN,
 ]
+# the module's run, and the run the resume test compares with: two teacher replicas on the one trainer rank (every
+# step's batch is scored in two shards), a checkpoint at step 2
+OPD_RUN = [*OPD_FAST, "rl.save_every=2", "cluster.teacher_replicas=2"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +52,7 @@ def opd_run(opd_dir):
     cwd = os.getcwd()
     os.chdir(opd_dir)
     try:
-        # two teacher replicas on the one trainer rank: every step's batch is scored in two shards
-        state = opd(recipe("opd_arithmetic"), [*OPD_FAST, "job.name=opd-fast", "rl.max_steps=3", "rl.save_every=2",
-                                               "cluster.teacher_replicas=2"], return_state=True)
+        state = opd(recipe("opd_arithmetic"), [*OPD_RUN, "job.name=opd-fast", "rl.max_steps=3"], return_state=True)
     finally:
         os.chdir(cwd)
     return state, opd_dir / "runs" / "opd-fast"
@@ -111,16 +113,15 @@ def test_checkpoints_and_mlflow_run(opd_run):
 
 
 @pytest.mark.e2e
-def test_exact_resume(opd_dir, monkeypatch):
+def test_exact_resume(opd_run, opd_dir, monkeypatch):
+    """Two steps, then a resume from the step-2 checkpoint to step 3, equal the module's straight 3-step run."""
     from flows.opd import opd
     from tests.run_helpers import assert_same_math
 
     monkeypatch.chdir(opd_dir)
-    common = [*OPD_FAST, "rl.save_every=2", "rl.validation.before_training=false"]
-    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-straight", "rl.max_steps=4"])
-    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-resumed", "rl.max_steps=2"])
-    opd(recipe("opd_arithmetic"), [*common, "job.name=opd-resumed", "rl.max_steps=4"])
-    straight = read_metrics(opd_dir / "runs" / "opd-straight")
+    opd(recipe("opd_arithmetic"), [*OPD_RUN, "job.name=opd-resumed", "rl.max_steps=2"])
+    opd(recipe("opd_arithmetic"), [*OPD_RUN, "job.name=opd-resumed", "rl.max_steps=3"])
+    straight = read_metrics(opd_run[1])
     resumed = read_metrics(opd_dir / "runs" / "opd-resumed")
     assert_same_math(resumed, straight)
 

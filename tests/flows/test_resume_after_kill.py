@@ -84,8 +84,9 @@ def _kill_all(proc: subprocess.Popen, marker: str) -> None:
     proc.wait(timeout=30)
 
 
-def start_cli(cwd: Path, prefect_home: Path, log: Path, marker: str, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "DO_NOT_TRACK": "1",
+def start_cli(cwd: Path, prefect_home: Path, api: str, log: Path, marker: str, *overrides: str) -> subprocess.Popen:
+    """`posttrain run` in a session of its own, against the module's Prefect API server (`api`)."""
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": api, "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(STARTUP_TIMEOUT_S), MARKER_ENV: marker}
     env.pop("RAY_ADDRESS", None)
@@ -118,7 +119,7 @@ def straight(exact_cwd) -> tuple[list[dict], dict]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3, 1], ids=["k2-checkpoint", "k3-between-checkpoints", "k1-before-first-checkpoint"])
-def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatch):
+def test_exact_resume_after_sigkill(k, straight, exact_cwd, prefect_api, tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
@@ -133,7 +134,7 @@ def test_exact_resume_after_sigkill(k, straight, exact_cwd, tmp_path, monkeypatc
     run_dir = exact_cwd / "runs" / name
     marker = uuid.uuid4().hex
     log = tmp_path / "killed.log"
-    proc = start_cli(exact_cwd, tmp_path / "prefect", log, marker, f"job.name={name}", *EXACT)
+    proc = start_cli(exact_cwd, tmp_path / "prefect", prefect_api, log, marker, f"job.name={name}", *EXACT)
     try:
         deadline = time.monotonic() + 600
         while not any(r["step"] == k for r in read_metrics(run_dir)):

@@ -33,6 +33,8 @@ SECRETS = {
     "DATABASE_PASSWORD": "db-pass-93be17d0",
 }
 URI_SECRET = "uri-pass-4f0e2b8d71"
+# what FAST leaves out and these runs check: the completions table and MLflow's system metrics
+TRACKED = ["tracking.sample_completions_every=10", "tracking.system_metrics=true"]
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -211,7 +213,7 @@ def assert_no_secret_in_mlflow(client, run_id: str, dst: Path, secrets: list[str
 @pytest.fixture(scope="module")
 def sqlite_run(tmp_path_factory, workdir) -> dict:
     cwd = make_cwd(tmp_path_factory.mktemp("track") / "cwd", workdir)
-    return run_flow(cwd, [*FAST, "job.name=track-e2e", "rl.max_steps=3"], SECRETS)
+    return run_flow(cwd, [*FAST, *TRACKED, "job.name=track-e2e", "rl.max_steps=3"], SECRETS)
 
 
 def test_sqlite_store_holds_params_tags_metrics_and_artifacts(sqlite_run, tmp_path):
@@ -257,7 +259,7 @@ def test_mlflow_server_holds_the_run_and_no_secret(mlflow_server, tmp_path, work
     host = url.removeprefix("http://")
     uri = f"http://posttrain:{URI_SECRET}@{host}"
     cwd = make_cwd(tmp_path / "cwd", workdir)
-    overrides = [*FAST, "job.name=track-server", "rl.max_steps=2"]
+    overrides = [*FAST, *TRACKED, "job.name=track-server", "rl.max_steps=2"]
     capfd.readouterr()
     run = run_flow(cwd, overrides, {**SECRETS, "MLFLOW_TRACKING_URI": uri})
     printed = capfd.readouterr()

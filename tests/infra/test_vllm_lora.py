@@ -46,7 +46,13 @@ def setup(workdir):
     policy = lora.wrap(load_policy(ModelConfig(name_or_path=base_dir))[0], cfg).eval()
     engine = VLLMEngine(base_dir, tokenizer, dtype="float32", max_model_len=64, seed=0,
                         lora_config=lora.adapter_config_dict(cfg, base_dir))
-    return base, policy, tokenizer, engine
+    yield base, policy, tokenizer, engine
+    # the engine lives in this pytest worker: its torch.distributed world goes with it, so that later modules of the
+    # worker start without a default process group
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    del engine.llm
+    cleanup_dist_env_and_memory()
 
 
 def hf_greedy(model, tokenizer, ids):

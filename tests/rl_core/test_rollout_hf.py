@@ -292,11 +292,18 @@ def test_build_completions_cuts_after_first_eos():
     assert c.prompt_index.tolist() == [0, 0, 1, 1] and c.policy_version == 4
 
 
-def test_make_engine_selects_backend_and_never_imports_vllm_on_cpu(policy):
+def test_make_engine_selects_backend_and_never_imports_vllm_on_cpu(policy, monkeypatch):
+    import rl_core.rollout
+
     model, tok = policy
     assert isinstance(make_engine(RolloutConfig(backend="hf"), model, tok), HFEngine)
-    import rl_core.rollout.vllm  # noqa: F401  (module import must not import vllm)
-
+    # the module imported afresh, in a process where vllm is not imported (an earlier test of this pytest worker
+    # may have loaded an engine): the module import must not import vllm
+    for name in [m for m in sys.modules if m.split(".")[0] == "vllm" or m == "rl_core.rollout.vllm"]:
+        monkeypatch.delitem(sys.modules, name)
+    if hasattr(rl_core.rollout, "vllm"):
+        monkeypatch.delattr(rl_core.rollout, "vllm")
+    importlib.import_module("rl_core.rollout.vllm")
     assert "vllm" not in sys.modules
     if importlib.util.find_spec("vllm") is None:  # CPU machine: a clear error, not an ImportError
         with pytest.raises(RuntimeError, match="rollout.backend=hf"):
