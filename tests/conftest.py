@@ -11,6 +11,8 @@ a test starts fails it with a message naming the marker (`pytest_runtest_protoco
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import multiprocessing.process
 import os
@@ -327,27 +329,29 @@ def ref_model(tmp_path_factory) -> Path:
     return path
 
 
-_MIGRATED_MLFLOW_DB: list[Path] = []
+@functools.cache
+def _mlflow_template() -> Path:
+    """An empty MLflow SQLite store with its schema migrated, built once per process, removed when it exits."""
+    import sqlite3
+
+    from mlflow import MlflowClient
+
+    root = Path(tempfile.mkdtemp(prefix="posttrain-test-mlflow-"))
+    atexit.register(shutil.rmtree, root, True)
+    template = root / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+    with sqlite3.connect(template) as db:
+        db.execute("DELETE FROM experiment_tags")
+        db.execute("DELETE FROM experiments")
+    return template
 
 
 def migrated_mlflow_db(directory: Path) -> Path:
-    """`directory`/mlflow.db: a copy of an empty MLflow SQLite store whose schema is migrated, built once per
-    process. A new store runs every MLflow migration first (seconds on a loaded machine); a copy opens at once. The
-    copy holds no experiment: MLflow creates the Default one, with the directory's own artifact location, when it
-    opens a store without it."""
-    if not _MIGRATED_MLFLOW_DB:
-        import sqlite3
-
-        from mlflow import MlflowClient
-
-        template = Path(tempfile.mkdtemp(prefix="posttrain-test-mlflow-")) / "mlflow.db"
-        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
-        with sqlite3.connect(template) as db:
-            db.execute("DELETE FROM experiment_tags")
-            db.execute("DELETE FROM experiments")
-        _MIGRATED_MLFLOW_DB.append(template)
+    """`directory`/mlflow.db: a copy of `_mlflow_template`. A new store runs every MLflow migration first (seconds on
+    a loaded machine); a copy opens at once. The copy holds no experiment: MLflow creates the Default one, with the
+    directory's own artifact location, when it opens a store without it."""
     directory.mkdir(parents=True, exist_ok=True)
-    return Path(shutil.copy(_MIGRATED_MLFLOW_DB[0], directory / "mlflow.db"))
+    return Path(shutil.copy(_mlflow_template(), directory / "mlflow.db"))
 
 
 def make_cwd(path: Path, workdir: Path, ref: Path) -> Path:

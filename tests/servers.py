@@ -1,8 +1,9 @@
 """Loopback services the tests start and stop by their own process ids: moto's S3 server, an MLflow server, a
 Prefect API server.
 
-Fixtures in `conftest.py` wrap these (`moto_server` per test module, `mlflow_server` per test). Ports,
-console scripts, polling and process-group signals are `infra.services`' (what `posttrain services` uses).
+Fixtures in `conftest.py` wrap these (`moto_server` and `prefect_api` per test module, `mlflow_server` per
+test). Ports, console scripts, polling and process-group signals are `infra.services`' (what `posttrain
+services` uses).
 """
 
 from __future__ import annotations
