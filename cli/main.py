@@ -1,6 +1,6 @@
 """The `posttrain` command line.
 
-    posttrain validate RECIPE [-- key=value ...]   print the resolved config, the preflight report and the memory plan
+    posttrain validate RECIPE... [-- key=value ...] print the resolved config, the preflight report and the memory plan
     posttrain run RECIPE [-- key=value ...]        run the recipe's flow (GRPO family, OPD or DPO)
     posttrain init-model | warm-start | make-data  build the tiny model and data (what the DVC stages call)
     posttrain summarize RUN_DIR | run-params        DVC metrics/plots of a run; a run with params.yaml's train: values
@@ -46,6 +46,21 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Each recipe in turn, in this one process (`make demo` checks every recipe so: a process each cost seconds of
+    imports); the exit status is the worst."""
+    several = len(args.recipe) > 1
+    worst = 0
+    for recipe in args.recipe:
+        if several:
+            print(f"# ===== {recipe}", flush=True)
+        code = validate_recipe(recipe, overrides, no_env=args.no_env)
+        if code and several:
+            print(f"posttrain validate: {recipe} has errors (above)", file=sys.stderr, flush=True)
+        worst = max(worst, code)
+    return worst
+
+
+def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
     import yaml
 
     from rl_core.config import ConfigError, load_config
@@ -54,12 +69,12 @@ def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
     from rl_core.redact import redact, redact_message
 
     try:
-        cfg = load_config(args.recipe, overrides)
+        cfg = load_config(recipe, overrides)
     except ConfigError as exc:
         print(redact_message(str(exc)), file=sys.stderr)
         return 1
     report = preflight(cfg)
-    if report.ok and not args.no_env:  # what `run` checks next (rl_core.config.preflight.check): this machine
+    if report.ok and not no_env:  # what `run` checks next (rl_core.config.preflight.check): this machine
         from rl_core.config.environment import environment_problems
 
         report.errors.extend(environment_problems(cfg))
@@ -139,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the memory plan.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=OVERRIDE_EXAMPLES.format(cmd="validate"))
-    p.add_argument("recipe", help="recipes/<name>.py or a config_resolved.yaml")
+    p.add_argument("recipe", nargs="+", help="recipes/<name>.py or a config_resolved.yaml; several are checked in "
+                                             "turn, each with the same overrides")
     p.add_argument("--no-env", action="store_true",
                    help="check the config alone: skip the checks of this machine (GPUs, vLLM, model and data "
                         "paths), e.g. to validate a GPU recipe on a laptop")
@@ -182,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     own, overrides = _split_overrides(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(own)
+    if args.command == "validate":  # its recipes are a list, which would take a forgotten `--`'s key=value too
+        stray = [r for r in args.recipe if "=" in r and not os.path.exists(r)]
+        args.recipe = [r for r in args.recipe if r not in stray]
+        extra = [*stray, *extra]
     if extra:
         if args.command in OVERRIDE_COMMANDS and all("=" in a and not a.startswith("-") for a in extra):
             # `posttrain run recipe k=v` (the `--` forgotten): say what was meant rather than "unrecognized"

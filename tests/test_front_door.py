@@ -1,7 +1,10 @@
-"""The README's first command as a newcomer runs it: `make demo` in a copy of the checkout's files (no built model,
-data, runs or MLflow store), from its root, through the installed `posttrain` console script, with nothing on
-PYTHONPATH and no pytest on the path: every recipe validates (`examples.own_data`'s rewards included) and the
-arithmetic quickstart builds its artifacts and runs, shortened to a few steps (`DEMO_OVERRIDES`).
+"""The README's first command as a newcomer runs it: `make demo` in a copy of the checkout's files (no data, runs or
+MLflow store), from its root, through the installed `posttrain` console script, with nothing on PYTHONPATH and no
+pytest on the path: every recipe validates (`examples.own_data`'s rewards included) and the arithmetic quickstart
+builds its data and tiny model and runs, shortened to a few steps (`DEMO_OVERRIDES`).
+
+The warm start is the session's (`warm_model`: params.yaml's build, the bytes `make demo` would build, in minutes of
+CPU); building it from the console script in a fresh clone is `tests/flows/test_dvc.py`'s `dvc repro`.
 
 Under pytest the checkout is on `sys.path`, so an import path that works in the other tests can still fail from
 the console script; this test is the one that would see it.
@@ -39,8 +42,9 @@ def checkout_files(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(tmp_path_factory, warm_model):
     root = checkout_files(tmp_path_factory.mktemp("fresh-checkout"))
+    shutil.copytree(warm_model[0], root / "artifacts" / "tiny-model" / "warm")
     venv = Path(sys.prefix)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "VIRTUAL_ENV")}

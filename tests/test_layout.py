@@ -37,37 +37,68 @@ def _sources() -> dict[str, Path]:
     return modules
 
 
+def _targets(module: str, path: Path, node: ast.AST, modules: dict[str, Path]) -> list[str]:
+    """The modules an import statement names (the project's submodules resolved, others as written), with each
+    project package whose __init__ importing them first runs; [] for any other statement."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        submodules = [f"{source}.{alias.name}" for alias in node.names]
+        targets = [name for name in submodules if name in modules]
+        if len(targets) < len(submodules):
+            targets.append(source)
+    else:
+        return []
+    packages = []
+    for name in targets:
+        # importing a.b.c first runs the __init__ of a and a.b: an edge to each package the importing module is not
+        # itself inside of (within its own package, Python resolves the submodule anyway)
+        parts = name.split(".")
+        packages += [package for i in range(1, len(parts))
+                     if (package := ".".join(parts[:i])) in modules and not (module + ".").startswith(package + ".")]
+    return targets + packages
+
+
 def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        edges: set[str] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                submodules = [f"{source}.{alias.name}" for alias in node.names]
-                targets = [name for name in submodules if name in modules]
-                if len(targets) < len(submodules):
-                    targets.append(source)
-            else:
-                continue
-            for name in targets:
-                edges.add(name)
-                # importing a.b.c first runs the __init__ of a and a.b: an edge to each package the importing
-                # module is not itself inside of (within its own package, Python resolves the submodule anyway)
-                parts = name.split(".")
-                edges.update(package for i in range(1, len(parts))
-                             if (package := ".".join(parts[:i])) in modules
-                             and not (module + ".").startswith(package + "."))
+        edges = {name for node in ast.walk(tree) for name in _targets(module, path, node, modules)}
         graph[module] = {name for name in edges if name in modules and name != module}
     return graph
+
+
+def _loaded_on_import(roots: tuple[str, ...], modules: dict[str, Path]) -> dict[str, str]:
+    """Every module that importing `roots` loads through the project's module-level imports (those inside a
+    function or under `if TYPE_CHECKING:` run later or never): name -> the project module that imports it."""
+    def top_level(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                yield from top_level([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                                      *(s for h in getattr(node, "handlers", []) for s in h.body)])
+            else:
+                yield node
+
+    loaded: dict[str, str] = {root: root for root in roots}
+    todo = list(roots)
+    while todo:
+        module = todo.pop()
+        path = modules[module]
+        for node in top_level(ast.parse(path.read_text(), filename=str(path)).body):
+            for name in _targets(module, path, node, modules):
+                if name not in loaded:
+                    loaded[name] = module
+                    if name in modules:
+                        todo.append(name)
+    return loaded
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -154,3 +185,24 @@ def test_rl_core_imports_no_orchestration():
                     offending.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
     if offending:
         pytest.fail("rl_core imports the orchestration layers:\n" + "\n".join(offending))
+
+
+# The Ray actors' modules (trainer rank, engine, teacher, reward worker): each actor process imports one before it
+# can start, so a library loaded there is paid once per actor and run; pandas alone cost 0.8 CPU-s an actor.
+ACTOR_MODULES = ("infra.policy_worker", "infra.engines", "infra.teacher", "infra.rewards")
+NOT_IN_ACTORS = ("pandas", "pandera", "pyarrow", "prefect", "mlflow", "matplotlib", "boto3", "vllm")
+
+
+def test_the_actor_modules_load_no_table_tracking_or_orchestration_library():
+    loaded = _loaded_on_import(ACTOR_MODULES, _sources())
+    heavy = {name: by for name, by in loaded.items() if name.split(".")[0] in NOT_IN_ACTORS}
+    assert not heavy, f"imported at module level on an actor's import path (import it where it is used): {heavy}"
+
+
+def test_the_import_reader_follows_module_level_imports_only():
+    """The reader itself: the DPO objective reaches the pair module, whose pandas import is inside a function, and
+    the layout code reaches torch."""
+    loaded = _loaded_on_import(("rl_core.algorithms.dpo",), _sources())
+    assert loaded["rl_core.data.preferences"] == "rl_core.algorithms.dpo" and "torch" in loaded
+    assert "pandas" not in loaded
+    assert "pandas" in _loaded_on_import(("rl_core.gate",), _sources())

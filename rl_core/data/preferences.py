@@ -9,7 +9,7 @@ The gate (`validate_preference_pairs`, schema `PreferencePairs` in `rl_core.gate
 prompt/chosen/rejected, `chosen != rejected`, unique pair ids, and — with a tokenizer — token
 lengths within the limits given as parameters (`prompt_tokens <= max_prompt_tokens`,
 `chosen_tokens`/`rejected_tokens <= max_response_tokens`, responses counted with their EOS). A
-refusal raises `PreferencePairsError` naming every failing check and a few rows.
+refusal raises `rl_core.gate.PreferencePairsError` naming every failing check and a few rows.
 
 Batch layout (`pairs_to_trajectory`). The trainer takes a `Trajectory`, so a DPO batch is one, with
 two rows per pair: pair k of the batch is rows `2k` (chosen) and `2k + 1` (rejected). Each row is the
@@ -28,15 +28,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from rl_core.atomic import write_text_atomic
 from rl_core.data.jsonl import iter_jsonl
-from rl_core.gate import PreferencePairsError, validate_pair_table  # noqa: F401 - the pair gate
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# pandas and the pandera gate load where a pair table is built: the DPO objective imports this module for the
+# batch layout, and with it every process that reads a config (Ray actors included), which need neither.
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 CHOSEN_LABEL = 1.0  # rewards on chosen rows
@@ -44,6 +48,8 @@ REJECTED_LABEL = 0.0  # rewards on rejected rows
 
 
 def _as_frame(pairs: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
+    import pandas as pd
+
     df = pairs.copy() if isinstance(pairs, pd.DataFrame) else pd.DataFrame(list(pairs))
     missing = [c for c in PAIR_FIELDS if c not in df.columns]
     if missing:
@@ -59,6 +65,8 @@ def _as_frame(pairs: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
 def pair_token_lengths(df: pd.DataFrame, tokenizer, *, task: str = "arithmetic",
                        template: str = "plain", data=None) -> pd.DataFrame:
     """`prompt_tokens`, `chosen_tokens`, `rejected_tokens` as `pairs_to_trajectory` lays them out (responses + EOS)."""
+    import pandas as pd
+
     prompts = _encode_prompts(tokenizer, list(df["prompt"]), task, template, data)
     return pd.DataFrame({
         "prompt_tokens": np.array([len(p) for p in prompts], dtype=np.int64),
@@ -76,6 +84,8 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
     `field_uniqueness` on pair_id, `chosen_tokens<=max_response_tokens(N)`, ...). Token limits need a
     tokenizer (ValueError otherwise).
     """
+    from rl_core.gate import validate_pair_table
+
     df = _as_frame(pairs)
     if (max_prompt_tokens is not None or max_response_tokens is not None) and tokenizer is None:
         raise ValueError("token-length limits need the tokenizer that will encode the pairs")

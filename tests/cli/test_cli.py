@@ -50,6 +50,24 @@ def test_a_forgotten_double_dash_gets_the_command_that_was_meant(capsys, command
     assert "unrecognized arguments" not in err
 
 
+def test_validate_checks_several_recipes_in_turn_and_names_the_one_with_errors(capsys):
+    """`make demo` validates every recipe in one process: each gets the overrides and prints what validating it
+    alone prints; a bad one is named after its errors and makes the exit status 1, the others still run."""
+    from rl_core.config import config_hash, load_config
+
+    dpo, missing = recipe("dpo_arithmetic"), str(recipe("no_such_recipe"))
+    rc, out, err = run(capsys, "validate", "--no-env", str(ARITH), missing, str(dpo), "--", "rl.max_steps=5")
+    assert rc == 1
+    assert [line for line in out.splitlines() if line.startswith("# =====")] == [
+        f"# ===== {ARITH}", f"# ===== {missing}", f"# ===== {dpo}"]
+    for path in (ARITH, dpo):
+        assert f"# config hash: {config_hash(load_config(path, ['rl.max_steps=5']))}" in out
+    assert f"posttrain validate: {missing} has errors (above)" in err and "no such file" in err
+    assert err.count("has errors") == 1
+    rc, alone, _ = run(capsys, "validate", "--no-env", str(dpo), "--", "rl.max_steps=5")
+    assert rc == 0 and "# =====" not in alone and alone in out
+
+
 def test_other_unknown_arguments_are_still_refused(capsys):
     rc, _, err = run(capsys, "run", "recipes/x.py", "--bogus")
     assert rc == 2 and "unrecognized arguments: --bogus" in err and "did you mean" not in err

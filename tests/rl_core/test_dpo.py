@@ -28,13 +28,13 @@ from rl_core.config import OptimizerConfig, RLConfig, config_from_dict
 from rl_core.config.preflight import preflight
 from rl_core.data.pair_building import make_arithmetic_pairs, off_by_one_digit
 from rl_core.data.preferences import (
-    PreferencePairsError,
     check_pair_layout,
     load_preference_pairs,
     pair_rows,
     pairs_to_trajectory,
     validate_preference_pairs,
 )
+from rl_core.gate import PreferencePairsError
 from rl_core.models import build_tiny_tokenizer
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
