@@ -1,0 +1,121 @@
+"""A token-exact multi-turn episode: the policy's turns kept as the ids it sampled, the environment's turns appended
+as the ids of the chat template's delta for the new messages.
+
+    ids      the opening prompt (the chat template with the tools and the generation prompt), then the turns
+    sampled  True on the tokens the policy sampled (its turns up to and including each stop token): the loss mask
+    logp     the sampler's log-prob of each sampled token, 0 elsewhere
+
+Why not re-render the conversation with the chat template after each turn: the text of a sampled turn tokenizes
+back to other ids than the sampler produced (another segmentation of the same text), and many templates rewrite
+earlier turns (Qwen3's drops the `<think>` block of every turn before the last user message). The trainer would
+then compute log-probs of a sequence the sampler never produced, and the importance ratio would compare two
+different things. Here nothing already in `ids` is ever re-tokenized.
+
+The delta of the environment's messages is rendered against a fixed two-message anchor conversation and cut right
+after the stop token that ends the anchor's assistant turn: it holds whatever the template puts after that token
+(a newline, say) and the new messages, up to the next generation prompt. A template that renders the anchor's
+turns differently once more messages follow cannot give a delta, and is refused naming the fix.
+
+Limits: `max_turns` assistant turns, and `max_tokens` for the whole episode (prompt included). A turn that runs
+out of tokens before its stop token, or an episode that reaches a limit before the environment ends it, is
+`truncated`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rl_core.agents.environment import Environment, Turn
+from rl_core.agents.tools import tool_schema
+
+ANCHOR = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
+
+
+def _render(tokenizer, messages: Sequence[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def template_delta(tokenizer, messages: Sequence[dict], *, stop_text: str, tools: list[dict] | None = None) -> list[int]:
+    """The ids the chat template puts after an assistant turn's stop token `stop_text` for `messages`, through the
+    generation prompt of the next assistant turn."""
+    before = _render(tokenizer, ANCHOR, tools, False)
+    after = _render(tokenizer, [*ANCHOR, *messages], tools, True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders earlier turns differently once more messages follow, so the "
+                         "environment's turns cannot be appended as a delta; use a template that leaves earlier "
+                         "turns as they are (for Qwen3, one that keeps every <think> block)")
+    end = before.rfind(stop_text)
+    if not stop_text or end < 0:
+        raise ValueError(f"the chat template does not end an assistant turn with the stop token {stop_text!r}; "
+                         "generation must stop on the token the template closes a turn with")
+    return list(tokenizer(after[end + len(stop_text):], add_special_tokens=False)["input_ids"])
+
+
+class Episode:
+    """One environment's conversation, turn by turn (layout and limits in the module docstring). The engine samples
+    from `ids` at most `turn_budget()` tokens, then hands them to `add_turn`, until `done`."""
+
+    def __init__(self, env: Environment, tokenizer, *, max_turns: int, max_tokens: int):
+        if max_turns < 1 or max_tokens < 1:
+            raise ValueError(f"max_turns={max_turns} and max_tokens={max_tokens} must be >= 1")
+        self.env, self.tokenizer = env, tokenizer
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.tools = [tool_schema(fn) for fn in env.tools] or None
+        self.messages: list[dict] = list(env.reset())
+        prompt = list(tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
+                                                    tokenize=True)["input_ids"])
+        if len(prompt) >= max_tokens:
+            raise ValueError(f"the opening prompt has {len(prompt)} tokens, the episode's budget is {max_tokens}")
+        self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
+        self.prompt_len = len(prompt)
+        self.turns: list[Turn] = []
+        self.done = self.truncated = False
+
+    def turn_budget(self, per_turn: int) -> int:
+        """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
+        return max(0, min(per_turn, self.max_tokens - len(self.ids)))
+
+    def add_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool) -> None:
+        """The policy's next turn as sampled; `stopped` when its last id is the stop token (else it ran out of
+        tokens). The environment answers it, or the episode ends."""
+        if self.done:
+            raise RuntimeError("the episode has ended; it takes no more turns")
+        if len(ids) != len(logps) or not ids:
+            raise ValueError(f"a turn needs one log-prob per sampled id and at least one id (got {len(ids)} ids, "
+                             f"{len(logps)} log-probs)")
+        self.ids += [int(i) for i in ids]
+        self.sampled += [True] * len(ids)
+        self.logp += [float(x) for x in logps]
+        turn = Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        self.turns.append(turn)
+        self.messages.append(turn.message)
+        if not stopped:
+            self._end(truncated=True)
+            return
+        reply = self.env.respond(turn)
+        if reply.done:
+            self._end(truncated=False)
+            return
+        if len(self.turns) >= self.max_turns:
+            self._end(truncated=True)
+            return
+        delta = template_delta(self.tokenizer, reply.messages, tools=self.tools,
+                               stop_text=self.tokenizer.decode([int(ids[-1])]))
+        if len(self.ids) + len(delta) >= self.max_tokens:  # no room left for a token of the next turn
+            self._end(truncated=True)
+            return
+        self.messages += reply.messages
+        self.ids += delta
+        self.sampled += [False] * len(delta)
+        self.logp += [0.0] * len(delta)
+
+    def _end(self, truncated: bool) -> None:
+        self.done, self.truncated = True, truncated
+
+    def stats(self) -> dict[str, Any]:
+        """Per-episode counts for the step's metrics."""
+        results = self.env.tool_results
+        return {"turns": len(self.turns), "tool_calls": len(results), "tool_errors": sum(r.error for r in results),
+                "truncated": self.truncated, "tokens": len(self.ids), "sampled_tokens": sum(self.sampled)}

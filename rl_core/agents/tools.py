@@ -1,0 +1,124 @@
+"""Tools an agent calls: their JSON schemas, the calls parsed from the model's text, and the calls run.
+
+A tool is a plain Python function with type hints and a Google-style docstring (`Args:` naming each
+parameter). Its schema is transformers' `get_json_schema(fn)`, the form a chat template's `tools=`
+takes, so the model sees the tools the way its template presents them.
+
+Calls are read in the Hermes / Qwen format the Qwen2.5 and Qwen3 templates teach: each call is a JSON
+object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Whatever goes wrong
+with a call (text that is not JSON, no name, arguments that are not an object, a tool that does not
+exist, arguments it does not take, a tool that raises or returns something that is not text or JSON)
+becomes an error message the model reads as the tool's answer, and is counted: never an exception that
+stops the episode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+ERROR_PREFIX = "error: "
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as the model wrote it: `name` and `arguments` when it parsed, else `error` says why not."""
+
+    name: str = ""
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The JSON schema of tool `fn` (transformers' `get_json_schema`); ValueError naming the function and what its
+    docstring or type hints lack."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(f"tool {name}: no JSON schema ({exc}); a tool is a function with type hints on every "
+                         "parameter and a docstring whose `Args:` section describes each one") from exc
+
+
+def tool_table(tools: Sequence[Callable]) -> dict[str, Callable]:
+    """`{name: fn}` of `tools`, each checked for a schema; ValueError on two tools of one name."""
+    table: dict[str, Callable] = {}
+    for fn in tools:
+        name = tool_schema(fn)["function"]["name"]
+        if name in table:
+            raise ValueError(f"two tools are named {name!r}; tool names must be unique")
+        table[name] = fn
+    return table
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """The text outside the `<tool_call>` blocks (stripped) and the calls in them, in order. A block the model did
+    not close (it stopped or ran out of tokens inside it) is a call with an error."""
+    calls = []
+    for match in TOOL_CALL.finditer(text):
+        body, closed = match.group(1).strip(), bool(match.group(2))
+        calls.append(_parse_call(body) if closed else ToolCall(error="the <tool_call> block is not closed"))
+    return TOOL_CALL.sub("", text).strip(), calls
+
+
+def _parse_call(body: str) -> ToolCall:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCall(error=f"the tool call is not JSON ({exc.msg} at character {exc.pos})")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+        return ToolCall(error='a tool call is {"name": <tool name>, "arguments": {...}}')
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(name=data["name"], error=f"the arguments of {data['name']} are not a JSON object")
+    return ToolCall(name=data["name"], arguments=arguments)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A call's answer: the text the model reads (`content`) and whether it is an error."""
+
+    name: str
+    content: str
+    error: bool
+
+    def message(self) -> dict:
+        """The `tool` message of the conversation."""
+        return {"role": "tool", "name": self.name, "content": self.content}
+
+
+def run_tool_call(tools: Mapping[str, Callable], call: ToolCall) -> ToolResult:
+    """Run one parsed call; every failure is an error result whose text tells the model what went wrong."""
+    if call.error is not None:
+        return ToolResult(call.name, ERROR_PREFIX + call.error, True)
+    fn = tools.get(call.name)
+    if fn is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return ToolResult(call.name, f"{ERROR_PREFIX}there is no tool {call.name!r} (tools: {known})", True)
+    try:
+        inspect.signature(fn).bind(**call.arguments)
+    except TypeError as exc:
+        return ToolResult(call.name, f"{ERROR_PREFIX}{call.name}: {exc}", True)
+    try:
+        value = fn(**call.arguments)
+    except Exception as exc:  # noqa: BLE001 - the model reads what the tool raised, the episode goes on
+        return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} raised {type(exc).__name__}: {exc}", True)
+    if isinstance(value, str):
+        return ToolResult(call.name, value, False)
+    try:
+        return ToolResult(call.name, json.dumps(value), False)
+    except (TypeError, ValueError):
+        return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} returned a {type(value).__name__}, which is "
+                                     "neither text nor JSON", True)

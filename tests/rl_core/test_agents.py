@@ -1,0 +1,254 @@
+"""Agents: tools (schemas, Hermes-format calls, failures answered to the model), the environment interface and the
+token-exact episode (rl_core.agents), on the tiny character-level tokenizer with chat templates written here."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_core.agents import (
+    Environment,
+    Episode,
+    Reply,
+    ToolCall,
+    Turn,
+    parse_tool_calls,
+    run_tool_call,
+    template_delta,
+)
+from rl_core.agents.tools import tool_schema, tool_table
+from rl_core.models import build_tiny_tokenizer
+from rl_core.tasks import Example
+
+# A Hermes-style template for the character tokenizer: tools listed up front, calls as <tool_call>{json}</tool_call>,
+# results as <tool_response>...</tool_response>, every assistant turn closed by <eos> and a newline.
+HERMES = (
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}assistant: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{{ eos_token }}\n"
+    "{% elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# Qwen3's habit: the reasoning of every assistant turn before the last user message is dropped when rendering.
+DROPS_THINK = HERMES.replace(
+    "assistant: {{ m.content }}",
+    "assistant: {{ m.content.split('</think>')[-1] if loop.index0 < last_user else m.content }}").replace(
+    "{% for m in messages %}",
+    "{% set ns = namespace(u=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.u = loop.index0 %}"
+    "{% endif %}{% endfor %}{% set last_user = ns.u %}{% for m in messages %}")
+# Renders the final assistant turn unlike the earlier ones: no delta can be cut from it.
+LAST_TURN_DIFFERS = HERMES.replace("{% if m.role == 'assistant' %}assistant: ",
+                                   "{% if m.role == 'assistant' %}{{ 'assistant' if loop.last else 'earlier' }}: ")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate a sum of integers.
+
+    Args:
+        expression: integers joined by +, e.g. "12+30"
+    """
+    return str(sum(int(x) for x in expression.split("+")))
+
+
+def no_docstring(x: int) -> int:
+    return x
+
+
+def tokenizer(template: str = HERMES):
+    tok = build_tiny_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+class Sums(Environment):
+    tools = (calculator,)
+
+    def reward(self) -> float:
+        return float(self.example.answer in self.turns_text)
+
+    def respond(self, turn):
+        self.turns_text = turn.content
+        return super().respond(turn)
+
+
+def sample(episode: Episode, text: str, stop: bool = True) -> None:
+    """Hand the episode a turn as an engine would: `text`'s ids (plus the stop token), a log-prob per id."""
+    tok = episode.tokenizer
+    ids = ids_of(tok, text) + ([tok.eos_token_id] if stop else [])
+    episode.add_turn(ids, [-0.5] * len(ids), stopped=stop)
+
+
+# ------------------------------------------------------------------------------------------------ tools
+
+
+def test_a_tool_schema_comes_from_type_hints_and_docstring_and_a_bare_function_is_refused():
+    schema = tool_schema(calculator)
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
+    with pytest.raises(ValueError, match="tool no_docstring: no JSON schema .* docstring"):
+        tool_schema(no_docstring)
+    with pytest.raises(ValueError, match="two tools are named 'calculator'"):
+        tool_table([calculator, calculator])
+
+
+def test_hermes_calls_are_parsed_in_order_and_each_malformed_one_says_why():
+    text = ('Let me add. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"3+4\\"}"}</tool_call>'
+            "<tool_call>{name: calculator}</tool_call><tool_call>[1, 2]</tool_call>"
+            '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call> done <tool_call>{"name": "calc')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me add.  done"
+    assert [(c.name, dict(c.arguments)) for c in calls[:2]] == [("calculator", {"expression": "1+2"}),
+                                                              ("calculator", {"expression": "3+4"})]
+    assert calls[0].error is None and calls[1].error is None
+    assert calls[2].error.startswith("the tool call is not JSON")
+    assert calls[3].error == 'a tool call is {"name": <tool name>, "arguments": {...}}'
+    assert calls[4].error == "the arguments of calculator are not a JSON object"
+    assert calls[5].error == "the <tool_call> block is not closed"
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def test_every_failure_of_a_call_is_an_error_answer_never_an_exception():
+    def raises(expression: str) -> str:
+        """Fail.
+
+        Args:
+            expression: anything
+        """
+        raise RuntimeError("disk on fire")
+
+    def returns_object(expression: str) -> str:
+        """Return something that is not text.
+
+        Args:
+            expression: anything
+        """
+        return object()
+
+    def returns_json(expression: str) -> dict:
+        """Return a mapping.
+
+        Args:
+            expression: anything
+        """
+        return {"value": 3}
+
+    table = tool_table([calculator, raises, returns_object, returns_json])
+    ok = run_tool_call(table, ToolCall("calculator", {"expression": "12+30"}))
+    assert (ok.content, ok.error) == ("42", False)
+    assert ok.message() == {"role": "tool", "name": "calculator", "content": "42"}
+    assert run_tool_call(table, ToolCall("returns_json", {"expression": ""})).content == '{"value": 3}'
+    answers = {
+        "unknown": run_tool_call(table, ToolCall("shell", {"cmd": "ls"})),
+        "bad arguments": run_tool_call(table, ToolCall("calculator", {"expr": "1"})),
+        "raised": run_tool_call(table, ToolCall("raises", {"expression": "1"})),
+        "not text": run_tool_call(table, ToolCall("returns_object", {"expression": "1"})),
+        "malformed": run_tool_call(table, ToolCall(error="the tool call is not JSON")),
+    }
+    assert all(a.error and a.content.startswith("error: ") for a in answers.values())
+    assert "there is no tool 'shell' (tools: calculator, raises, returns_json, returns_object)" in answers["unknown"].content
+    assert answers["bad arguments"].content == "error: calculator: missing a required argument: 'expression'"
+    assert answers["raised"].content == "error: raises raised RuntimeError: disk on fire"
+    assert "returned a object, which is neither text nor JSON" in answers["not text"].content
+
+
+# ------------------------------------------------------------------------------------------------ episodes
+
+
+def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_only_sampled_tokens():
+    """Sampled turns that are the template's own rendering: the episode's ids are exactly the whole conversation
+    rendered by the template (no drift), the mask is 1 on the two turns' tokens only, the log-probs 0 elsewhere."""
+    tok = tokenizer()
+    env = Sums(Example("What is 12+30?", "42"))
+    episode = Episode(env, tok, max_turns=4, max_tokens=400)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}}</tool_call>'
+    sample(episode, call)
+    assert not episode.done and episode.messages[-1] == {"role": "tool", "name": "calculator", "content": "42"}
+    sample(episode, "It is 42")
+    assert episode.done and not episode.truncated and env.reward() == 1.0
+    rendered = tok.apply_chat_template(episode.messages, tools=episode.tools, tokenize=False)
+    assert rendered.endswith("<eos>\n")
+    assert episode.ids == ids_of(tok, rendered[: -len("\n")])  # the template's rendering, token for token
+    turns = [ids_of(tok, call) + [tok.eos_token_id], ids_of(tok, "It is 42") + [tok.eos_token_id]]
+    marked = [i for i, s in zip(episode.ids, episode.sampled) if s]
+    assert marked == turns[0] + turns[1]
+    first = episode.ids.index(tok.eos_token_id)  # the first turn ends where the first stop token is
+    assert episode.sampled[first - len(turns[0]) + 1: first + 1] == [True] * len(turns[0])
+    assert episode.sampled[first + 1] is False  # the template's newline after the stop token is not the policy's
+    assert all((lp != 0.0) == s for lp, s in zip(episode.logp, episode.sampled))
+    assert episode.stats() == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False,
+                               "tokens": len(episode.ids), "sampled_tokens": len(turns[0]) + len(turns[1])}
+
+
+def test_a_template_that_drops_earlier_reasoning_never_changes_what_was_sampled():
+    tok = tokenizer(DROPS_THINK)
+
+    class Chat(Environment):
+        def respond(self, turn):
+            return Reply(done=True) if len(self.seen) else (self.seen.append(turn) or Reply(
+                [{"role": "user", "content": "and 2+2?"}]))
+
+        def reward(self):
+            return 0.0
+
+    env = Chat(Example("1+1?", "2"))
+    env.seen = []
+    episode = Episode(env, tok, max_turns=3, max_tokens=400)
+    sample(episode, "<think>one and one</think>2")
+    sample(episode, "4")
+    text = tok.decode(episode.ids)
+    assert "<think>one and one</think>2" in text  # the sampled reasoning stays in the trajectory
+    rerendered = tok.apply_chat_template(episode.messages, tokenize=False)
+    assert "one and one" not in rerendered  # what re-rendering would have trained on instead
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="renders earlier turns differently .* template that leaves earlier turns"):
+        template_delta(tokenizer(LAST_TURN_DIFFERS), [{"role": "user", "content": "x"}], stop_text="<eos>")
+    with pytest.raises(ValueError, match="does not end an assistant turn with the stop token '<pad>'"):
+        template_delta(tokenizer(), [{"role": "user", "content": "x"}], stop_text="<pad>")
+
+
+def test_bad_calls_are_answered_and_counted_and_the_limits_truncate():
+    tok = tokenizer()
+    env = Sums(Example("What is 1+1?", "2"))
+    episode = Episode(env, tok, max_turns=2, max_tokens=400)
+    sample(episode, '<tool_call>{"name": "calc", "arguments": {}}</tool_call>')
+    assert episode.messages[-1]["content"] == "error: there is no tool 'calc' (tools: calculator)"
+    sample(episode, "<tool_call>{oops}</tool_call>")  # the second and last turn: the limit ends it
+    assert episode.done and episode.truncated
+    assert episode.stats()["tool_calls"] == 2 and episode.stats()["tool_errors"] == 2
+    with pytest.raises(RuntimeError, match="has ended"):
+        sample(episode, "2")
+
+    cut = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=400)
+    sample(cut, "the answer is", stop=False)  # ran out of tokens inside the turn
+    assert cut.done and cut.truncated and cut.stats()["turns"] == 1
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    prompt_len = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=400).prompt_len
+    budget = prompt_len + len(ids_of(tok, call)) + 1 + 10  # the call fits; its answer and the next prompt do not
+    short = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=budget)
+    assert short.turn_budget(256) == budget - prompt_len and short.turn_budget(8) == 8
+    sample(short, call)
+    assert short.done and short.truncated and len(short.ids) == budget - 10
+    assert short.messages[-1]["role"] == "assistant"  # the answer that did not fit is not in the conversation
+    with pytest.raises(ValueError, match="the opening prompt has .* tokens, the episode's budget is 5"):
+        Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=5)
+
+
+def test_the_default_environment_opens_with_the_rows_messages_and_a_turn_is_trl_shaped():
+    env = Sums(Example("ignored", "2", messages=({"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": "1+1?"})))
+    assert env.reset() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}]
+    assert Sums(Example("1+1?", "2")).reset() == [{"role": "user", "content": "1+1?"}]
+    turn = Turn.parse('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    assert turn.message == {"role": "assistant", "content": "ok", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]}
+    assert Turn.parse("plain").message == {"role": "assistant", "content": "plain"}
