@@ -4,6 +4,7 @@ token-exact episode (rl_core.agents), on the tiny character-level tokenizer with
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rl_core.agents import (
     Environment,
@@ -252,3 +253,72 @@ def test_the_default_environment_opens_with_the_rows_messages_and_a_turn_is_trl_
     assert turn.message == {"role": "assistant", "content": "ok", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]}
     assert Turn.parse("plain").message == {"role": "assistant", "content": "plain"}
+
+
+# ------------------------------------------------------------------------------------------------ on an engine
+
+
+class Nag(Environment):
+    """Answers every turn with another user message until `replies` are used up."""
+
+    replies = 2
+
+    def respond(self, turn):
+        self.count = getattr(self, "count", 0) + 1
+        return Reply(done=True) if self.count > self.replies else Reply([{"role": "user", "content": "and?"}])
+
+    def reward(self):
+        return 0.0
+
+
+def stopping_policy(tok):
+    """A random 2-layer Llama over the tiny tokenizer whose EOS logit is 4x its second hidden unit: some turns stop
+    after a few tokens and some run out of them, so episodes take several short turns or are cut."""
+    from tests.builders import tiny_model
+
+    model = tiny_model(seed=3, vocab_size=len(tok), max_position_embeddings=512).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 0.0
+        model.lm_head.weight[tok.eos_token_id, 1] = 4.0
+    return model
+
+
+def test_episodes_advance_in_batched_calls_and_the_trainer_reads_the_samplers_log_probs_on_them():
+    """Six episodes (two prompts x 3) on the HF engine: each turn of all live episodes is one engine call; the
+    result has holes in its response mask where the environment's tokens are, and the trainer's log-probs of
+    exactly those ids equal the sampler's on every sampled token (float32, <= 1e-5)."""
+    from rl_core.agents.rollout import episodes_to_completions, run_episodes
+    from rl_core.primitives.logprobs import sequence_token_logprobs
+    from rl_core.rollout import HFEngine, SamplingParams
+
+    tok = tokenizer()
+    model = stopping_policy(tok)
+    rows = [Example("1+1?", "2"), Example("what is 7+8?", "15")]
+
+    def rollout(seed):
+        episodes = [Episode(Nag(row), tok, max_turns=4, max_tokens=200) for row in rows for _ in range(3)]
+        calls = run_episodes(HFEngine(model, tok), episodes, SamplingParams(temperature=1.0, max_tokens=6, seed=seed))
+        return episodes, calls
+
+    episodes, calls = rollout(seed=11)
+    assert calls == max(len(e.turns) for e in episodes) and calls >= 2
+    assert any(len(e.turns) == 3 and not e.truncated for e in episodes)  # Nag's two replies, then the end
+    assert any(e.truncated for e in episodes)  # a turn that ran out of its 6 tokens ends its episode
+    c = episodes_to_completions(episodes, n=3, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                policy_version=0)
+    assert c.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    for j, e in enumerate(episodes):
+        real = c.attention_mask[j] > 0
+        assert c.input_ids[j][real].tolist() == e.ids and c.response_mask[j][real].tolist() == [float(s) for s in e.sampled]
+        assert c.finish_reason[j] == ("length" if e.truncated else "stop")
+    holes = [e for e in episodes if len(e.turns) > 1]
+    assert holes and all(not all(e.sampled[e.prompt_len:]) for e in holes)  # the environment's tokens: mask 0
+    mask = c.response_mask
+    with torch.no_grad():
+        trainer = sequence_token_logprobs(model, c.input_ids, c.attention_mask, temperature=1.0, loss_mask=mask)
+    gap = ((trainer - c.sampling_logp) * mask).abs().max().item()
+    assert gap <= 1e-5, gap
+    sampled = c.sampling_logp[mask > 0]
+    assert (sampled <= 0).all() and (sampled < -0.1).sum() > 10  # real log-probs, not a table of zeros
+    again, _ = rollout(seed=11)
+    assert [e.ids for e in again] == [e.ids for e in episodes]  # the same seed: the same episodes
