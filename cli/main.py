@@ -46,8 +46,8 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Each recipe in turn, in this one process (`make demo` checks every recipe so: a process each cost seconds of
-    imports); the exit status is the worst."""
+    """Each recipe in turn, in this one process (`make demo` checks every recipe so: a process per recipe pays
+    seconds of imports each); the exit status is the worst."""
     several = len(args.recipe) > 1
     worst = 0
     for recipe in args.recipe:
