@@ -1,7 +1,7 @@
 """The on-policy step loop, shared by the GRPO-family flow and the OPD flow (the `on_policy` and `teacher`
 topologies of rl_core.registry).
 
-Each step runs `rollout -> reward -> annotate [-> teacher -> distill] -> validate -> train -> sync`, then the
+Each step runs `rollout (an agent task: episodes) -> reward -> annotate [-> teacher -> distill] -> validate -> train -> sync`, then the
 checkpoint and the evaluation on cadence (`TrainingRun.end_step`). It only orders phases; the work is in
 tasks, rl_core and infra.
 
@@ -30,12 +30,13 @@ from infra.rewards import RewardPool
 from infra.roles import RolloutRole
 from infra.teacher import TeacherRole
 from infra.tracking import RunTracker
+from rl_core.agents.rollout import display_texts
 from rl_core.config import PosttrainConfig
 from rl_core.config.environment import check_memory
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
-from tasks.rollout import rollout_task, sync_task
+from tasks.rollout import episodes_task, rollout_task, sync_task
 from tasks.teacher import distill_task, teacher_task
 from tasks.train import train_task
 from tasks.validate import validate_task
@@ -52,12 +53,15 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     # inputs first: bad data or a plan that does not fit fails before the run directory is touched
     ensure_quickstart_artifacts(cfg, announce=logger.info)
     role = RolloutRole.build(cfg)
-    check_memory(cfg, role.prompt_limit)  # the preflight plan again, with the data's real longest prompt
+    # the preflight plan again, with the data's real longest prompt (an agent task: its whole episode budget)
+    check_memory(cfg, role.max_model_len - cfg.rollout.max_tokens)
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     startup.mark("inputs")  # data, tokenizer, resume plan
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
     rollout = rollout_task.with_options(**retry)
     reward = reward_task.with_options(**retry)
+    episodes = episodes_task.with_options(**retry)
+    agents = role.task.environment is not None  # an agent task: its rollout is episodes of the environment
 
     group_relative = cfg.rl.objective.group_relative  # the gate checks groups
     overlap = cfg.rl.async_steps > 0  # rollout of step k+1 in flight while step k trains (preflight: separate engines)
@@ -81,19 +85,24 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
                                                        quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
-                                                       step=step)
+                                                       step=step, **role.episode_limits)
 
         def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
             a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it."""
             startup.mark("first_rollout")
             rows = role.sampler.next_batch()
-            args = (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, quote(role.sampling(at_step)),
-                    quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}))
+            identity = quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows})
+            sampling = quote(role.sampling(at_step))
+            if agents:  # an environment's episodes, turn by turn
+                phase, args = episodes, (quote(engines), quote(role.task), quote([role.train[i] for i in rows]),
+                                         quote(role.tokenizer), cfg.rollout.n, sampling, role.episode_limits, identity)
+            else:
+                phase, args = rollout, (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, sampling, identity)
             cache_dir = str((run.run_dir / "cache").resolve())
             if overlap:
-                return rows, rollout.submit(*args, cache_dir=cache_dir, step=at_step)
-            return rows, lambda: rollout(*args, cache_dir=cache_dir, step=at_step)
+                return rows, phase.submit(*args, cache_dir=cache_dir, step=at_step)
+            return rows, lambda: phase(*args, cache_dir=cache_dir, step=at_step)
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
@@ -115,8 +124,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     ahead = draw(step + 1, version)
                 with timer.phase("reward"):
                     examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
-                    texts = completions.decode_responses(role.tokenizer)
-                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts), step=step)
+                    texts = display_texts(completions, role.tokenizer)
+                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts),
+                                                   quote(completions.episodes), step=step)
                 run.sample(step, examples, texts, rewards, completions.finish_reason)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
@@ -127,7 +137,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     with timer.phase("distill"):
                         annotated = distill_task(quote(annotated), quote(scored), quote(cfg.rl), step=step)
                 with timer.phase("validate"):
-                    validate_task(quote(annotated), cfg.rollout.max_tokens, group_relative,
+                    validate_task(quote(annotated), cfg.rollout.max_response_tokens, group_relative,
                                   (version - cfg.rl.async_steps, version), step=step)
                 staleness = version - completions.policy_version
                 with timer.phase("train"):

@@ -53,9 +53,11 @@ class ResumePlan:
 
 
 def math_changes(saved: dict, cfg: PosttrainConfig) -> list[str]:
-    """Dotted keys whose value differs from the checkpoint's config and may not change on resume."""
+    """Dotted keys whose value differs from the checkpoint's config and may not change on resume. A key the saved
+    config lacks (added to the schema since) compares as its default, the value the run had without it."""
     now = flatten(cfg)
     before = _flatten_dict(translate(saved))  # a config saved in the flat shape compares in the current one
+    before = {**{k: v for k, v in flatten(PosttrainConfig()).items() if k in now and k not in before}, **before}
     keys = sorted(set(now) | set(before))
     return [k for k in keys if now.get(k) != before.get(k) and not k.startswith(MAY_CHANGE_ON_RESUME)]
 

@@ -27,6 +27,7 @@ class RolloutRole:
     val: list[Example]
     sampler: PromptSampler
     prompt_limit: int  # the longest encoded prompt of both splits, in tokens
+    episode_tokens: int | None = None  # an agent task's episode budget: rollout.max_episode_tokens or the context
 
     @classmethod
     def build(cls, cfg: PosttrainConfig) -> RolloutRole:
@@ -57,12 +58,21 @@ class RolloutRole:
                                f"{cfg.rollout.max_tokens} a completion would need {limit + cfg.rollout.max_tokens} "
                                f"positions, more than the model's {context}; shorten or drop long prompts, or lower "
                                "rollout.max_tokens")])
-        return cls(cfg, tokenizer, task, train, val, sampler, limit)
+        return cls(cfg, tokenizer, task, train, val, sampler, limit, _episode_tokens(cfg, task, context))
 
     @property
     def max_model_len(self) -> int:
-        """What an engine must hold: the longest prompt plus `rollout.max_tokens`."""
+        """What an engine must hold: the longest prompt plus `rollout.max_tokens`; an agent task's whole episode."""
+        if self.episode_tokens is not None:
+            return self.episode_tokens
         return self.prompt_limit + self.cfg.rollout.max_tokens
+
+    @property
+    def episode_limits(self) -> dict[str, int]:
+        """An agent task's episode limits, as the rollout and the evaluation take them ({} for a prompt task)."""
+        if self.episode_tokens is None:
+            return {}
+        return {"max_turns": self.cfg.rollout.max_turns, "max_episode_tokens": self.episode_tokens}
 
     def prompts(self, rows: list[int]) -> list[list[int]]:
         return encode_for(self.cfg.data, self.tokenizer, [self.train[i] for i in rows])
@@ -81,6 +91,20 @@ def _split(cfg: PosttrainConfig, task: Task, key: str, source: str) -> list[Exam
     if not examples:
         raise ConfigError([f"{key}={source!r}: no examples (the split is empty); point {key} at a split with data"])
     return examples
+
+
+def _episode_tokens(cfg: PosttrainConfig, task: Task, context: int | None) -> int | None:
+    """An agent task's episode budget (None for a prompt task): `rollout.max_episode_tokens`, else the context."""
+    if task.environment is None:
+        return None
+    budget = cfg.rollout.max_episode_tokens
+    if budget is None and context is None:
+        raise ConfigError([("rollout.max_episode_tokens: the model's config gives no context length to default to; "
+                           "set the episode's token budget")])
+    if budget is not None and context is not None and budget > context:
+        raise ConfigError([(f"rollout.max_episode_tokens={budget}: more than the model's context of {context} "
+                           "positions; lower it")])
+    return budget if budget is not None else context
 
 
 def model_context(cfg: PosttrainConfig) -> int | None:

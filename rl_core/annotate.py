@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from rl_core.agents.rollout import episode_stats
 from rl_core.annotators.advantage import group_advantages
 from rl_core.annotators.shared_prefix import shared_prefix_loss_mask
 from rl_core.config import RLConfig
@@ -23,6 +24,7 @@ class Annotated:
     batch: Trajectory
     table: pd.DataFrame
     stats: dict[str, float]
+    sampled: torch.Tensor | None = None  # [B, T] bool: the tokens the engine sampled (the gate bounds the loss by it)
 
 
 def annotate(
@@ -91,4 +93,6 @@ def annotate(
         "rollout/zero_adv_group_frac": float((per_group["min"] == per_group["max"]).mean()),
         "rollout/masked_prefix_frac": float(1 - loss_mask.sum() / completions.response_mask.float().sum().clamp_min(1)),
     }
-    return Annotated(batch=batch, table=table, stats=stats)
+    if completions.episodes is not None:
+        stats.update(episode_stats(completions.episodes))
+    return Annotated(batch=batch, table=table, stats=stats, sampled=completions.response_mask > 0)

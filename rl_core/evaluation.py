@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rl_core.agents.rollout import display_texts, rollout_episodes
 from rl_core.rewards import RewardInputs, reward_inputs, score
 from rl_core.rewards.configured import reward_functions
 from rl_core.rollout.base import SamplingParams
-from rl_core.tasks import Example, encode_prompts
+from rl_core.tasks import Example, Task, encode_prompts, get_task
 
 Scorer = Callable[[RewardInputs], tuple[list[float], dict[str, float]]]
 
@@ -29,6 +30,8 @@ def evaluate_accuracy(
     batch_size: int = 128,
     num_samples: int = 4,
     engine=None,
+    max_turns: int = 1,
+    max_episode_tokens: int | None = None,
 ) -> dict:
     """Greedy-decode every example (batched) and score it.
 
@@ -36,6 +39,8 @@ def evaluate_accuracy(
     `task` / `prompt_template`. `scorer(RewardInputs) -> (rewards, per-function means)` defaults to the
     configured rewards run here (`data.rewards`, or the task's own); the flows pass the reward pool's.
     `engine` (a `RolloutEngine`) replaces the default HF engine over `model`, e.g. vLLM on GPU.
+    An agent task (an environment in `data.task`) plays one greedy episode per example, `max_tokens` per turn, at
+    most `max_turns` turns and `max_episode_tokens` tokens, scored over the whole conversation.
     Returns `{"accuracy", "mean_reward", "n", "samples"}`; `samples` holds the first `num_samples`
     `{"prompt", "completion", "answer", "reward"}` rows.
     """
@@ -58,14 +63,21 @@ def evaluate_accuracy(
 
     if engine is None:
         engine = HFEngine(model, tokenizer)
+    agent = task if isinstance(task, Task) else get_task(task)
+    if agent.environment is not None and max_episode_tokens is None:
+        raise ValueError("evaluate_accuracy: an agent task needs max_episode_tokens (the episode's token budget)")
     greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
     rewards: list[float] = []
     samples: list[dict] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
-        texts = completions.decode_responses(tokenizer)
-        chunk_rewards, _ = scorer(reward_inputs(chunk, texts))
+        if agent.environment is not None:
+            completions, _ = rollout_episodes(engine, agent, chunk, tokenizer, 1, greedy, max_turns=max_turns,
+                                              max_episode_tokens=max_episode_tokens)
+        else:
+            completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
+        texts = display_texts(completions, tokenizer)
+        chunk_rewards, _ = scorer(reward_inputs(chunk, texts, completions.episodes))
         for ex, text, r in zip(chunk, texts, chunk_rewards, strict=True):
             rewards.append(float(r))
             if len(samples) < num_samples:

@@ -1,8 +1,9 @@
 """The gate: every pandera schema a batch must satisfy before it may reach a trainer, in one module.
 
 - `AnnotationsTable`, one row per completion built by the annotate phase: `validate_annotations` adds the
-  run's bounds (`rollout.max_tokens`, whether advantages are group-relative); `validate_batch_tensors`
-  checks the tensor batch (shapes, dtypes, masks, log-probs) row by row against the table.
+  run's bounds (`rollout.max_response_tokens`: max_tokens x max_turns, whether advantages are group-relative); `validate_batch_tensors`
+  checks the tensor batch (shapes, dtypes, masks, log-probs) row by row against the table, and that the loss
+  mask marks only tokens the policy sampled (an agent episode's tool results and user turns are not).
 - `TeacherRows` (OPD): `validate_teacher_logp`, the teacher's scores on the loss tokens.
 - `PreferencePairs` (DPO): `validate_pair_table`, the pairs before they become a batch (a pair batch's layout
   and reference log-probs: `rl_core.data.preferences.validate_pair_batch`).
@@ -46,7 +47,8 @@ class BatchValidationError(ValueError):
         super().__init__("\n".join(lines))
 
 
-_HINTS = {"response_len": " [bound: rollout.max_tokens]"}
+_HINTS = {"response_len": " [bound: rollout.max_tokens x rollout.max_turns]",
+          "loss_on_unsampled": " [the loss mask marks tokens the policy did not sample: an environment's or a tool's]"}
 
 
 def _is_int(value: Any) -> bool:
@@ -121,7 +123,7 @@ def _bounded_schema(max_tokens: int, group_relative: bool, atol: float) -> pa.Da
     schema = AnnotationsTable.to_schema()
     length = schema.columns["response_len"]
     schema = schema.update_column(
-        "response_len", checks=[*length.checks, pa.Check.le(max_tokens, name=f"response_len<=rollout.max_tokens({max_tokens})")]
+        "response_len", checks=[*length.checks, pa.Check.le(max_tokens, name=f"response_len<=rollout.max_response_tokens({max_tokens})")]
     )
     if group_relative:
         def zero_sum(df: pd.DataFrame) -> pd.Series:
@@ -165,6 +167,7 @@ class BatchRows(pa.DataFrameModel):
     mask_values_binary: Series[bool] = pa.Field(isin=[True])
     logp_finite: Series[bool] = pa.Field(isin=[True])
     logp_max: Series[float] = pa.Field(le=1e-6)
+    loss_on_unsampled: Series[int] = pa.Field(eq=0)
 
     @pa.dataframe_check(name="loss_tokens==response_len")
     def _lengths_agree(cls, df: pd.DataFrame) -> Series[bool]:
@@ -174,8 +177,9 @@ class BatchRows(pa.DataFrameModel):
 TENSOR_FIELDS_2D = ("input_ids", "attention_mask", "loss_mask", "rollout_logp")
 
 
-def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None) -> None:
-    """Shapes, dtypes and masks of a Trajectory-like batch; with `table`, rows must agree with it."""
+def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None, sampled: torch.Tensor | None = None) -> None:
+    """Shapes, dtypes and masks of a Trajectory-like batch; with `table`, rows must agree with it; with `sampled`
+    (`[B, T]`, true on the tokens the rollout engine sampled), the loss mask must lie inside it."""
     problems = []
     shapes = {name: tuple(getattr(batch, name).shape) for name in TENSOR_FIELDS_2D}
     ref = shapes["input_ids"]
@@ -193,6 +197,8 @@ def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None) -> Non
         value = getattr(batch, name, None)
         if value is not None and tuple(value.shape[:1]) != (b,):
             problems.append(("shape", name, None, f"{list(value.shape)} has no leading batch dim {b}"))
+    if sampled is not None and tuple(sampled.shape) != ref:
+        problems.append(("shape", "sampled", None, f"{list(sampled.shape)} != input_ids {list(ref)}"))
     adv = getattr(batch, "advantages", None)
     if adv is None:
         problems.append(("present", "advantages", None, "missing: annotate before validation"))
@@ -215,6 +221,8 @@ def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None) -> Non
         "mask_values_binary": (((loss == 0) | (loss == 1)).all(1) & ((attn == 0) | (attn == 1)).all(1)).numpy(),
         "logp_finite": torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(1).numpy(),
         "logp_max": torch.where(on & torch.isfinite(logp), logp, torch.full_like(logp, -math.inf)).amax(1).clamp_min(-1e30).double().numpy(),
+        "loss_on_unsampled": ((on & ~(sampled > 0)).sum(1) if sampled is not None
+                              else torch.zeros(b, dtype=torch.long)).numpy(),
     })
     try:
         BatchRows.validate(rows, lazy=True)

@@ -61,25 +61,55 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
                  cache_dir: str | None = None, *, step: int) -> tuple[Any, float]:
     """`(completions, seconds inside the engines' generate)` for `prompt_ids`; completions read back from
     `cache_dir` when this exact rollout was made before (then 0 seconds)."""
-    from rl_core.rollout import Completions
-
     path = Path(cache_dir) / rollout_cache_file(prompt_ids, n, sampling, cache_identity) if cache_dir else None
-    if path is not None and path.is_file():
-        try:
-            cached = Completions.load(path)
-            if len(cached) == len(prompt_ids) * n:
-                return cached, 0.0
-            log.warning("%s: holds %d rows, not %d; regenerating", path, len(cached), len(prompt_ids) * n)
-        except Exception as exc:  # noqa: BLE001 - a torn, foreign or planted file: never trusted, regenerated
-            log.warning("%s: not a readable rollout (%s); regenerating", path, exc)
+    if (cached := _read_cached(path, len(prompt_ids) * n)) is not None:
+        return cached, 0.0
     completions = engine.generate(prompt_ids, n, sampling)
     generate_s = engine.last_generate_s  # this thread's call (EnginePool keeps it per thread)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        completions.save(tmp)
-        os.replace(tmp, path)  # complete files only
+    _write_cached(path, completions)
     return completions, generate_s
+
+
+@task(name="episodes", task_run_name="episodes step {step}", cache_policy=NO_CACHE)
+def episodes_task(engine: Any, agent_task: Any, examples: list, tokenizer: Any, n: int, sampling: Any,
+                  limits: dict[str, int], cache_identity: dict, cache_dir: str | None = None, *,
+                  step: int) -> tuple[Any, float]:
+    """An agent task's rollout: `n` episodes of its environment per example, turn by turn on the engines
+    (`rl_core.agents.rollout_episodes`, `limits` the episode's `max_turns` / `max_episode_tokens`); cached like
+    `rollout_task`, the episodes' conversations and rewards included."""
+    from rl_core.agents.rollout import rollout_episodes
+
+    path = Path(cache_dir) / rollout_cache_file([], n, sampling, {**cache_identity, **limits}) if cache_dir else None
+    if (cached := _read_cached(path, len(examples) * n, episodes=True)) is not None:
+        return cached, 0.0
+    completions, generate_s = rollout_episodes(engine, agent_task, examples, tokenizer, n, sampling, **limits)
+    _write_cached(path, completions)
+    return completions, generate_s
+
+
+def _read_cached(path: Path | None, rows: int, episodes: bool = False) -> Any:
+    """The completions cached at `path` when it holds `rows` rows (and episode records if asked), else None."""
+    from rl_core.rollout import Completions
+
+    if path is None or not path.is_file():
+        return None
+    try:
+        cached = Completions.load(path)
+        if len(cached) == rows and (cached.episodes is not None) == episodes:
+            return cached
+        log.warning("%s: holds %d rows, not %d; regenerating", path, len(cached), rows)
+    except Exception as exc:  # noqa: BLE001 - a torn, foreign or planted file: never trusted, regenerated
+        log.warning("%s: not a readable rollout (%s); regenerating", path, exc)
+    return None
+
+
+def _write_cached(path: Path | None, completions: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    completions.save(tmp)
+    os.replace(tmp, path)  # complete files only
 
 
 @task(name="sync", task_run_name="sync step {step}", cache_policy=NO_CACHE)

@@ -25,4 +25,4 @@ def teacher_task(teacher: Any, batch: Any, *, step: int) -> Any:
 def distill_task(annotated: Annotated, batch: Any, rl: RLConfig, *, step: int) -> Annotated:
     """`opd_annotate` on the teacher-scored batch: per-token advantages (advantage mode); the table is unchanged."""
     batch, stats = opd_annotate(batch, rl)
-    return Annotated(batch=batch, table=annotated.table, stats={**annotated.stats, **stats})
+    return Annotated(batch=batch, table=annotated.table, stats={**annotated.stats, **stats}, sampled=annotated.sampled)

@@ -15,5 +15,5 @@ def validate_task(annotated: Annotated, max_tokens: int, group_relative: bool = 
     """`versions`: (oldest, newest) policy version the batch may come from: the trainer's version and
     `rl.async_steps` before it."""
     validate_annotations(annotated.table, max_tokens=max_tokens, group_relative=group_relative, versions=versions)
-    validate_batch_tensors(annotated.batch, annotated.table)
+    validate_batch_tensors(annotated.batch, annotated.table, annotated.sampled)
     return annotated

@@ -23,6 +23,7 @@ out of tokens before its stop token, or an episode that reaches a limit before t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +64,12 @@ class Episode:
         self.env, self.tokenizer = env, tokenizer
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.tools = [tool_schema(fn) for fn in env.tools] or None
+        self.env_s = 0.0  # seconds inside the environment (reset, respond)
+        self.env_error: str | None = None  # what `respond` raised, if it did (the episode ended there)
+        began = time.perf_counter()
         self.messages: list[dict] = list(env.reset())
+        self.env_s += time.perf_counter() - began
+        self.prompt_messages = len(self.messages)
         prompt = list(tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
                                                     tokenize=True)["input_ids"])
         if len(prompt) >= max_tokens:
@@ -94,7 +100,15 @@ class Episode:
         if not stopped:
             self._end(truncated=True)
             return
-        reply = self.env.respond(turn)
+        began = time.perf_counter()
+        try:
+            reply = self.env.respond(turn)
+        except Exception as exc:  # noqa: BLE001 - the environment's bug ends this episode, counted; the step goes on
+            self.env_error = f"{type(self.env).__name__}.respond raised {type(exc).__name__}: {exc}"
+            self._end(truncated=True)
+            return
+        finally:
+            self.env_s += time.perf_counter() - began
         if reply.done:
             self._end(truncated=False)
             return
@@ -118,4 +132,12 @@ class Episode:
         """Per-episode counts for the step's metrics."""
         results = self.env.tool_results
         return {"turns": len(self.turns), "tool_calls": len(results), "tool_errors": sum(r.error for r in results),
-                "truncated": self.truncated, "tokens": len(self.ids), "sampled_tokens": sum(self.sampled)}
+                "truncated": self.truncated, "env_errors": int(self.env_error is not None), "tokens": len(self.ids),
+                "sampled_tokens": sum(self.sampled), "env_s": self.env_s}
+
+    def record(self, reward: float) -> dict:
+        """The episode as JSON: the opening messages (`prompt`), the rest of the conversation in TRL's form
+        (`completion`: assistant turns with their tool calls, tool results, the environment's messages), its
+        `reward` and `stats`."""
+        return {"prompt": self.messages[:self.prompt_messages], "completion": self.messages[self.prompt_messages:],
+                "reward": reward, "stats": self.stats(), "error": self.env_error}

@@ -18,7 +18,12 @@ Layout of the result (`episodes_to_completions`), `P` the longest opening prompt
 
 from __future__ import annotations
 
+import json
+import math
+import time
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,9 +38,16 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(x % SEED_MODULUS)
 
 
-def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams) -> int:
-    """Sample every episode to its end (`sampling.max_tokens`: per turn); returns the number of engine calls."""
-    calls = 0
+class EpisodeRun(NamedTuple):
+    calls: int  # engine calls: the most turns of any episode
+    generate_s: float  # seconds inside the engines' generate, summed over the calls
+    policy_version: int  # the one policy version every call sampled with
+
+
+def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams) -> EpisodeRun:
+    """Sample every episode to its end (`sampling.max_tokens`: per turn), checking that every engine call sampled
+    with one policy version."""
+    calls, generate_s, versions = 0, 0.0, set()
     while live := [e for e in episodes if not e.done]:
         budgets = [e.turn_budget(sampling.max_tokens) for e in live]
         if min(budgets) < 1:
@@ -44,6 +56,11 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: Sampl
                          seed=None if sampling.seed is None else turn_seed(sampling.seed, calls))
         out = engine.generate([e.ids for e in live], 1, params)
         calls += 1
+        generate_s += float(getattr(engine, "last_generate_s", 0.0))
+        versions.add(int(out.policy_version))
+        if len(versions) > 1:
+            raise RuntimeError(f"the engines' weights changed during the episodes (policy versions {sorted(versions)}); "
+                               "a step's episodes must all be sampled by one policy")
         logps = out.sampling_logp
         for row, (episode, budget) in enumerate(zip(live, budgets)):
             on = out.response_mask[row] > 0
@@ -51,7 +68,70 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: Sampl
             lps = logps[row][on].tolist()
             stopped = out.finish_reason[row] == "stop" and len(ids) <= budget
             episode.add_turn(ids[:budget], lps[:budget], stopped=stopped)
-    return calls
+    return EpisodeRun(calls, generate_s, versions.pop() if versions else 0)
+
+
+def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], tokenizer, n: int,
+                     sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int) -> tuple[Completions, float]:
+    """`n` episodes of `task.environment` per example, sampled to their ends; `(completions, seconds inside the
+    engines)`. The completions carry every episode's record (`Episode.record`: conversation, the environment's
+    reward, counts) in `episodes`. An environment whose `reset` or `reward` fails on a row stops the
+    rollout naming the row; one whose `respond` fails ends that episode, counted in its `env_errors`."""
+    environment = task.environment
+    name = getattr(environment, "__name__", repr(environment))
+    episodes = []
+    for example in examples:
+        for _ in range(n):
+            try:
+                episodes.append(Episode(environment(example), tokenizer, max_turns=max_turns,
+                                        max_tokens=max_episode_tokens))
+            except Exception as exc:
+                where = getattr(example, "row", "") or "a row"
+                raise EnvironmentFailure(f"{where}: the episode of {name} could not start: {type(exc).__name__}: "
+                                         f"{exc}") from exc
+    run = run_episodes(engine, episodes, sampling)
+    records = []
+    for j, episode in enumerate(episodes):
+        example = examples[j // n]
+        began = time.perf_counter()
+        try:
+            reward = float(episode.env.reward())
+        except Exception as exc:
+            where = getattr(example, "row", "") or "a row"
+            raise EnvironmentFailure(f"{where}: {name}.reward() raised {type(exc).__name__}: {exc}") from exc
+        episode.env_s += time.perf_counter() - began
+        if not math.isfinite(reward):
+            raise EnvironmentFailure(f"{getattr(example, 'row', '') or 'a row'}: {name}.reward() returned {reward}; an "
+                                     "episode's reward must be a finite number")
+        records.append(episode.record(reward))
+    out = episodes_to_completions(episodes, n=n, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, policy_version=run.policy_version)
+    out.episodes = records
+    return out, run.generate_s
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment failed where no episode can go on without it (its `reset` or `reward`); names the row."""
+
+
+def display_texts(completions: Completions, tokenizer) -> list[str]:
+    """What people read of each row (the completions table, the Prefect run): the response text, or an agent
+    episode's conversation after its opening messages (`conversation_text`)."""
+    if completions.episodes is None:
+        return completions.decode_responses(tokenizer)
+    return [conversation_text(e) for e in completions.episodes]
+
+
+def conversation_text(record: dict) -> str:
+    """An episode's conversation after its opening messages, as text for people (the MLflow completions table, the
+    Prefect run): one `role: content` block per message, tool calls as the JSON the model wrote."""
+    lines = []
+    for message in record["completion"]:
+        text = message.get("content") or ""
+        for call in message.get("tool_calls") or ():
+            text += ("\n" if text else "") + "<tool_call>" + json.dumps(call["function"]) + "</tool_call>"
+        lines.append(f"{message['role']}: {text}")
+    return "\n".join(lines)
 
 
 def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: int, eos_token_id: int,
@@ -81,3 +161,15 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
         finish_reason=["length" if e.truncated else "stop" for e in episodes],
         policy_version=policy_version, prompt_length=P, eos_token_id=eos_token_id, pad_token_id=pad_token_id, n=n,
     )
+
+
+def episode_stats(records: Sequence[dict]) -> dict[str, float]:
+    """A step's agent metrics from its episode records: turns and tool calls per episode, tool and environment
+    errors, truncated episodes, the environment's reward and the seconds spent inside the environments."""
+    n = max(len(records), 1)
+    total = {key: sum(float(r["stats"][key]) for r in records)
+             for key in ("turns", "tool_calls", "tool_errors", "truncated", "env_errors", "env_s")}
+    return {"rollout/turns_mean": total["turns"] / n, "rollout/turns_max": max((r["stats"]["turns"] for r in records), default=0),
+            "rollout/tool_calls_mean": total["tool_calls"] / n, "rollout/tool_errors": total["tool_errors"],
+            "rollout/env_errors": total["env_errors"], "rollout/truncated_episodes": total["truncated"],
+            "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"]}

@@ -209,6 +209,14 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
         task = get_task(d.task)
     except ValueError as exc:  # a task by import path that does not load, or an unknown name
         return [str(exc)]
+    if task.environment is None:
+        for key, default in (("max_turns", 1), ("max_episode_tokens", None)):
+            if getattr(cfg.rollout, key) != default:
+                out.append(f"rollout.{key}={getattr(cfg.rollout, key)}: read only by agent tasks (an environment in "
+                           f"data.task), not by data.task={d.task!r}; remove it")
+    elif d.prompt_template != "chat":
+        out.append(f"data.prompt_template={d.prompt_template!r}: an environment's episode is a chat (its turns are the "
+                   f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat")
     if d.reward_mode != "strict" and ("reward_mode" not in task.reads or d.rewards):
         reader = "data.rewards replaces the task's reward" if d.rewards else f"data.task={d.task!r} does not read it"
         out.append(f"data.reward_mode={d.reward_mode!r}: only the GSM8K task's own reward reads it ({reader})")
@@ -217,12 +225,13 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
             task.default_rewards(d)
         except ValueError as exc:
             out.append(str(exc))
+    fixed = [name for name, _ in task.fixed_rewards(d)]  # an environment's own reward
     names = [e.name or e.path.rpartition(":")[2].rpartition(".")[2] for e in d.rewards]
     for i, name in enumerate(names):
-        if name in names[:i]:
+        if name in fixed or name in names[:i]:
             out.append(f"data.rewards[{i}]: a second reward named {name!r} (their metrics would mix); give it a "
                        "name (data.rewards[i].name)")
-    if d.rewards and not any(e.weight for e in d.rewards):
+    if d.rewards and not fixed and not any(e.weight for e in d.rewards):
         out.append("data.rewards: every weight is 0, so every reward would be 0; give one a weight")
     return out
 

@@ -63,13 +63,20 @@ class RolloutConfig(_Section):
     num_engines: int | None = Field(None, gt=0, description="Rollout engines (Ray actors); None: one per trainer rank when colocated, 1 when separate.")
     temperature: float = Field(1.0, gt=0, description="The one temperature: of sampling, and of the trainer's log-probs log_softmax(logits / T) (the importance ratio compares the two); DPO: of its sequence log-probs.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    max_tokens: int = Field(256, gt=0, description="Most response tokens per completion; also the Dr-GRPO fixed divisor.")
+    max_tokens: int = Field(256, gt=0, description="Most response tokens per completion (an agent episode: per assistant turn); x rollout.max_turns, the Dr-GRPO fixed divisor.")
+    max_turns: int = Field(1, gt=0, description="Agent tasks (an environment in data.task): most assistant turns of an episode; an episode that reaches it is truncated. Prompt tasks: 1.")
+    max_episode_tokens: int | None = Field(None, gt=0, description="Agent tasks: token budget of a whole episode, the opening prompt, every turn and every environment message included; an episode that reaches it is truncated. None: the model's context length.")
     n: int = Field(8, gt=0, description="Completions sampled per prompt (the group size).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Sampling seed (< 2^32); None derives it from job.seed.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="vLLM's weights and compute: auto is bfloat16 on a GPU and model.compute_dtype on CPU; float32 only when asked (the HF engine follows model.compute_dtype).")
     max_logp_abs_diff: float | None = Field(None, gt=0, description="Bound on rollout/logp_abs_diff (mean |sampler log-prob - trainer log-prob| over a batch's loss tokens): above it the step is refused before its update. None: logged only (its normal size depends on the engines' dtype and rl.async_steps; docs/rollout.md).")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most sampled tokens of one row: `max_tokens` per turn, `max_turns` turns."""
+        return self.max_tokens * self.max_turns
 
 
 class OptimizerConfig(_Section):

@@ -67,19 +67,30 @@ class RewardInputs:
                             {k: v[start:stop] for k, v in self.columns.items()}, self.rows[start:stop])
 
 
-def reward_inputs(examples: Sequence[Any], texts: Sequence[str]) -> RewardInputs:
-    """The inputs of `texts[i]`, the completion of `examples[i]` (a `rl_core.tasks.Example`)."""
+def reward_inputs(examples: Sequence[Any], texts: Sequence[str], episodes: Sequence[dict] | None = None) -> RewardInputs:
+    """The inputs of `texts[i]`, the completion of `examples[i]` (a `rl_core.tasks.Example`).
+
+    `episodes[i]` (an agent task's episode records, `rl_core.agents.Episode.record`): the prompt is the episode's
+    opening messages and the completion the rest of the conversation in TRL's form (assistant turns with their
+    `tool_calls`, `tool` results, the environment's messages); the environment's reward is the column
+    `environment_reward`."""
     prompts, completions, rows = [], [], []
     columns: dict[str, list[Any]] = {}
     names = list(dict.fromkeys(k for ex in examples for k in ex.reward_columns()))
     for i, (ex, text) in enumerate(zip(examples, texts, strict=True)):
         chat = ex.messages is not None
-        prompts.append([dict(m) for m in ex.messages] if chat else ex.prompt)
-        completions.append([{"role": "assistant", "content": text}] if chat else text)
+        if episodes is not None:
+            prompts.append([dict(m) for m in episodes[i]["prompt"]])
+            completions.append([dict(m) for m in episodes[i]["completion"]])
+        else:
+            prompts.append([dict(m) for m in ex.messages] if chat else ex.prompt)
+            completions.append([{"role": "assistant", "content": text}] if chat else text)
         rows.append(ex.row or f"prompt {i}")
         values = ex.reward_columns()
         for name in names:
             columns.setdefault(name, []).append(values.get(name))
+    if episodes is not None:
+        columns["environment_reward"] = [float(e["reward"]) for e in episodes]
     return RewardInputs(prompts, completions, columns, rows)
 
 

@@ -1,5 +1,5 @@
 """The reward functions a config scores with: `data.rewards` (imported and checked, with their weights), or
-the task's own rewards (weight 1) when it is empty."""
+the task's own rewards (weight 1) when it is empty; an environment's own reward comes first in both cases."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from rl_core.user_code import REWARD_PARAMS, load_callable
 
 
 def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
-    """`data.rewards` (imported and checked), or the task's own rewards when it is empty."""
+    """The task's fixed rewards (an environment's), then `data.rewards` (imported and checked), or the task's own
+    rewards when it is empty."""
+    if task is None:
+        task = get_task(data.task)
+    out = [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.fixed_rewards(data)]
     if not data.rewards:
-        if task is None:
-            task = get_task(data.task)
-        return [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.default_rewards(data)]
-    out = []
+        return out + [RewardFunction(name, fn, 1.0, f"data.task={data.task}") for name, fn in task.default_rewards(data)]
     for i, entry in enumerate(data.rewards):
         key = f"data.rewards[{i}]"
         fn = load_callable(entry.path, f"{key}.path", REWARD_PARAMS, by_keyword=True)

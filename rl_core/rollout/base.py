@@ -12,6 +12,12 @@ and `R` the longest response in the batch (≤ `max_tokens`):
 
 Masks come from the EOS position, never from pad ids: a model may sample the pad token as an
 ordinary response token.
+
+Multi-turn episodes (`rl_core.agents`) use the same layout with holes in the response mask: after
+the opening prompt come the policy's turns and the environment's messages, and `response_mask` is
+1 on the sampled tokens only. `episodes` then holds one JSON record per row: the conversation
+(`prompt` messages, `completion` messages with tool calls and results), the environment's
+`reward` and the episode's counts (`stats`).
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Completions:
     eos_token_id: int
     pad_token_id: int
     n: int = 1
+    episodes: list[dict] | None = None
     response_lengths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,10 +103,11 @@ class Completions:
         return len(self) // self.n
 
     def response_token_ids(self, include_eos: bool = False) -> list[list[int]]:
-        """Response token ids of each row, up to the first EOS (included only if asked)."""
+        """The sampled token ids of each row (the response mask's), up to the first EOS (included only if asked);
+        a multi-turn row's turns one after the other."""
         out = []
-        for row, length, reason in zip(self.input_ids, self.response_lengths.tolist(), self.finish_reason):
-            ids = row[self.prompt_length : self.prompt_length + length].tolist()
+        for row, mask, reason in zip(self.input_ids, self.response_mask, self.finish_reason):
+            ids = row[mask > 0].tolist()
             if reason == "stop" and not include_eos:
                 ids = ids[:-1]
             out.append(ids)
@@ -110,7 +118,7 @@ class Completions:
         return tokenizer.batch_decode(self.response_token_ids(), skip_special_tokens=skip_special_tokens)
 
     TENSORS = ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index")
-    SCALARS = ("finish_reason", "policy_version", "prompt_length", "eos_token_id", "pad_token_id", "n")
+    SCALARS = ("finish_reason", "policy_version", "prompt_length", "eos_token_id", "pad_token_id", "n", "episodes")
 
     def save(self, path) -> None:
         """Write to a safetensors file (tensors, plus the other fields as JSON metadata): data only, no code."""
@@ -118,7 +126,8 @@ class Completions:
 
         from safetensors.torch import save_file
 
-        meta = {"posttrain": "completions", "fields": json.dumps({k: getattr(self, k) for k in self.SCALARS})}
+        meta = {"posttrain": "completions",
+                "fields": json.dumps({k: getattr(self, k) for k in self.SCALARS}, default=str)}
         save_file({k: getattr(self, k).contiguous() for k in self.TENSORS}, str(path), metadata=meta)
 
     @classmethod
@@ -135,9 +144,10 @@ class Completions:
                 raise ValueError(f"{path}: not a posttrain completions record")
             tensors = {k: f.get_tensor(k) for k in cls.TENSORS}
         fields = json.loads(meta["fields"])
-        out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS})
+        out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS if k != "episodes"}, episodes=fields.get("episodes"))
         rows = out.input_ids.shape[0]
-        if any(getattr(out, k).shape[0] != rows for k in cls.TENSORS) or len(out.finish_reason) != rows:
+        if (any(getattr(out, k).shape[0] != rows for k in cls.TENSORS) or len(out.finish_reason) != rows
+                or (out.episodes is not None and len(out.episodes) != rows)):
             raise ValueError(f"{path}: its fields disagree on the number of rows")
         return out
 
@@ -288,6 +298,7 @@ def concat_completions(parts: list[Completions]) -> Completions:
         eos_token_id=first.eos_token_id,
         pad_token_id=first.pad_token_id,
         n=first.n,
+        episodes=None if any(p.episodes is None for p in parts) else [e for p in parts for e in p.episodes],
     )
 
 

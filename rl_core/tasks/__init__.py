@@ -25,7 +25,8 @@ from rl_core.tasks.base import Example, Task, is_import_path
 
 
 def get_task(name: str) -> Task:
-    """The task `data.task` names: a built-in name or `package.module:attr` (a Task instance or subclass)."""
+    """The task `data.task` names: a built-in name or `package.module:attr` (a Task instance or subclass, or an
+    `rl_core.agents.Environment` subclass: its episodes on the rows of the `prompts` task)."""
     from rl_core.tasks.builtin import TASKS
 
     if not is_import_path(name):
@@ -36,12 +37,18 @@ def get_task(name: str) -> Task:
     from rl_core.user_code import load_object
 
     obj = load_object(name, "data.task")
+    from rl_core.agents.environment import Environment
+
+    if isinstance(obj, type) and issubclass(obj, Environment):
+        from rl_core.tasks.environment import EnvironmentTask
+
+        return EnvironmentTask(obj, name)
     if isinstance(obj, type) and issubclass(obj, Task):
         obj = obj()
     if not isinstance(obj, Task):  # a config error, reported with the other ValueErrors of the config
         raise ValueError(  # noqa: TRY004
-            f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass); "
-            "see docs/data.md")
+            f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass) nor an "
+            "rl_core.agents.Environment subclass; see docs/data.md and docs/agents.md")
     return obj
 
 

@@ -36,6 +36,9 @@ class Task:
     reads: tuple[str, ...] = ()
     # how to build a missing local split, for the error that says it is missing (None: nothing to build)
     build_hint: str | None = None
+    # an agent task: the `rl_core.agents.Environment` subclass each row's episodes run in; None: one completion
+    # per prompt
+    environment: type | None = None
 
     def load(self, source: str, data: Any) -> list[Example]:
         """The examples of one split (`data.train` or `data.val`); ValueError naming the file and row."""
@@ -70,7 +73,13 @@ class Task:
     def default_rewards(self, data: Any) -> list[tuple[str, Any]]:
         """`(name, fn)` of the rewards used when `data.rewards` is unset; each fn is TRL-style
         `fn(prompts, completions, **columns) -> list[float | None]` (rl_core.rewards)."""
+        if self.environment is not None:
+            return []  # the environment's own reward is enough (`fixed_rewards`)
         raise ValueError(f"data.task={self.name!r} has no reward of its own; list yours in data.rewards")
+
+    def fixed_rewards(self, data: Any) -> list[tuple[str, Any]]:
+        """`(name, fn)` of the rewards that apply whatever `data.rewards` says: an environment's own reward."""
+        return [] if self.environment is None else [("environment", environment_reward)]
 
     def supervised_target(self, example: Example) -> str:
         """The text a supervised warm start teaches after the prompt."""
@@ -79,6 +88,15 @@ class Task:
     def scorable(self, example: Example) -> bool:
         """Whether held-out scoring can judge this example (e.g. GSM8K needs a number in the answer)."""
         return True
+
+
+ENVIRONMENT_REWARD = "environment_reward"  # the column that hands each episode's own reward to the reward functions
+
+
+def environment_reward(prompts: list, completions: list, environment_reward: list[float], **_: Any) -> list[float]:
+    """Each episode's reward as its environment gave it (`Environment.reward()`); a reward function like any other,
+    so it is weighed and logged with `data.rewards`."""
+    return [float(r) for r in environment_reward]
 
 
 def is_import_path(name: str) -> bool:

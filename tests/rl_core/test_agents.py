@@ -183,8 +183,10 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     assert episode.sampled[first - len(turns[0]) + 1: first + 1] == [True] * len(turns[0])
     assert episode.sampled[first + 1] is False  # the template's newline after the stop token is not the policy's
     assert all((lp != 0.0) == s for lp, s in zip(episode.logp, episode.sampled))
-    assert episode.stats() == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False,
-                               "tokens": len(episode.ids), "sampled_tokens": len(turns[0]) + len(turns[1])}
+    stats = episode.stats()
+    assert stats.pop("env_s") > 0  # reset and respond ran, timed
+    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False, "env_errors": 0,
+                     "tokens": len(episode.ids), "sampled_tokens": len(turns[0]) + len(turns[1])}
 
 
 def test_a_template_that_drops_earlier_reasoning_never_changes_what_was_sampled():
@@ -297,8 +299,8 @@ def test_episodes_advance_in_batched_calls_and_the_trainer_reads_the_samplers_lo
 
     def rollout(seed):
         episodes = [Episode(Nag(row), tok, max_turns=4, max_tokens=200) for row in rows for _ in range(3)]
-        calls = run_episodes(HFEngine(model, tok), episodes, SamplingParams(temperature=1.0, max_tokens=6, seed=seed))
-        return episodes, calls
+        run = run_episodes(HFEngine(model, tok), episodes, SamplingParams(temperature=1.0, max_tokens=6, seed=seed))
+        return episodes, run.calls
 
     episodes, calls = rollout(seed=11)
     assert calls == max(len(e.turns) for e in episodes) and calls >= 2
@@ -322,3 +324,99 @@ def test_episodes_advance_in_batched_calls_and_the_trainer_reads_the_samplers_lo
     assert (sampled <= 0).all() and (sampled < -0.1).sum() > 10  # real log-probs, not a table of zeros
     again, _ = rollout(seed=11)
     assert [e.ids for e in again] == [e.ids for e in episodes]  # the same seed: the same episodes
+
+
+# ------------------------------------------------------------------------------------------------ as a task
+
+
+class Chatter(Nag):
+    """Nag scored by how many times it answered: the environment's own reward."""
+
+    def reward(self):
+        return float(getattr(self, "count", 0))
+
+
+def conversation_length(prompts, completions, **_):
+    """A TRL-style reward over the whole conversation: the messages after the opening ones."""
+    return [float(len(c)) for c in completions]
+
+
+def test_an_environment_is_a_task_whose_episodes_are_scored_over_the_conversation_and_pass_the_gate(tmp_path):
+    """`data.task` naming an Environment subclass: its rows load as the prompts task's, `rollout.n` episodes per row
+    run on the engine, and the reward is the environment's plus `data.rewards` (which read the whole conversation
+    in TRL's form); annotate and the gate take the holes, and the gate refuses a loss on a token nobody sampled."""
+    import json
+
+    from rl_core.agents.rollout import rollout_episodes
+    from rl_core.annotate import annotate
+    from rl_core.config import RLConfig
+    from rl_core.config.schema import DataConfig
+    from rl_core.gate import BatchValidationError, validate_annotations, validate_batch_tensors
+    from rl_core.rewards import reward_inputs, score
+    from rl_core.rewards.configured import reward_functions
+    from rl_core.rollout import Completions, HFEngine, SamplingParams
+    from rl_core.tasks import get_task
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in [("1+1?", "2"), ("7+8?", "15")]))
+    data = DataConfig(task="tests.rl_core.test_agents:Chatter", prompt_template="chat", train=str(rows), val=str(rows),
+                      rewards=[{"path": "tests.rl_core.test_agents:conversation_length", "weight": 0.5}])
+    task = get_task(data.task)
+    assert task.environment is Chatter
+    examples = task.load(str(rows), data)
+    assert [e.prompt for e in examples] == ["1+1?", "7+8?"] and examples[0].row == f"{rows}:1"
+    functions = reward_functions(data)
+    assert [(f.name, f.weight) for f in functions] == [("environment", 1.0), ("conversation_length", 0.5)]
+
+    tok = tokenizer()
+    completions, _ = rollout_episodes(HFEngine(stopping_policy(tok), tok), task, examples, tok, 3,
+                                      SamplingParams(temperature=1.0, max_tokens=6, seed=5), max_turns=4,
+                                      max_episode_tokens=200)
+    records = completions.episodes
+    assert len(records) == 6 and completions.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    for j, record in enumerate(records):
+        assert record["prompt"] == [{"role": "user", "content": examples[j // 3].prompt}]
+        roles = [m["role"] for m in record["completion"]]
+        assert roles[0::2] == ["assistant"] * len(roles[0::2]) and set(roles[1::2]) <= {"user"}
+        assert record["stats"]["turns"] == len(roles[0::2])
+    assert {r["stats"]["turns"] for r in records} != {1}  # some episodes took several turns
+    expanded = [examples[i] for i in completions.prompt_index.tolist()]
+    values, means = score(functions, reward_inputs(expanded, ["unused"] * 6, records))
+    by_hand = [r["reward"] + 0.5 * len(r["completion"]) for r in records]
+    assert values == pytest.approx(by_hand)
+    assert means["rollout/rewards/environment/mean"] == pytest.approx(sum(r["reward"] for r in records) / 6)
+
+    completions.save(tmp_path / "c.safetensors")  # the rollout cache keeps the episodes
+    assert Completions.load(tmp_path / "c.safetensors").episodes == records
+
+    annotated = annotate(completions, values, [0, 1], rl=RLConfig(), first_sample_id=0)
+    assert annotated.stats["rollout/turns_mean"] == pytest.approx(sum(r["stats"]["turns"] for r in records) / 6)
+    assert annotated.stats["rollout/env_reward_mean"] == pytest.approx(sum(r["reward"] for r in records) / 6)
+    validate_annotations(annotated.table, max_tokens=4 * 6)
+    validate_batch_tensors(annotated.batch, annotated.table, annotated.sampled)
+    real_unsampled = (annotated.batch.attention_mask > 0) & ~annotated.sampled
+    row, col = next((int(r), int(c)) for r, c in real_unsampled[:, completions.prompt_length:].nonzero()
+                    if annotated.sampled[r].any())
+    leaky = annotated.batch.loss_mask.clone()
+    leaky[row, completions.prompt_length + col] = 1.0
+    table = annotated.table.copy()
+    table.loc[row, "response_len"] += 1  # the lengths agree: only the unsampled token is wrong
+    with pytest.raises(BatchValidationError, match=r"loss_on_unsampled.*\[the loss mask marks tokens the policy did "
+                                                   rf"not sample.*\(rows \[{row}\]\)"):
+        validate_batch_tensors(annotated.batch.replace(loss_mask=leaky), table, annotated.sampled)
+
+
+def test_preflight_refuses_episode_limits_on_a_prompt_task_and_a_plain_template_on_an_environment():
+    from pathlib import Path
+
+    from rl_core.config import load_config
+    from rl_core.config.preflight import preflight
+
+    recipe = Path(__file__).parents[2] / "recipes" / "arithmetic.py"
+    errors = preflight(load_config(recipe, ["rollout.max_turns=3"])).errors
+    assert any(e.startswith("rollout.max_turns=3: read only by agent tasks") for e in errors), errors
+    errors = preflight(load_config(recipe, ["data.task=tests.rl_core.test_agents:Chatter"])).errors
+    assert any(e.startswith("data.prompt_template='plain': an environment's episode is a chat") for e in errors), errors
+    ok = preflight(load_config(recipe, ["data.task=tests.rl_core.test_agents:Chatter", "data.prompt_template=chat",
+                                        "rollout.max_turns=3"]))
+    assert not [e for e in ok.errors if "max_turns" in e or "prompt_template" in e], ok.errors

@@ -108,6 +108,42 @@ def test_grpo_invariance_micro_batches_and_ranks(loss_type, kl):
     assert all(torch.equal(a, b) for a, b in zip(t0.model.parameters(), t1.model.parameters()))
 
 
+def with_environment_turns(batch: Trajectory) -> Trajectory:
+    """The batch as an agent's: every response longer than 4 tokens gets an environment message after its second
+    token (two real tokens the policy did not sample: attention 1, loss 0), as `rl_core.agents` lays episodes out."""
+    loss = batch.loss_mask.clone()
+    for row in loss:
+        on = row.nonzero().flatten()
+        if len(on) > 4:
+            row[on[2:4]] = 0
+    return batch.replace(loss_mask=loss)
+
+
+@pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-fixed"])
+def test_grpo_invariance_holds_on_multi_turn_batches_with_holes_in_the_loss_mask(loss_type):
+    """The loss and gradient of a batch whose loss mask has holes (an agent's tool results and user turns) equal
+    the closed form on exactly the sampled tokens, whatever the micro-batches, the token budget or the ranks."""
+    model, batch = tiny_model(0), with_environment_turns(make_batch())
+    holes = (batch.attention_mask.bool() & (batch.loss_mask == 0)).sum() - (make_batch().attention_mask.bool()
+                                                                             & (make_batch().loss_mask == 0)).sum()
+    assert holes == 2 * sum(n > 4 for n in RESP)  # the environment's tokens: read by the model, not trained on
+    rl = RLConfig(loss_type=loss_type)
+    expected_loss, expected_grads = closed_form_grpo(model, batch, loss_type)
+    results = {}
+    for micro, budget in ((8, None), (3, None), (8, 40)):  # whole, 3+3+2 rows, rows by length under 40 tokens
+        trainer = grpo_trainer(model, rl)
+        results[(micro, budget)] = (trainer.train_step(batch, micro, micro_batch_max_tokens=budget), grads_of(trainer.model))
+    ranks = run_ranks(lambda hook: grpo_trainer(model, rl, hook), [batch.select(range(5)), batch.select(range(5, 8))], 2)
+    for r, (metrics, trainer) in enumerate(ranks):
+        results[f"rank{r}"] = (metrics, grads_of(trainer.model))
+    for key, (metrics, grads) in results.items():
+        assert metrics["train/loss"] == pytest.approx(expected_loss, abs=TOL), key
+        assert max_diff(grads, expected_grads) <= TOL, key
+    # not vacuous: training on the environment's tokens too would give another gradient
+    _, leaky = closed_form_grpo(model, make_batch(), loss_type)
+    assert max_diff(leaky, expected_grads) > 1e-4
+
+
 class SequenceMeanLoss:
     """A MEAN objective: −mean_i A_i · (mean_t ℓ_{i,t}) over the chunk's rows."""
 

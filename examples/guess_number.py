@@ -1,0 +1,70 @@
+"""Guess the number: a multi-turn environment where the replies matter (docs/agents.md; recipes/guess_number.py
+trains with it).
+
+Each row holds a secret number from 1 to 9 (its `answer` column) behind the same prompt for every row, so nothing
+but the environment's replies tells the secret: the policy guesses one number per turn and hears "higher" or
+"lower" until it names the secret, or `rollout.max_turns` runs out. The reward is 1.0 when it found the number, so
+the held-out `val/accuracy` is the success rate. A policy deaf to the replies finds it in four guesses at best 4
+times in 9; one that halves the range every turn always does.
+
+The rows (`make_rows`) are written by the DVC stage `guess_number` (`dvc repro pipelines/guess_number/dvc.yaml`,
+or `python -m examples.guess_number --out data/guess-number`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rl_core.agents import Environment, Reply, Turn
+
+PROMPT = "Guess my number from 1 to 9."
+
+
+class GuessNumber(Environment):
+    """One game: the row's `answer` is the secret; each assistant turn is a guess."""
+
+    def reset(self) -> list[dict]:
+        self.secret, self.solved = int(self.example.answer), False
+        return super().reset()  # the row's prompt as the user's message
+
+    def respond(self, turn: Turn) -> Reply:
+        guess = turn.content.strip()
+        if guess == str(self.secret):
+            self.solved = True
+            return Reply(done=True)
+        if not guess.isdigit():
+            hint = "a number from 1 to 9"
+        else:
+            hint = "higher" if int(guess) < self.secret else "lower"
+        return Reply([{"role": "user", "content": hint}])
+
+    def reward(self) -> float:
+        return float(self.solved)
+
+
+def make_rows(seed: int = 0, train_size: int = 2000, val_size: int = 200) -> tuple[list[dict], list[dict]]:
+    """Secrets drawn uniformly from 1..9 with `seed`; every row's prompt is `PROMPT`."""
+    import random
+
+    rng = random.Random(seed)
+    rows = [{"prompt": PROMPT, "answer": str(rng.randint(1, 9))} for _ in range(train_size + val_size)]
+    return rows[val_size:], rows[:val_size]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="write the guess-the-number example's train.jsonl and val.jsonl")
+    parser.add_argument("--out", default="data/guess-number")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    train, val = make_rows(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("val", val)):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(train)} train and {len(val)} held-out rows to {out}/")
+
+
+if __name__ == "__main__":
+    main()
