@@ -8,6 +8,7 @@ Default paths used by the recipes: `artifacts/tiny-model/init` (random init),
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 TINY_INIT_DIR = "artifacts/tiny-model/init"
 TINY_WARM_DIR = "artifacts/tiny-model/warm"
@@ -28,8 +29,16 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_start(args: argparse.Namespace) -> int:
-    from rl_core.warm_start import warm_start
+    from rl_core.warm_start import warm_start, warm_start_chats
 
+    if args.chats:
+        template = Path(args.chat_template).read_text() if args.chat_template else None
+        m = warm_start_chats(args.init, args.train, args.val, args.out, steps=args.steps, lr=args.lr,
+                             batch_size=args.batch_size, seed=args.seed, chat_template=template)
+        print(f"warm-start: {m['steps']} steps in {m['time_s']:.1f}s on {m['n_train']} conversations, loss "
+              f"{m['final_loss']:.3f}, held-out loss on the assistant turns {m['val_loss_before']:.3f} -> "
+              f"{m['val_loss']:.3f} (n={m['n_val']}); saved to {m['out_dir']}")
+        return 0
     m = warm_start(
         args.init,
         args.train,
@@ -102,6 +111,11 @@ def add_build_commands(subparsers) -> None:
     p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chats", action="store_true",
+                   help='--train/--val are JSONL conversations {"messages": [...]}: learn their assistant turns '
+                        "(an agent task's format)")
+    p.add_argument("--chat-template", help="with --chats: a Jinja chat template file that replaces the model's "
+                                           "(saved with it), e.g. one that renders tools")
     p.set_defaults(handler=cmd_warm_start)
 
     p = subparsers.add_parser(

@@ -7,8 +7,9 @@ but the environment's replies tells the secret: the policy guesses one number pe
 the held-out `val/accuracy` is the success rate. A policy deaf to the replies finds it in four guesses at best 4
 times in 9; one that halves the range every turn always does.
 
-The rows (`make_rows`) are written by the DVC stage `guess_number` (`dvc repro pipelines/guess_number/dvc.yaml`,
-or `python -m examples.guess_number --out data/guess-number`).
+The rows (`make_rows`) and the warm start's games (`make_transcripts`: random guesses, the format without the
+skill) are written by the DVC stage `guess_number`; the stage `guess_warm_start` trains the tiny model on the
+games (`dvc repro pipelines/guess_number/dvc.yaml` runs both).
 """
 
 from __future__ import annotations
@@ -53,6 +54,27 @@ def make_rows(seed: int = 0, train_size: int = 2000, val_size: int = 200) -> tup
     return rows[val_size:], rows[:val_size]
 
 
+def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4) -> list[dict]:
+    """Whole games for the warm start (`posttrain warm-start --chats`): uniformly random guesses, whatever the
+    replies say, answered as `GuessNumber` answers them. They teach the format (a digit, then the end of the turn,
+    after every reply), not the game: that is left to RL."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        secret = rng.randint(1, 9)
+        messages = [{"role": "user", "content": PROMPT}]
+        for turn in range(max_turns):
+            guess = rng.randint(1, 9)
+            messages.append({"role": "assistant", "content": str(guess)})
+            if guess == secret or turn == max_turns - 1:
+                break
+            messages.append({"role": "user", "content": "higher" if guess < secret else "lower"})
+        out.append({"messages": messages})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="write the guess-the-number example's train.jsonl and val.jsonl")
     parser.add_argument("--out", default="data/guess-number")
@@ -61,9 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     train, val = make_rows(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("val", val)):
+    games = make_transcripts(args.seed)
+    warm_val = len(games) // 20
+    splits = (("train", train), ("val", val), ("warm-train", games[warm_val:]), ("warm-val", games[:warm_val]))
+    for name, rows in splits:
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {len(train)} train and {len(val)} held-out rows to {out}/")
+    print(f"wrote {len(train)} train and {len(val)} held-out rows, and {len(games)} warm-start games, to {out}/")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """An agent on CPU: the tiny model plays guess-the-number over several turns (examples/guess_number.py,
 docs/agents.md).
 
-`data.task` names the environment class: each row of `data/guess-number/*.jsonl` (built by `dvc repro
-pipelines/guess_number/dvc.yaml`) is one game, `rollout.n` games per row a step, each at most
-`rollout.max_turns` guesses of `rollout.max_tokens` tokens (a digit and the end of the turn). The loss is on the
-policy's guesses only; the environment's replies ("higher", "lower") are read, not trained on.
+`dvc repro pipelines/guess_number/dvc.yaml` builds the rows and the warm start (`artifacts/tiny-model/guess-warm`:
+the game's format learned from random guesses). `data.task` names the environment class: each row is one game,
+`rollout.n` games per row a step, each at most `rollout.max_turns` guesses of `rollout.max_tokens` tokens (a digit
+and the end of the turn). The loss is on the policy's guesses only; the environment's replies ("higher",
+"lower") are read, not trained on.
 """
 
 from rl_core.config import PosttrainConfig
@@ -13,7 +14,7 @@ from rl_core.config import PosttrainConfig
 def build_config() -> PosttrainConfig:
     cfg = PosttrainConfig()
     cfg.job.name = "guess-number"
-    cfg.model.name_or_path = "artifacts/tiny-model/warm"
+    cfg.model.name_or_path = "artifacts/tiny-model/guess-warm"
     cfg.rollout.max_tokens = 2  # a digit and <eos>
     cfg.rollout.max_turns = 4
     cfg.rollout.max_episode_tokens = 256

@@ -107,25 +107,10 @@ def _train_warm_start(
     eval_kwargs = {"task": task, "max_tokens": max_eval_tokens}
     before = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
 
-    sampler = PromptSampler(len(train), batch_size, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    losses: list[float] = []
-    for _ in range(steps):
-        ids, mask, labels = encode_supervised_batch(tokenizer, [train[i] for i in sampler.next_batch()], task)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-
+    losses = _fit(model, lambda rows: encode_supervised_batch(tokenizer, [train[i] for i in rows], task), len(train),
+                  steps=steps, lr=lr, batch_size=batch_size, seed=seed)
     after = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
-    out = Path(out_dir)
-    with atomic_directory(out) as tmp:  # a reader never sees half a model
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+    out = _save(model, tokenizer, out_dir)
     tail = losses[-10:]
     return {
         "steps": steps,
@@ -141,3 +126,140 @@ def _train_warm_start(
         "time_s": time.perf_counter() - started,
         "out_dir": str(out),
     }
+
+
+def _fit(model, encode, rows: int, *, steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+    """`steps` AdamW steps (gradient norm clipped at 1) on batches `encode(row indices)` drawn by
+    `PromptSampler(rows, batch_size, seed)`; returns each step's loss. Leaves the model in eval mode."""
+    sampler = PromptSampler(rows, batch_size, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    for _ in range(steps):
+        ids, mask, labels = encode(sampler.next_batch())
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def _save(model, tokenizer, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    with atomic_directory(out) as tmp:  # a reader never sees half a model
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+# ------------------------------------------------------------------------------------- chat transcripts
+
+def encode_chat_batch(tokenizer, conversations) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask, labels)` `[B, T]`, right-padded, for whole conversations (`{"messages": [...],
+    "tools": [JSON schemas] (optional)}`, TRL's conversational rows) laid out as an agent episode is
+    (`rl_core.agents.Episode`): the messages before the first assistant turn rendered with the chat template, the
+    tools and its generation prompt, then each assistant turn's text and the end-of-turn token (`<eos>`), each
+    followed by the template's delta for the messages up to the next assistant turn. Labels are on the assistant
+    turns only (their text and `<eos>`): the model learns to act, not to write the environment's replies."""
+    from rl_core.agents.episode import template_delta
+
+    stop = tokenizer.decode([tokenizer.eos_token_id])
+    seqs, targets = [], []
+    for c, row in enumerate(conversations):
+        messages, tools = row["messages"], row.get("tools") or None
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None or first == 0:
+            raise ValueError(f"conversation {c}: needs opening messages and then at least one assistant turn")
+        ids = list(tokenizer.apply_chat_template(list(messages[:first]), tools=tools, add_generation_prompt=True,
+                                                 tokenize=True)["input_ids"])
+        labels = [-100] * len(ids)
+        i = first
+        while i < len(messages):
+            turn = list(tokenizer(messages[i]["content"], add_special_tokens=False)["input_ids"])
+            turn.append(tokenizer.eos_token_id)
+            ids += turn
+            labels += turn
+            following = i + 1
+            while following < len(messages) and messages[following]["role"] != "assistant":
+                following += 1
+            if following < len(messages):  # another assistant turn follows: the replies in between, not learned
+                delta = template_delta(tokenizer, messages[i + 1:following], stop_text=stop, tools=tools)
+                ids += delta
+                labels += [-100] * len(delta)
+            i = following
+        seqs.append(ids)
+        targets.append(labels)
+    T = max(len(s) for s in seqs)
+    out_ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    out_labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, (ids, labels) in enumerate(zip(seqs, targets)):
+        out_ids[i, :len(ids)] = torch.tensor(ids)
+        mask[i, :len(ids)] = 1
+        out_labels[i, :len(ids)] = torch.tensor(labels)
+    return out_ids, mask, out_labels
+
+
+def warm_start_chats(init_dir: str | Path, train_path: str | Path, val_path: str | Path, out_dir: str | Path, *,
+                     steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE,
+                     seed: int = 0, max_val: int = 256, chat_template: str | None = None) -> dict:
+    """A warm start on whole conversations (JSONL rows `{"messages": [...], "tools": [...]}`, `encode_chat_batch`):
+    the format an
+    agent task's episodes take, learned before RL. Trained like `warm_start` (float32, `WARM_START_THREADS`
+    threads, deterministic for a seed); returns `steps`, `final_loss`, the held-out loss on the assistant turns
+    before and after (`val_loss_before`, `val_loss`, the first `max_val` conversations), `n_train`, `n_val`,
+    `time_s`, `out_dir`. `chat_template`: a Jinja chat template that replaces the tokenizer's (and is saved with the
+    model), e.g. one that renders tools and tool calls."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if steps < 0:
+        raise ValueError(f"steps={steps} must be >= 0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
+    try:
+        started = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(init_dir)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+        train, val = _conversations(train_path), _conversations(val_path)[:max_val]
+
+        def held_out() -> float:
+            with torch.no_grad():
+                ids, mask, labels = encode_chat_batch(tokenizer, val)
+                return float(model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss)
+
+        before = held_out()
+        losses = _fit(model, lambda rows: encode_chat_batch(tokenizer, [train[i] for i in rows]), len(train),
+                      steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+        after = held_out()
+        out = _save(model, tokenizer, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+    tail = losses[-10:]
+    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+            "final_loss": sum(tail) / len(tail) if tail else float("nan"), "val_loss_before": before,
+            "val_loss": after, "n_train": len(train), "n_val": len(val), "time_s": time.perf_counter() - started,
+            "out_dir": str(out)}
+
+
+def _conversations(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file of conversations; ValueError naming the file and line of a row without `messages`,
+    whose messages are not `{"role": text, "content": text}`, or whose `tools` is not a list of schemas."""
+    from rl_core.data.jsonl import iter_jsonl
+
+    out = []
+    for lineno, record in iter_jsonl(Path(path), 'a conversation {"messages": [...]}'):
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages) or not isinstance(record.get("tools", []), list):
+            raise ValueError(f'{path}:{lineno}: a conversation row is {{"messages": [{{"role": text, "content": '
+                             'text}, ...], "tools": [JSON schema, ...] (optional)}')
+        out.append(record)
+    if not out:
+        raise ValueError(f"{path}: no conversations")
+    return out

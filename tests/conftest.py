@@ -100,7 +100,7 @@ HEAVIEST_FIRST = (
     "tests/flows/test_opd_flow.py", "tests/flows/test_resume.py", "tests/infra/test_scale_out.py",
     "tests/infra/test_vllm_cpu.py", "tests/flows/test_dvc.py", "tests/infra/test_faults.py",
     "tests/infra/test_ray_cluster.py", "tests/infra/test_fsdp.py", "tests/flows/test_lora_flow.py",
-    "tests/infra/test_ray_job_submit.py", "tests/test_front_door.py", "tests/flows/test_regression.py",
+    "tests/test_front_door.py", "tests/flows/test_regression.py",
     "tests/flows/test_flow.py", "tests/flows/test_gsm8k_recipes.py", "tests/flows/test_posttrain_run.py",
     "tests/infra/test_tracking_e2e.py",
 )

@@ -31,7 +31,12 @@ UPSTREAM_OF_TRAIN = ("arithmetic_data", "tiny_model", "warm_start")
 GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
 OWN_DATA_STAGE = "pipelines/own_data/dvc.yaml:own_data"
 # The pipelines outside the default target, by the output that shows one was built.
-OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data"}
+GUESS_STAGES = ("pipelines/guess_number/dvc.yaml:guess_number", "pipelines/guess_number/dvc.yaml:guess_warm_start")
+TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
+               "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
+OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_STAGES[0]: "data/guess-number",
+            GUESS_STAGES[1]: "artifacts/tiny-model/guess-warm", TOOL_STAGES[0]: "data/tool-arithmetic",
+            TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -344,9 +349,10 @@ def test_dvc_exp_run_varies_a_train_hyperparameter_and_exp_show_compares_the_run
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
-    """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, and the
-    own-data example's pipeline (its rows load as the example's task reads them)."""
+def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
+    """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, the
+    own-data example's pipeline (its rows load as the example's task reads them), and the two agent examples'
+    (their rows and a two-step warm start on their games)."""
     root, clone, env, _ = pipeline
     source = root / "gsm8k-source"
     source.mkdir()
@@ -377,6 +383,18 @@ def test_the_gsm8k_and_own_data_pipelines_build(pipeline):
     train, val = (load_examples(clone / "data/own-data" / f"{s}.jsonl", "prompts", chat) for s in ("train", "val"))
     assert (len(train), len(val)) == (2000, 200) and not {e.prompt for e in train} & {e.prompt for e in val}
     assert all(int(e.columns["max_chars"]) == len(e.answer) for e in val)
+
+    params = yaml.safe_load(params_path.read_text())
+    for warm in ("guess_warm_start", "tool_warm_start"):
+        params[warm]["steps"] = 2  # the stage as it runs, not its full length
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    for example, stages, model in (("guess_number", GUESS_STAGES, "guess-warm"),
+                                   ("tool_arithmetic", TOOL_STAGES, "tool-warm")):
+        output = _dvc(clone, env, "repro", f"pipelines/{example}/dvc.yaml")
+        assert all(f"Running stage '{stage}'" in output for stage in stages) and "Running stage 'train'" not in output
+        assert (clone / "artifacts/tiny-model" / model / "model.safetensors").is_file()
+    # the tool example's warm start keeps the example's template, which renders tools
+    assert "tool_call" in (clone / "artifacts/tiny-model/tool-warm/chat_template.jinja").read_text()
     assert _status(clone, env) == {}  # now the whole repository is up to date
 
 

@@ -42,9 +42,13 @@ def vllm_cluster(workdir, warm_model):
                                              "cluster.placement=separate", "rollout.n=4", "rollout.max_tokens=4",
                                              f"data.train={data / 'train.jsonl'}", f"data.val={data / 'val.jsonl'}"])
     role = RolloutRole.build(cfg)
-    with Cluster(cfg, max_model_len=role.max_model_len) as cluster:
+    # room for the multi-turn episodes of test_vllm_plays_multi_turn_episodes_token_exactly
+    with Cluster(cfg, max_model_len=max(role.max_model_len, EPISODE_TOKENS)) as cluster:
         cluster.sync_weights(0)
         yield cluster, role
+
+
+EPISODE_TOKENS = 192
 
 
 def test_vllm_sampled_logprobs_equal_the_trainers(vllm_cluster, warm_model):
@@ -57,6 +61,29 @@ def test_vllm_sampled_logprobs_equal_the_trainers(vllm_cluster, warm_model):
     # seeded per completion: the same call again gives the same samples
     again = cluster.engines.generate(role.prompts(list(range(16))), 4, role.sampling(1))
     assert torch.equal(again.input_ids, completions.input_ids)
+
+
+def test_vllm_plays_multi_turn_episodes_token_exactly(vllm_cluster, warm_model):
+    """Agent episodes (examples/guess_number.py) on the vLLM engine, from token-id prompts turn by turn: the trainer's
+    log-probs of exactly the episodes' ids equal vLLM's on the sampled tokens, and the replies are holes."""
+    from examples.guess_number import PROMPT, GuessNumber
+    from rl_core.agents.rollout import rollout_episodes
+    from rl_core.tasks import Example
+    from rl_core.tasks.environment import EnvironmentTask
+
+    cluster, role = vllm_cluster
+    task = EnvironmentTask(GuessNumber, "examples.guess_number:GuessNumber")
+    rows = [Example(PROMPT, str(secret)) for secret in (2, 5, 9, 4)]
+    completions, _ = rollout_episodes(cluster.engines, task, rows, role.tokenizer, 2, role.sampling(3), max_turns=3,
+                                      max_episode_tokens=EPISODE_TOKENS)
+    turns = [e["stats"]["turns"] for e in completions.episodes]
+    assert max(turns) >= 2, turns  # the warm start's two-digit guesses are answered: games of several turns
+    replies = (completions.attention_mask > 0) & (completions.response_mask == 0)
+    assert replies[:, completions.prompt_length:].any()  # after the opening prompt: real tokens nobody sampled
+    expected = trainer_logprobs(warm_model[0], completions, temperature=1.0)
+    gap = (completions.sampling_logp - expected).abs().max().item()
+    assert gap <= 1e-3, f"vLLM's log-probs of the episodes differ from the trainer's by {gap}"
+    assert (completions.sampling_logp[completions.response_mask > 0] < 0).any()  # real log-probs
 
 
 def test_vllm_serves_the_pushed_weights(vllm_cluster, warm_model, workdir):

@@ -420,3 +420,50 @@ def test_preflight_refuses_episode_limits_on_a_prompt_task_and_a_plain_template_
     ok = preflight(load_config(recipe, ["data.task=tests.rl_core.test_agents:Chatter", "data.prompt_template=chat",
                                         "rollout.max_turns=3"]))
     assert not [e for e in ok.errors if "max_turns" in e or "prompt_template" in e], ok.errors
+
+
+def test_the_docs_environment_runs_as_written():
+    """docs/agents.md's 20-line environment: a calculator call answered with its result, then the answer scored."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    namespace: dict = {}
+    exec(re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1), namespace)  # noqa: S102 - the repo's own docs
+    env = namespace["Sums"](Example("12+30", "42"))
+    assert env.reset() == [{"role": "user", "content": "What is 12+30? Use the calculator."}]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}}</tool_call>'
+    assert env.respond(Turn.parse(call)).messages == [{"role": "tool", "name": "calculator", "content": "42"}]
+    assert env.respond(Turn.parse("42")).done and env.reward() == 1.0
+    env.reset()
+    env.respond(Turn.parse("41"))
+    assert env.reward() == 0.0
+
+
+def test_a_chat_warm_start_trains_on_the_episode_layout_and_only_the_assistant_turns(tmp_path):
+    """`encode_chat_batch` (posttrain warm-start --chats) lays a game out token for token as the rollout's Episode
+    does (tools in the opening prompt, each reply as the template's delta), with labels on the assistant turns only;
+    a row that is no conversation is refused naming its line."""
+    import json
+
+    from examples.tool_arithmetic import TEMPLATE, ToolArithmetic, make_transcripts
+    from rl_core.warm_start import _conversations, encode_chat_batch
+
+    tok = tokenizer(TEMPLATE)
+    calling, direct = (next(t for t in make_transcripts([{"prompt": "123+456+789", "answer": "1368"}] * 8, seed, 0.5)
+                            if len(t["messages"]) == k) for seed, k in ((0, 4), (0, 2)))
+    ids, mask, labels = encode_chat_batch(tok, [calling, direct])
+    episode = Episode(ToolArithmetic(Example("123+456+789", "1368")), tok, max_turns=3, max_tokens=400)
+    for message in (m for m in calling["messages"] if m["role"] == "assistant"):
+        turn = ids_of(tok, message["content"]) + [tok.eos_token_id]
+        episode.add_turn(turn, [-0.1] * len(turn), stopped=True)
+    assert episode.done and episode.env.reward() == 1.0
+    row = ids[0][mask[0] > 0].tolist()
+    assert row == episode.ids  # the warm start sees exactly what the rollout will produce
+    learned = labels[0][mask[0] > 0] != -100
+    assert learned.tolist() == episode.sampled  # and learns exactly the policy's tokens
+    assert tok.decode(labels[1][labels[1] != -100].tolist()) == "1368<eos>"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(calling) + "\n" + json.dumps({"messages": "hi"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: a conversation row is"):
+        _conversations(bad)
