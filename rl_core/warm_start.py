@@ -44,20 +44,26 @@ def encode_supervised_batch(
     special tokens); labels are -100 on prompt tokens and padding (right padding keeps positions
     0..len-1, so no position ids are needed).
     """
-    seqs, starts = [], []
+    seqs, targets = [], []
     for ex in examples:
-        prompt = tokenizer(format_prompt(ex, tokenizer, task, "plain"))["input_ids"]
-        answer = tokenizer(get_task(task).supervised_target(ex), add_special_tokens=False)["input_ids"]
-        seqs.append(list(prompt) + list(answer) + [tokenizer.eos_token_id])
-        starts.append(len(prompt))
+        prompt = list(tokenizer(format_prompt(ex, tokenizer, task, "plain"))["input_ids"])
+        answer = list(tokenizer(get_task(task).supervised_target(ex), add_special_tokens=False)["input_ids"])
+        seqs.append(prompt + answer + [tokenizer.eos_token_id])
+        targets.append([-100] * len(prompt) + answer + [tokenizer.eos_token_id])
+    return _right_padded(tokenizer, seqs, targets)
+
+
+def _right_padded(tokenizer, seqs: list[list[int]], targets: list[list[int]]):
+    """`(input_ids, attention_mask, labels)` `[B, T]` of token lists and their labels (-100: not learned), padded on
+    the right with the pad id (labels -100)."""
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    for i, (s, start) in enumerate(zip(seqs, starts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-        labels[i, start : len(s)] = ids[i, start : len(s)]
+    for i, (seq, target) in enumerate(zip(seqs, targets, strict=True)):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+        labels[i, :len(target)] = torch.tensor(target)
     return ids, mask, labels
 
 
@@ -192,15 +198,7 @@ def encode_chat_batch(tokenizer, conversations) -> tuple[torch.Tensor, torch.Ten
             i = following
         seqs.append(ids)
         targets.append(labels)
-    T = max(len(s) for s in seqs)
-    out_ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    out_labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    for i, (ids, labels) in enumerate(zip(seqs, targets)):
-        out_ids[i, :len(ids)] = torch.tensor(ids)
-        mask[i, :len(ids)] = 1
-        out_labels[i, :len(ids)] = torch.tensor(labels)
-    return out_ids, mask, out_labels
+    return _right_padded(tokenizer, seqs, targets)
 
 
 def warm_start_chats(init_dir: str | Path, train_path: str | Path, val_path: str | Path, out_dir: str | Path, *,
