@@ -50,11 +50,12 @@ def faulty_reward_task(fail: int = 0, nan: int = 0):
     seen = {"calls": 0, "nan": 0}
 
     @task(name="reward", task_run_name="reward step {step}", cache_policy=NO_CACHE)
-    def reward(rewards: Any, examples: list, texts: list[str], *, step: int) -> tuple[list[float], dict[str, float]]:
+    def reward(rewards: Any, examples: list, texts: list[str], episodes: list[dict] | None = None, *,
+               step: int) -> tuple[list[float], dict[str, float]]:
         seen["calls"] += 1
         if seen["calls"] <= fail:
             raise InjectedFault(f"injected fault at 'reward' (call {seen['calls']})")
-        values, means = reward_task.fn(rewards, examples, texts, step=step)
+        values, means = reward_task.fn(rewards, examples, texts, episodes, step=step)
         seen["nan"] += 1
         if seen["nan"] <= nan:
             values[0] = math.nan

@@ -156,9 +156,12 @@ def _max_steps(clone: Path) -> int:
 
 
 def _commit_lock(clone: Path) -> None:
-    """Commit params.yaml and dvc.lock in the temporary clone, so a clone of it sees what was reproduced."""
-    _git(clone, "add", "params.yaml", "dvc.lock")
-    if _git(clone, "status", "--porcelain", "--", "params.yaml", "dvc.lock").strip():
+    """Commit params.yaml and every pipeline's dvc.lock in the temporary clone, so a clone of it sees what was
+    reproduced (the agent examples' warm starts are in the DVC cache: their hashes are in their pipelines' locks)."""
+    files = ["params.yaml", *(str(p.relative_to(clone)) for p in [clone / "dvc.lock", *clone.glob("pipelines/*/dvc.lock")]
+                              if p.is_file())]
+    _git(clone, "add", *files)
+    if _git(clone, "status", "--porcelain", "--", *files).strip():
         _git(clone, "commit", "-q", "-m", "reproduced in the test")
 
 
