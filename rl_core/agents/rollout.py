@@ -71,6 +71,14 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: Sampl
     return EpisodeRun(calls, generate_s, versions.pop() if versions else 0)
 
 
+class EnvironmentFailure(RuntimeError):
+    """An environment failed where no episode can go on without it (its `reset` or `reward`); names the row."""
+
+
+def _where(example: Any) -> str:
+    return getattr(example, "row", "") or "a row"
+
+
 def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], tokenizer, n: int,
                      sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int) -> tuple[Completions, float]:
     """`n` episodes of `task.environment` per example, sampled to their ends; `(completions, seconds inside the
@@ -86,8 +94,7 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
                 episodes.append(Episode(environment(example), tokenizer, max_turns=max_turns,
                                         max_tokens=max_episode_tokens))
             except Exception as exc:
-                where = getattr(example, "row", "") or "a row"
-                raise EnvironmentFailure(f"{where}: the episode of {name} could not start: {type(exc).__name__}: "
+                raise EnvironmentFailure(f"{_where(example)}: the episode of {name} could not start: {type(exc).__name__}: "
                                          f"{exc}") from exc
     run = run_episodes(engine, episodes, sampling)
     records = []
@@ -97,21 +104,16 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
         try:
             reward = float(episode.env.reward())
         except Exception as exc:
-            where = getattr(example, "row", "") or "a row"
-            raise EnvironmentFailure(f"{where}: {name}.reward() raised {type(exc).__name__}: {exc}") from exc
+            raise EnvironmentFailure(f"{_where(example)}: {name}.reward() raised {type(exc).__name__}: {exc}") from exc
         episode.env_s += time.perf_counter() - began
         if not math.isfinite(reward):
-            raise EnvironmentFailure(f"{getattr(example, 'row', '') or 'a row'}: {name}.reward() returned {reward}; an "
+            raise EnvironmentFailure(f"{_where(example)}: {name}.reward() returned {reward}; an "
                                      "episode's reward must be a finite number")
         records.append(episode.record(reward))
     out = episodes_to_completions(episodes, n=n, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, policy_version=run.policy_version)
     out.episodes = records
     return out, run.generate_s
-
-
-class EnvironmentFailure(RuntimeError):
-    """An environment failed where no episode can go on without it (its `reset` or `reward`); names the row."""
 
 
 def display_texts(completions: Completions, tokenizer) -> list[str]:
