@@ -28,7 +28,7 @@ from rl_core.config.preflight import check
 from tests.conftest import FAST, LEAN, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
-               "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
+               "grpo/tool-arithmetic", "grpo/guess-number", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
                "regression/nightly-regression"}
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -45,7 +45,8 @@ def test_prefect_yaml_declares_the_deployments():
     by_name = {d["name"]: d for d in spec["deployments"]}
     assert set(by_name) == {d.split("/")[1] for d in DEPLOYMENTS}
     for name, file in (("gspo-gsm8k", "gspo_gsm8k"), ("grpo-gsm8k", "grpo_gsm8k"), ("dr-grpo-gsm8k", "dr_grpo_gsm8k"),
-                       ("arithmetic", "arithmetic")):
+                       ("arithmetic", "arithmetic"), ("tool-arithmetic", "tool_arithmetic"),
+                       ("guess-number", "guess_number")):
         d = by_name[name]
         assert d["entrypoint"] == "flows/grpo.py:grpo"
         assert d["parameters"] == {"recipe": f"recipes/{file}.py", "overrides": []}

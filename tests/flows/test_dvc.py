@@ -236,7 +236,7 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
         assert list((clone / model).glob("*.safetensors")), model
 
     lock = _lock(clone)
-    steps = _max_steps(clone)  # 2, or one more if the param-change test ran first
+    steps = _max_steps(clone)  # 2, or one more if the experiment test ran first
     assert set(lock) == set(QUICKSTART)
     assert lock["warm_start"]["params"]["params.yaml"]["warm_start"]["steps"] == 5
     assert "--steps 5 " in lock["warm_start"]["cmd"]
@@ -287,52 +287,40 @@ def test_dvc_repro_reproduces_the_quickstart_in_a_fresh_clone(pipeline):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_changing_a_train_param_reruns_only_train_and_summarize(pipeline):
+def test_dvc_exp_run_varies_train_params_reruns_only_train_and_exp_show_compares_the_runs(pipeline):
+    """`dvc exp run -S train.rl.optimizer.lr=... -S train.rl.max_steps=...` (a params.yaml edit and a repro, kept as
+    an experiment) reruns train and summarize only: the data and the models upstream are reused, their dvc.lock
+    entries unchanged; the run trained with the varied values; `dvc exp show` lists the parameter and the
+    summary's metrics of the baseline and the experiment."""
     _, clone, env, _ = pipeline
     assert _status(clone, env, "dvc.yaml") == {}
+    _commit_lock(clone)  # the experiment's baseline: the reproduced pipeline, committed
     before = _lock(clone)
-    steps = _max_steps(clone) + 1
-    _set_train_params(clone, max_steps=steps)
-
-    assert set(_status(clone, env, "dvc.yaml")) == {"train"}  # summarize changes once train has run
-    output = _dvc(clone, env, "repro")
+    baseline_steps = _max_steps(clone)
+    baseline_lr = yaml.safe_load((clone / "params.yaml").read_text())["train"]["rl"]["optimizer"]["lr"]
+    git_identity = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
+                    for what, value in (("NAME", "posttrain-test"), ("EMAIL", "test@localhost"))}
+    output = _dvc(clone, {**env, **git_identity}, "exp", "run", "-n", "lr-2e-4", "-S", "train.rl.optimizer.lr=2e-4",
+                  "-S", f"train.rl.max_steps={baseline_steps + 1}")
+    assert "Running stage 'train'" in output and "Running stage 'summarize'" in output, output
     for stage in UPSTREAM_OF_TRAIN:
         assert f"Stage '{stage}' didn't change, skipping" in output, output
         assert f"Running stage '{stage}'" not in output
-    assert "Running stage 'train'" in output and "Running stage 'summarize'" in output
 
+    # the experiment is applied to the workspace: its lock, params and run
     after = _lock(clone)
     for stage in UPSTREAM_OF_TRAIN:
         assert after[stage]["outs"] == before[stage]["outs"]
     assert after["train"]["outs"] != before["train"]["outs"]
-    records = _read_jsonl(clone / "runs/arithmetic/metrics.jsonl")
-    assert records[-1]["step"] == steps
-    summary = json.loads((clone / "runs/arithmetic/summary.json").read_text())
-    assert summary["steps"] == steps
-    assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
-    assert _status(clone, env, "dvc.yaml") == {}
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_dvc_exp_run_varies_a_train_hyperparameter_and_exp_show_compares_the_runs(pipeline):
-    """`dvc exp run -S train.rl.optimizer.lr=...` retrains with that learning rate (the data and the model are
-    reused); `dvc exp show` lists the parameter and the summary's metrics of the baseline and the experiment."""
-    _, clone, env, _ = pipeline
-    assert _status(clone, env, "dvc.yaml") == {}
-    _commit_lock(clone)  # the experiment's baseline: the reproduced pipeline, committed
-    baseline_lr = yaml.safe_load((clone / "params.yaml").read_text())["train"]["rl"]["optimizer"]["lr"]
-    git_identity = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
-                    for what, value in (("NAME", "posttrain-test"), ("EMAIL", "test@localhost"))}
-    output = _dvc(clone, {**env, **git_identity}, "exp", "run", "-n", "lr-2e-4", "-S", "train.rl.optimizer.lr=2e-4")
-    assert "Running stage 'train'" in output and "Running stage 'summarize'" in output, output
-    for stage in UPSTREAM_OF_TRAIN:
-        assert f"Running stage '{stage}'" not in output
-
-    # the experiment's run (applied to the workspace) trained with the varied value, through run-params
+    assert _max_steps(clone) == baseline_steps + 1
     config = yaml.safe_load((clone / "runs/arithmetic/config_resolved.yaml").read_text())
-    assert config["rl"]["optimizer"]["lr"] == 2e-4 != baseline_lr
-    assert config["rl"]["max_steps"] == _max_steps(clone)  # the other train: values still apply
+    assert config["rl"]["optimizer"]["lr"] == 2e-4 != baseline_lr  # through run-params
+    assert config["rl"]["max_steps"] == baseline_steps + 1
+    records = _read_jsonl(clone / "runs/arithmetic/metrics.jsonl")
+    assert records[-1]["step"] == baseline_steps + 1
+    summary = json.loads((clone / "runs/arithmetic/summary.json").read_text())
+    assert summary["steps"] == baseline_steps + 1
+    assert summary == pytest.approx(_expected_summary(records), rel=1e-12, abs=1e-12)
 
     shown = _dvc_json(clone, env, "exp", "show")
     (baseline,) = [entry for entry in shown if entry["rev"] != "workspace"]
@@ -345,8 +333,8 @@ def test_dvc_exp_run_varies_a_train_hyperparameter_and_exp_show_compares_the_run
         return entry["data"]["metrics"]["runs/arithmetic/summary.json"]["data"]
 
     assert (lr(baseline), lr(experiment)) == (baseline_lr, 2e-4)
-    assert metrics(experiment) == json.loads((clone / "runs/arithmetic/summary.json").read_text())
-    assert set(metrics(baseline)) == SUMMARY_KEYS and metrics(baseline)["steps"] == _max_steps(clone)
+    assert metrics(experiment) == summary
+    assert set(metrics(baseline)) == SUMMARY_KEYS and metrics(baseline)["steps"] == baseline_steps
     assert _status(clone, env, "dvc.yaml") == {}
 
 

@@ -2,9 +2,9 @@
 
 * resume policies (`rl.resume=auto|must|off`, `job.overwrite`, refused math keys, allowed cadence keys),
   first against `plan_resume` directly, then through the flow;
-* a corrupted newest checkpoint is skipped, never loaded;
+* a corrupted newest checkpoint is skipped, never loaded (in the policies' run);
 * checkpoints mirrored to S3 (moto's server on 127.0.0.1, started and stopped here) and a resume
-  restored from S3 after the local checkpoint directory is deleted;
+  restored from S3 after the local checkpoint directory is deleted, then after the whole run directory is;
 * overwrite, locking and run-directory rules. The kill-and-resume runs are in test_resume_after_kill.py.
 
 The tiny model is random-init (its arithmetic reward is always 0), so the runs here add a KL anchor
@@ -144,6 +144,29 @@ def test_flow_resume_policies(cwd, tmp_path):
     assert run.data.tags["posttrain.attempts"] == "2" and run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4, 5, 6, 7]
 
+    # the newest checkpoint corrupted (one bit of the weights): it is skipped, never loaded; the run resumes from
+    # the one before, redoes step 7 to the same values and saves it again, valid
+    from infra.storage import CheckpointError, CheckpointStore
+
+    part = run_dir / "checkpoints" / "step_00000007" / "trainer.safetensors"
+    intact = part.read_bytes()
+    raw = bytearray(intact)
+    raw[len(raw) // 2] ^= 0x01
+    part.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="trainer.safetensors"):
+        CheckpointStore(run_dir / "checkpoints").load(7)
+    run_flow("job.name=pol", "rl.max_steps=7", "rl.save_every=3", "rl.validation.every_steps=5")
+    attempt3 = provenance(client, run_id, 3, tmp_path / "prov3")
+    assert attempt3["resumed_from"].endswith("step_00000006")  # not the corrupted step 7
+    assert client.get_run(run_id).data.tags["posttrain.resumed_from"].endswith("step_00000006")
+    redone = read_metrics(run_dir)
+    assert [r["step"] for r in redone] == list(range(8))
+    assert redone[:7] == records[:7]  # up to the checkpoint: the very same lines (timings included)
+    assert redone[7]["perf/step_s"] != records[7]["perf/step_s"]  # redone ...
+    assert_same_math(redone, records)  # ... to the same values
+    assert checkpoint_steps(run_dir) == [4, 6, 7]
+    assert part.read_bytes() == intact  # the redone step reproduces the state bit for bit
+
     # off + job.overwrite: the old directory is deleted, a fresh run (new MLflow run) starts at 0
     third = run_flow("job.name=pol", "rl.max_steps=2", "rl.resume=off", "job.overwrite=true")
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
@@ -153,41 +176,6 @@ def test_flow_resume_policies(cwd, tmp_path):
     assert artifact_paths(client, third["mlflow_run_id"], "provenance") == ["provenance/attempt_1.json"]
     # the fresh run redid steps 1 and 2 of the same math
     assert_same_math(read_metrics(run_dir), records[:3])
-
-
-# ---------------------------------------------------------------------------- corrupted checkpoint
-
-@pytest.mark.e2e
-def test_corrupted_newest_checkpoint_is_skipped_not_loaded(cwd, tmp_path):
-    from infra.storage import CheckpointError, CheckpointStore
-
-    client = mlflow_client(cwd)
-    run_dir = cwd / "runs" / "corrupt"
-    first = run_flow("job.name=corrupt", "rl.max_steps=4", "rl.save_every=2")
-    original = read_metrics(run_dir)
-    assert checkpoint_steps(run_dir) == [2, 4]
-
-    part = run_dir / "checkpoints" / "step_00000004" / "trainer.safetensors"
-    intact = part.read_bytes()
-    raw = bytearray(intact)
-    raw[len(raw) // 2] ^= 0x01  # one bit in the middle of the weights
-    part.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match="trainer.safetensors"):
-        CheckpointStore(run_dir / "checkpoints").load(4)
-
-    second = run_flow("job.name=corrupt", "rl.max_steps=5", "rl.save_every=2")
-    assert second["mlflow_run_id"] == first["mlflow_run_id"]
-    attempt2 = provenance(client, first["mlflow_run_id"], 2, tmp_path / "prov")
-    assert attempt2["resumed_from"].endswith("step_00000002")  # not the corrupted step 4
-    assert client.get_run(first["mlflow_run_id"]).data.tags["posttrain.resumed_from"].endswith("step_00000002")
-    resumed = read_metrics(run_dir)
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
-    assert resumed[:3] == original[:3]  # up to the checkpoint: the very same lines (timings included)
-    assert all(resumed[s]["perf/step_s"] != original[s]["perf/step_s"] for s in (3, 4))  # redone ...
-    assert_same_math(resumed[:5], original)  # ... to the same values
-    # step 4 was saved again, valid, replacing the corrupted directory
-    assert checkpoint_steps(run_dir) == [2, 4, 5]
-    assert part.read_bytes() == intact  # the redone steps reproduce the state bit for bit
 
 
 # ------------------------------------------------------------------------------------------- S3
@@ -207,13 +195,16 @@ def remote_files(bucket: str, prefix: str) -> dict[int, set[str]]:
 
 
 @pytest.mark.e2e
-def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cwd, bucket, tmp_path):
+@pytest.mark.slow
+def test_checkpoints_to_s3_and_resume_from_s3_without_the_local_ones_then_on_a_fresh_machine(cwd, bucket, tmp_path):
+    """Two losses, one S3 prefix: first the local checkpoints are deleted (the S3 copies are found), then the whole
+    run directory (another machine: checkpoint, metrics history and MLflow run come from S3)."""
     import boto3
 
     client = mlflow_client(cwd)
     run_dir = cwd / "runs" / "s3run"
     s3 = [f"tracking.checkpoint_uri=s3://{bucket}/run1", "tracking.keep_checkpoints=2", "rl.save_every=1",
-          "job.name=s3run"]
+          "job.name=s3run", "rl.validation.every_steps=1"]
     first = run_flow(*s3, "rl.max_steps=2")
     local = {p.name: sorted(f.name for f in p.iterdir()) for p in (run_dir / "checkpoints").iterdir()}
     assert sorted(local) == ["step_00000001", "step_00000002"]
@@ -231,6 +222,7 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     for name, data in model.items():
         assert boto3.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/final_model/{name}")["Body"].read() == data
     before = read_metrics(run_dir)
+    assert [r["step"] for r in before] == [0, 1, 2] and "perf/checkpoint_s" in before[2]
 
     shutil.rmtree(run_dir / "checkpoints")
     second = run_flow(*s3, "rl.max_steps=3", "rl.resume=must")  # must: it has to find the S3 copy
@@ -245,6 +237,20 @@ def test_checkpoints_to_s3_and_resume_from_s3_after_local_checkpoints_deleted(cw
     assert sorted(remote) == [2, 3] and "manifest.json" in remote[3]
     assert checkpoint_steps(run_dir) == [2, 3]
     assert remote[3] == {f.name for f in (run_dir / "checkpoints" / "step_00000003").iterdir()}
+
+    shutil.rmtree(run_dir)  # a fresh machine
+    third = run_flow(*s3, "rl.max_steps=4", "rl.resume=must")
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed[:3] == records[:3]  # logged before the checkpoint: restored as they were, timings too
+    # step 3's line was saved with its checkpoint, before its checkpoint time and its evaluation were known: the
+    # resumed run evaluated step 3 again (same weights: same val/* values, a new perf/evaluate_s)
+    retimed = ("perf/checkpoint_s", "perf/evaluate_s")
+    assert {k: v for k, v in resumed[3].items() if k not in retimed} == \
+        {k: v for k, v in records[3].items() if k not in retimed}
+    assert "val/accuracy" in resumed[3] and "perf/evaluate_s" in resumed[3]
+    assert third["mlflow_run_id"] == first["mlflow_run_id"]  # from the checkpoint's meta
+    assert sorted(remote_files(bucket, prefix)) == [3, 4]
 
 
 @pytest.mark.e2e
@@ -270,31 +276,6 @@ def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
     assert len({tuple(rows[2 * e] + rows[2 * e + 1]) for e in range(3)}) > 1  # and reshuffles
     a, b = (load_file(cwd / "runs" / n / "final_model" / "model.safetensors") for n in ("epoch-straight", "epoch-resumed"))
     assert all(a[k].equal(b[k]) for k in a)
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_resume_on_a_fresh_machine_restores_metrics_from_the_s3_checkpoint(cwd, bucket, tmp_path):
-    """The whole run directory is gone (another machine): checkpoint, metrics history and MLflow run come from S3."""
-    run_dir = cwd / "runs" / "fresh"
-    s3 = [f"tracking.checkpoint_uri=s3://{bucket}/fresh", "rl.save_every=2", "job.name=fresh",
-          "rl.validation.every_steps=1"]
-    first = run_flow(*s3, "rl.max_steps=2")
-    before = read_metrics(run_dir)
-    assert [r["step"] for r in before] == [0, 1, 2] and "perf/checkpoint_s" in before[2]
-
-    shutil.rmtree(run_dir)
-    second = run_flow(*s3, "rl.max_steps=3", "rl.resume=must")
-    records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert records[:2] == before[:2]  # logged before the checkpoint: restored as they were, timings too
-    # step 2's line was saved with the checkpoint, before its checkpoint time and its evaluation were known: the
-    # resumed run evaluated step 2 again (same weights: same val/* values, a new perf/evaluate_s)
-    retimed = ("perf/checkpoint_s", "perf/evaluate_s")
-    assert {k: v for k, v in records[2].items() if k not in retimed} == \
-        {k: v for k, v in before[2].items() if k not in retimed}
-    assert "val/accuracy" in records[2] and "perf/evaluate_s" in records[2]
-    assert second["mlflow_run_id"] == first["mlflow_run_id"]  # from the checkpoint's meta
 
 
 def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
