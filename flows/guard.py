@@ -46,7 +46,7 @@ OPT_IN_ENV = "POSTTRAIN_ALLOW_UNSAFE_OVERRIDES"
 FLOW_RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"  # set by the worker for the flow run it starts
 
 # The overrides a caller of the API may give (exact dotted keys). Not listed, so from the recipe or the operator
-# only: model.*, data.task/train/val/dataset_config/rewards/reward_workers, rl.reference, rl.objective.import_path/kwargs, cluster.address, tracking.*
+# only: model.*, data.task/train/val/dataset_config/rewards/reward_workers/env_workers, rl.reference, rl.objective.import_path/kwargs, cluster.address, tracking.*
 # except the experiment name, job.name/out_dir/overwrite.
 API_OVERRIDES = frozenset({
     "job.seed", "job.task_retries", "job.retry_delay_s", "job.max_restarts",
@@ -57,7 +57,7 @@ API_OVERRIDES = frozenset({
     "rl.optimizer.lr", "rl.optimizer.betas", "rl.optimizer.weight_decay", "rl.optimizer.warmup_steps",
     "rl.optimizer.max_grad_norm", "rl.validation.every_steps", "rl.validation.before_training",
     "rl.validation.max_prompts",
-    "data.prompt_template", "data.reward_mode", "data.system_prompt", "data.instruction", "data.reward_timeout_s",
+    "data.prompt_template", "data.reward_mode", "data.system_prompt", "data.instruction", "data.reward_timeout_s", "data.env_timeout_s",
     "cluster.num_workers", "cluster.cpus_per_worker", "cluster.gpus_per_worker", "cluster.placement",
     "cluster.cpus_per_engine", "cluster.gpus_per_engine", "cluster.placement_strategy", "cluster.placement_timeout_s",
     "cluster.sharding", "cluster.shard_size", "cluster.gpu_memory_gib",

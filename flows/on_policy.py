@@ -26,6 +26,7 @@ from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster import Cluster
+from infra.environments import EnvironmentPool
 from infra.rewards import RewardPool
 from infra.roles import RolloutRole
 from infra.teacher import TeacherRole
@@ -74,6 +75,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         placed.enter_context(run.checkpoints_of(cluster))  # the checkpoint in flight is published however steps end
         teacher = placed.enter_context(TeacherRole(cfg, cluster.trainer_group)) if with_teacher else None
         rewards_pool = placed.enter_context(RewardPool(cfg))
+        environments = placed.enter_context(EnvironmentPool(cfg)) if agents else None
         startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines
         version = run.restore(cluster, role.sampler, logger.info, teacher)  # a resume's restore, the first weight sync
@@ -85,7 +87,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
                                                        quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
-                                                       step=step, **role.episode_limits)
+                                                       step=step, **role.episode_limits,
+                                                       environments=quote(environments))
 
         def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
@@ -100,9 +103,10 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             else:
                 phase, args = rollout, (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, sampling, identity)
             cache_dir = str((run.run_dir / "cache").resolve())
+            more = {"environments": quote(environments)} if agents else {}
             if overlap:
-                return rows, phase.submit(*args, cache_dir=cache_dir, step=at_step)
-            return rows, lambda: phase(*args, cache_dir=cache_dir, step=at_step)
+                return rows, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
+            return rows, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:

@@ -36,6 +36,7 @@ MAY_CHANGE_ON_RESUME = (
     "cluster.num_workers",  # the shards load onto any number of ranks (the batch split, so the rounding, differs)
     "model.gradient_checkpointing",
     "job.max_restarts", "rollout.max_logp_abs_diff",  # a guard, not math
+    "data.env_workers", "data.env_timeout_s",  # where the environments run and how long they may take
 )
 RUN_STATE = "run_state.json"
 

@@ -32,6 +32,7 @@ def evaluate_accuracy(
     engine=None,
     max_turns: int = 1,
     max_episode_tokens: int | None = None,
+    environments=None,
 ) -> dict:
     """Greedy-decode every example (batched) and score it.
 
@@ -40,7 +41,8 @@ def evaluate_accuracy(
     configured rewards run here (`data.rewards`, or the task's own); the flows pass the reward pool's.
     `engine` (a `RolloutEngine`) replaces the default HF engine over `model`, e.g. vLLM on GPU.
     An agent task (an environment in `data.task`) plays one greedy episode per example, `max_tokens` per turn, at
-    most `max_turns` turns and `max_episode_tokens` tokens, scored over the whole conversation.
+    most `max_turns` turns and `max_episode_tokens` tokens, scored over the whole conversation; its environments
+    live in `environments` (a host, `rl_core.agents.host`; None: this process).
     Returns `{"accuracy", "mean_reward", "n", "samples"}`; `samples` holds the first `num_samples`
     `{"prompt", "completion", "answer", "reward"}` rows.
     """
@@ -73,7 +75,7 @@ def evaluate_accuracy(
         chunk = examples[start : start + batch_size]
         if agent.environment is not None:
             completions, _ = rollout_episodes(engine, agent, chunk, tokenizer, 1, greedy, max_turns=max_turns,
-                                              max_episode_tokens=max_episode_tokens)
+                                              max_episode_tokens=max_episode_tokens, host=environments)
         else:
             completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
         texts = display_texts(completions, tokenizer)

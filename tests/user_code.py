@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from rl_core.agents import Environment
+
 
 def answer_length_reward(completions, answer, **_):
     """A reward a test can recompute from the data to within 1e-3: the answer's length / 10, plus 1e-3 for a
@@ -47,3 +49,30 @@ def not_an_objective(rl, context):
 
 
 NOT_A_FUNCTION = 3
+
+
+# ---- an environment whose tool can hang, raise or crash its process (tests/infra/test_environment_pool.py)
+def wait(seconds: float) -> str:
+    """Wait, then say so.
+
+    Args:
+        seconds: how long to wait; -1 ends the process at once (a crash)
+    """
+    import os
+    import time
+
+    if seconds < 0:
+        os._exit(3)
+    time.sleep(seconds)
+    return f"waited {seconds:g} s"
+
+
+class WaitingRoom(Environment):
+    """One tool, `wait`; the episode ends at the first turn without a call; reward: the calls that returned."""
+
+    tools = (wait,)
+
+    def reward(self) -> float:
+        if self.example.prompt == "bad reward":
+            raise ValueError("no score for this row")
+        return float(sum(not r.error for r in self.tool_results))

@@ -23,12 +23,11 @@ out of tokens before its stop token, or an episode that reaches a limit before t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from rl_core.agents.environment import Environment, Turn
-from rl_core.agents.tools import tool_schema
+from rl_core.agents.host import Answer, LocalEnvironments, Opening
 
 ANCHOR = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
 
@@ -56,19 +55,28 @@ def template_delta(tokenizer, messages: Sequence[dict], *, stop_text: str, tools
 
 class Episode:
     """One environment's conversation, turn by turn (layout and limits in the module docstring). The engine samples
-    from `ids` at most `turn_budget()` tokens, then hands them to `add_turn`, until `done`."""
+    from `ids` at most `turn_budget()` tokens; `take_turn` records them, and the environment's answer to the turn
+    (`rl_core.agents.host`) goes to `answer`, until `done`.
 
-    def __init__(self, env: Environment, tokenizer, *, max_turns: int, max_tokens: int):
+    `start` is the episode's `Opening` (its environment lives in a host), or an `Environment` to keep in this
+    process: then `add_turn` does both halves."""
+
+    def __init__(self, start: Opening | Environment, tokenizer, *, max_turns: int, max_tokens: int):
         if max_turns < 1 or max_tokens < 1:
             raise ValueError(f"max_turns={max_turns} and max_tokens={max_tokens} must be >= 1")
-        self.env, self.tokenizer = env, tokenizer
+        self.env: Environment | None = None
+        if isinstance(start, Environment):
+            self.env, self._local = start, LocalEnvironments()
+            start = self._local.adopt(0, start)
+            if start.error:
+                raise RuntimeError(start.error)
+        self.tokenizer = tokenizer
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self.tools = [tool_schema(fn) for fn in env.tools] or None
-        self.env_s = 0.0  # seconds inside the environment (reset, respond)
-        self.env_error: str | None = None  # what `respond` raised, if it did (the episode ended there)
-        began = time.perf_counter()
-        self.messages: list[dict] = list(env.reset())
-        self.env_s += time.perf_counter() - began
+        self.tools = start.tools
+        self.env_s = start.seconds  # seconds inside the environment (reset, respond, reward)
+        self.env_error: str | None = None  # why the environment failed, if it did (the episode ended there)
+        self.tool_calls = self.tool_errors = 0  # the environment's counts, as of its last answer
+        self.messages: list[dict] = list(start.messages)
         self.prompt_messages = len(self.messages)
         prompt = list(tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
                                                     tokenize=True)["input_ids"])
@@ -78,16 +86,25 @@ class Episode:
         self.prompt_len = len(prompt)
         self.turns: list[Turn] = []
         self.done = self.truncated = False
+        self._stop_id: int | None = None  # the stop token of the turn waiting for its answer
 
     def turn_budget(self, per_turn: int) -> int:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
         return max(0, min(per_turn, self.max_tokens - len(self.ids)))
 
     def add_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool) -> None:
+        """`take_turn`, then the answer of the environment this episode keeps in this process."""
+        if self.env is None:
+            raise RuntimeError("this episode's environment lives in a host: take_turn, then answer with its reply")
+        turn = self.take_turn(ids, logps, stopped)
+        if turn is not None:
+            self.answer(self._local.respond([(0, turn)])[0])
+
+    def take_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool) -> Turn | None:
         """The policy's next turn as sampled; `stopped` when its last id is the stop token (else it ran out of
-        tokens). The environment answers it, or the episode ends."""
-        if self.done:
-            raise RuntimeError("the episode has ended; it takes no more turns")
+        tokens, and the episode ends truncated). The turn, when the environment is to answer it, else None."""
+        if self.done or self._stop_id is not None:
+            raise RuntimeError("the episode has ended or waits for an answer; it takes no turn now")
         if len(ids) != len(logps) or not ids:
             raise ValueError(f"a turn needs one log-prob per sampled id and at least one id (got {len(ids)} ids, "
                              f"{len(logps)} log-probs)")
@@ -99,16 +116,23 @@ class Episode:
         self.messages.append(turn.message)
         if not stopped:
             self._end(truncated=True)
-            return
-        began = time.perf_counter()
-        try:
-            reply = self.env.respond(turn)
-        except Exception as exc:  # noqa: BLE001 - the environment's bug ends this episode, counted; the step goes on
-            self.env_error = f"{type(self.env).__name__}.respond raised {type(exc).__name__}: {exc}"
+            return None
+        self._stop_id = int(ids[-1])
+        return turn
+
+    def answer(self, answer: Answer) -> None:
+        """The environment's answer to the turn `take_turn` gave: its messages are appended as the template's delta,
+        or the episode ends (the environment ended it, failed, or a limit is reached)."""
+        if self._stop_id is None:
+            raise RuntimeError("no turn waits for an answer")
+        stop_id, self._stop_id = self._stop_id, None
+        self.env_s += answer.seconds
+        self.tool_calls, self.tool_errors = answer.tool_calls, answer.tool_errors
+        if answer.error is not None or answer.reply is None:
+            self.env_error = answer.error or "the environment gave no reply"
             self._end(truncated=True)
             return
-        finally:
-            self.env_s += time.perf_counter() - began
+        reply = answer.reply
         if reply.done:
             self._end(truncated=False)
             return
@@ -116,7 +140,7 @@ class Episode:
             self._end(truncated=True)
             return
         delta = template_delta(self.tokenizer, reply.messages, tools=self.tools,
-                               stop_text=self.tokenizer.decode([int(ids[-1])]))
+                               stop_text=self.tokenizer.decode([stop_id]))
         if len(self.ids) + len(delta) >= self.max_tokens:  # no room left for a token of the next turn
             self._end(truncated=True)
             return
@@ -130,8 +154,7 @@ class Episode:
 
     def stats(self) -> dict[str, Any]:
         """Per-episode counts for the step's metrics."""
-        results = self.env.tool_results
-        return {"turns": len(self.turns), "tool_calls": len(results), "tool_errors": sum(r.error for r in results),
+        return {"turns": len(self.turns), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "truncated": self.truncated, "env_errors": int(self.env_error is not None), "tokens": len(self.ids),
                 "sampled_tokens": sum(self.sampled), "env_s": self.env_s}
 

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
 from rl_core.agents.episode import Episode
+from rl_core.agents.host import LocalEnvironments
 from rl_core.rollout.base import SEED_MODULUS, Completions, RolloutEngine, SamplingParams
 
 
@@ -44,17 +45,19 @@ class EpisodeRun(NamedTuple):
     policy_version: int  # the one policy version every call sampled with
 
 
-def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams) -> EpisodeRun:
+def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams,
+                 host: Any = None, keys: Sequence[Hashable] | None = None) -> EpisodeRun:
     """Sample every episode to its end (`sampling.max_tokens`: per turn), checking that every engine call sampled
-    with one policy version."""
+    with one policy version. The environments answer each call's turns in one batch: `host`'s (`keys[j]` is
+    episode j's there, `rl_core.agents.host`), or, without a host, each episode's own (`Episode.add_turn`)."""
     calls, generate_s, versions = 0, 0.0, set()
-    while live := [e for e in episodes if not e.done]:
-        budgets = [e.turn_budget(sampling.max_tokens) for e in live]
+    while live := [j for j, e in enumerate(episodes) if not e.done]:
+        budgets = [episodes[j].turn_budget(sampling.max_tokens) for j in live]
         if min(budgets) < 1:
             raise RuntimeError("a live episode has no token left for its next turn")  # Episode ends it before
         params = replace(sampling, max_tokens=max(budgets),
                          seed=None if sampling.seed is None else turn_seed(sampling.seed, calls))
-        out = engine.generate([e.ids for e in live], 1, params)
+        out = engine.generate([episodes[j].ids for j in live], 1, params)
         calls += 1
         generate_s += float(getattr(engine, "last_generate_s", 0.0))
         versions.add(int(out.policy_version))
@@ -62,12 +65,20 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: Sampl
             raise RuntimeError(f"the engines' weights changed during the episodes (policy versions {sorted(versions)}); "
                                "a step's episodes must all be sampled by one policy")
         logps = out.sampling_logp
-        for row, (episode, budget) in enumerate(zip(live, budgets)):
+        waiting = []
+        for row, (j, budget) in enumerate(zip(live, budgets)):
             on = out.response_mask[row] > 0
             ids = out.input_ids[row][on].tolist()
             lps = logps[row][on].tolist()
             stopped = out.finish_reason[row] == "stop" and len(ids) <= budget
-            episode.add_turn(ids[:budget], lps[:budget], stopped=stopped)
+            if host is None:
+                episodes[j].add_turn(ids[:budget], lps[:budget], stopped=stopped)
+            elif (turn := episodes[j].take_turn(ids[:budget], lps[:budget], stopped=stopped)) is not None:
+                waiting.append((j, turn))
+        if waiting:
+            answers = host.respond([(keys[j], turn) for j, turn in waiting])
+            for (j, _), answer in zip(waiting, answers, strict=True):
+                episodes[j].answer(answer)
     return EpisodeRun(calls, generate_s, versions.pop() if versions else 0)
 
 
@@ -80,35 +91,49 @@ def _where(example: Any) -> str:
 
 
 def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], tokenizer, n: int,
-                     sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int) -> tuple[Completions, float]:
+                     sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int,
+                     host: Any = None) -> tuple[Completions, float]:
     """`n` episodes of `task.environment` per example, sampled to their ends; `(completions, seconds inside the
-    engines)`. The completions carry every episode's record (`Episode.record`: conversation, the environment's
-    reward, counts) in `episodes`. An environment whose `reset` or `reward` fails on a row stops the
-    rollout naming the row; one whose `respond` fails ends that episode, counted in its `env_errors`."""
+    engines)`. The environments live in `host` (`infra.environments.EnvironmentPool`: Ray actors, with timeouts),
+    or in this process (`LocalEnvironments`). The completions carry every episode's record (`Episode.record`:
+    conversation, the environment's reward, counts) in `episodes`.
+
+    An environment that fails to start (`reset`) or to score (`reward`) stops the rollout naming the row; one whose
+    `respond` fails ends that episode, counted in its `env_errors`; one lost to a timeout (its own or another
+    episode's on the same actor) ends its episode with reward 0, counted the same way."""
     environment = task.environment
-    name = getattr(environment, "__name__", repr(environment))
-    episodes = []
-    for example in examples:
-        for _ in range(n):
+    host = LocalEnvironments() if host is None else host
+    batch = uuid.uuid4().hex  # the keys of this rollout's episodes, apart from any other rollout's on the host
+    keys = [f"{batch}:{j}" for j in range(len(examples) * n)]
+    try:
+        openings = host.open(environment, [(key, examples[j // n]) for j, key in enumerate(keys)])
+        episodes = []
+        for j, opening in enumerate(openings):
+            where = _where(examples[j // n])
+            if opening.error is not None:
+                raise EnvironmentFailure(f"{where}: the episode could not start: {opening.error}")
             try:
-                episodes.append(Episode(environment(example), tokenizer, max_turns=max_turns,
-                                        max_tokens=max_episode_tokens))
-            except Exception as exc:
-                raise EnvironmentFailure(f"{_where(example)}: the episode of {name} could not start: {type(exc).__name__}: "
-                                         f"{exc}") from exc
-    run = run_episodes(engine, episodes, sampling)
+                episodes.append(Episode(opening, tokenizer, max_turns=max_turns, max_tokens=max_episode_tokens))
+            except ValueError as exc:
+                raise EnvironmentFailure(f"{where}: the episode could not start: {exc}") from exc
+        run = run_episodes(engine, episodes, sampling, host, keys)
+        answers = host.finish(keys)
+    except BaseException:
+        host.discard(keys)
+        raise
     records = []
-    for j, episode in enumerate(episodes):
-        example = examples[j // n]
-        began = time.perf_counter()
-        try:
-            reward = float(episode.env.reward())
-        except Exception as exc:
-            raise EnvironmentFailure(f"{_where(example)}: {name}.reward() raised {type(exc).__name__}: {exc}") from exc
-        episode.env_s += time.perf_counter() - began
-        if not math.isfinite(reward):
-            raise EnvironmentFailure(f"{_where(example)}: {name}.reward() returned {reward}; an "
-                                     "episode's reward must be a finite number")
+    for j, (episode, answer) in enumerate(zip(episodes, answers, strict=True)):
+        episode.env_s += answer.seconds
+        reward = answer.reward
+        if answer.lost:
+            reward, episode.env_error = 0.0, episode.env_error or answer.error
+        elif answer.error is not None:
+            raise EnvironmentFailure(f"{_where(examples[j // n])}: {answer.error}")
+        else:
+            episode.tool_calls, episode.tool_errors = answer.tool_calls, answer.tool_errors
+        if reward is None or not math.isfinite(reward):
+            raise EnvironmentFailure(f"{_where(examples[j // n])}: {environment.__name__}.reward() returned {reward}; "
+                                     "an episode's reward must be a finite number")
         records.append(episode.record(reward))
     out = episodes_to_completions(episodes, n=n, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, policy_version=run.policy_version)

@@ -131,6 +131,8 @@ class DataConfig(_Section):
     rewards: list[RewardEntry] = Field(default_factory=list, description="Your reward functions with weights, TRL-style ({path, weight, name}); empty: the task's own reward (docs/data.md).")
     reward_workers: int = Field(1, ge=0, description="Ray actors that run the reward functions, each scoring a share of the batch; 0 runs them in the driver process, without the timeout.")
     reward_timeout_s: float = Field(60.0, gt=0, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it.")
+    env_workers: int = Field(1, ge=0, description="An agent task's Ray actors that keep its environments (and run their tools), each a share of a rollout's episodes; 0 keeps them in the driver process, without the timeout.")
+    env_timeout_s: float = Field(60.0, gt=0, description="Seconds an environment worker may take to answer one call for its share of the episodes (start, a turn's replies, rewards); one that does not is killed, and its episodes end as environment errors with reward 0.")
 
 
 class ClusterConfig(_Section):

@@ -467,3 +467,59 @@ def test_a_chat_warm_start_trains_on_the_episode_layout_and_only_the_assistant_t
     bad.write_text(json.dumps(calling) + "\n" + json.dumps({"messages": "hi"}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: a conversation row is"):
         _conversations(bad)
+
+
+class _LosingHost:
+    """A host (rl_core.agents.host) whose environments live in this process, except that the first episode's is
+    lost at its first turn, as the pool loses the environments of an actor that timed out."""
+
+    def __init__(self):
+        from rl_core.agents.host import LocalEnvironments
+
+        self.local, self.gone = LocalEnvironments(), None
+
+    def open(self, environment, items):
+        self.gone = items[0][0]
+        return self.local.open(environment, items)
+
+    def respond(self, items):
+        from rl_core.agents.host import Answer
+
+        answers = self.local.respond(items)
+        return [Answer(error="lost with its worker", lost=True) if key == self.gone else a
+                for (key, _), a in zip(items, answers)]
+
+    def finish(self, keys):
+        from rl_core.agents.host import Answer
+
+        answers = self.local.finish(keys)
+        return [Answer(error="lost with its worker", lost=True) if key == self.gone else a
+                for key, a in zip(keys, answers)]
+
+    def discard(self, keys):
+        self.local.discard(keys)
+
+
+def test_an_episode_whose_environment_is_lost_ends_as_an_environment_error_with_reward_0():
+    from rl_core.agents.rollout import episode_stats, rollout_episodes
+    from rl_core.rollout import HFEngine, SamplingParams
+    from rl_core.tasks import get_task
+
+    tok = tokenizer()
+    task = get_task("tests.rl_core.test_agents:Chatter")
+    examples = [Example("1+1?", "2"), Example("7+8?", "15")]
+    engine = HFEngine(stopping_policy(tok), tok)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    plain, _ = rollout_episodes(engine, task, examples, tok, 2, sampling, max_turns=4, max_episode_tokens=200)
+    host = _LosingHost()
+    lossy, _ = rollout_episodes(engine, task, examples, tok, 2, sampling, max_turns=4, max_episode_tokens=200, host=host)
+    first, rest = lossy.episodes[0], lossy.episodes[1:]
+    assert first["reward"] == 0.0 and first["error"] == "lost with its worker" and first["stats"]["env_errors"] == 1
+    assert first["stats"]["truncated"] and len([m for m in first["completion"] if m["role"] == "assistant"]) == 1
+    assert lossy.finish_reason[0] == "length"
+    # the other episodes played on: their first turns are the unharmed rollout's, sampled in one call with the lost
+    assert [r["completion"][0] for r in rest] == [r["completion"][0] for r in plain.episodes[1:]]
+    assert all(r["error"] is None and r["stats"]["env_errors"] == 0 for r in rest)
+    assert max(r["stats"]["turns"] for r in rest) > 1
+    assert episode_stats(lossy.episodes)["rollout/env_errors"] == 1.0
+    assert host.local.live == {}  # every environment dropped
