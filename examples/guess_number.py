@@ -20,7 +20,9 @@ from pathlib import Path
 
 from rl_core.agents import Environment, Reply, Turn
 
-PROMPT = "Guess my number from 1 to 9."
+
+def prompt(high: int) -> str:
+    return f"Guess my number from 1 to {high}."
 
 
 class GuessNumber(Environment):
@@ -28,6 +30,7 @@ class GuessNumber(Environment):
 
     def reset(self) -> list[dict]:
         self.secret, self.solved = int(self.example.answer), False
+        self.high = int(self.example.columns.get("high", 9))
         return super().reset()  # the row's prompt as the user's message
 
     def respond(self, turn: Turn) -> Reply:
@@ -36,7 +39,7 @@ class GuessNumber(Environment):
             self.solved = True
             return Reply(done=True)
         if not guess.isdigit():
-            hint = "a number from 1 to 9"
+            hint = f"a number from 1 to {self.high}"
         else:
             hint = "higher" if int(guess) < self.secret else "lower"
         return Reply([{"role": "user", "content": hint}])
@@ -45,16 +48,18 @@ class GuessNumber(Environment):
         return float(self.solved)
 
 
-def make_rows(seed: int = 0, train_size: int = 2000, val_size: int = 200) -> tuple[list[dict], list[dict]]:
-    """Secrets drawn uniformly from 1..9 with `seed`; every row's prompt is `PROMPT`."""
+def make_rows(seed: int = 0, high: int = 9, train_size: int = 2000,
+              val_size: int = 200) -> tuple[list[dict], list[dict]]:
+    """Secrets drawn uniformly from 1..`high` with `seed`; every row's prompt is `prompt(high)`."""
     import random
 
     rng = random.Random(seed)
-    rows = [{"prompt": PROMPT, "answer": str(rng.randint(1, 9))} for _ in range(train_size + val_size)]
+    rows = [{"prompt": prompt(high), "answer": str(rng.randint(1, high)), "high": high}
+            for _ in range(train_size + val_size)]
     return rows[val_size:], rows[:val_size]
 
 
-def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4) -> list[dict]:
+def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4, high: int = 9) -> list[dict]:
     """Whole games for the warm start (`posttrain warm-start --chats`): uniformly random guesses, whatever the
     replies say, answered as `GuessNumber` answers them. They teach the format (a digit, then the end of the turn,
     after every reply), not the game: that is left to RL."""
@@ -63,10 +68,10 @@ def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4) -> li
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        secret = rng.randint(1, 9)
-        messages = [{"role": "user", "content": PROMPT}]
+        secret = rng.randint(1, high)
+        messages = [{"role": "user", "content": prompt(high)}]
         for turn in range(max_turns):
-            guess = rng.randint(1, 9)
+            guess = rng.randint(1, high)
             messages.append({"role": "assistant", "content": str(guess)})
             if guess == secret or turn == max_turns - 1:
                 break
@@ -79,11 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="write the guess-the-number example's train.jsonl and val.jsonl")
     parser.add_argument("--out", default="data/guess-number")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--high", type=int, default=9, help="secrets are 1..HIGH")
+    parser.add_argument("--max-turns", type=int, default=4, help="guesses per warm-start game")
     args = parser.parse_args(argv)
-    train, val = make_rows(args.seed)
+    train, val = make_rows(args.seed, args.high)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    games = make_transcripts(args.seed)
+    games = make_transcripts(args.seed, max_turns=args.max_turns, high=args.high)
     warm_val = len(games) // 20
     splits = (("train", train), ("val", val), ("warm-train", games[warm_val:]), ("warm-val", games[:warm_val]))
     for name, rows in splits:

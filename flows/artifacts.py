@@ -5,7 +5,10 @@
 - a progress artifact (`<job>-progress`), set at the start (a resumed run starts at its checkpoint's step) and
   updated at every step;
 - a markdown summary at the end (`<job>-summary`): steps, final reward, held-out accuracy, the run directory,
-  the newest checkpoint and the final model, the MLflow run.
+  the newest checkpoint and the final model, the MLflow run;
+- sample completions (`<job>-completions`), at the steps that log them to MLflow (`tracking.sample_completions_every`
+  and the last): prompt, completion (an agent's whole conversation after its opening messages, tool calls and
+  results included), reward, finish reason; the newest version is the latest step's.
 
 The keys carry `job.name`, so the UI's Artifacts page keeps the newest of each per job. An artifact is for
 people: when the API refuses or cannot be reached, a warning is logged, no further artifact is tried in this
@@ -90,6 +93,13 @@ class RunArtifacts:
         self._call("create_markdown_artifact", create_markdown_artifact, markdown, key=f"{self.key}-summary",
                    description=f"{self.job_name}: the finished run")
 
+    def completions(self, step: int, rows: list[dict]) -> None:
+        """The sample completions of `step` (`rows`: the MLflow completions table's rows of that step)."""
+        from prefect.artifacts import create_markdown_artifact
+
+        self._call("create_markdown_artifact", create_markdown_artifact, completions_markdown(step, rows),
+                   key=f"{self.key}-completions", description=f"{self.job_name}: sample completions of step {step}")
+
     def _percent(self, step: int) -> float:
         return min(100.0, 100.0 * step / self.total)
 
@@ -122,3 +132,28 @@ def summary_markdown(job_name: str, records: list[dict], *, step: int, total: in
         rows.append(("MLflow run", where))
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return f"# {job_name}\n\n| | |\n| --- | --- |\n{table}\n"
+
+
+COMPLETION_CHARS = 3000  # of one completion in the artifact; the MLflow table keeps it whole
+
+
+def _fenced(text: str) -> str:
+    """`text` as a markdown code block, fenced longer than any run of backticks in it."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
+
+
+def completions_markdown(step: int, rows: list[dict]) -> str:
+    """The sample completions of one step, one section each: prompt, answer, reward, finish reason, and the
+    completion (cut at `COMPLETION_CHARS`) as a code block. Secrets that look like credentials are redacted."""
+    parts = [f"# Sample completions, step {step}"]
+    for i, row in enumerate(rows, 1):
+        text = str(row["completion"])
+        if len(text) > COMPLETION_CHARS:
+            text = text[:COMPLETION_CHARS] + f"\n... ({len(text) - COMPLETION_CHARS} more characters)"
+        reward = "none" if row.get("reward") is None else f"{float(row['reward']):.4f}"
+        parts.append(f"## {i}. reward {reward}, finish reason {row.get('finish_reason') or 'n/a'}\n\n"
+                     f"**prompt** {redact_text(str(row['prompt']))[:COMPLETION_CHARS]}\n\n"
+                     f"**answer** {redact_text(str(row['answer']))[:200]}\n\n{_fenced(redact_text(text))}")
+    return "\n\n".join(parts) + "\n"

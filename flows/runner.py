@@ -283,11 +283,13 @@ class TrainingRun:
 
     def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str]) -> None:
         """Every `tracking.sample_completions_every` steps (and at the last): some of the step's completions with
-        their rewards to the MLflow run's completions table."""
+        their rewards to the MLflow run's completions table, and to the flow run's completions artifact."""
         every = self.cfg.tracking.sample_completions_every
         if every and self.due(every, step):  # 0: never, not even at the last step
-            self.tracker.log_completions(step, examples, texts, rewards, count=self.cfg.tracking.sample_completions,
-                                         finish_reasons=finish_reasons)
+            frame = self.tracker.log_completions(step, examples, texts, rewards,
+                                                 count=self.cfg.tracking.sample_completions, finish_reasons=finish_reasons)
+            if self.artifacts is not None:
+                self.artifacts.completions(step, frame.to_dict("records"))
 
     def settle(self, cluster: Any, wait: bool = True) -> None:
         """Publish the checkpoint in flight once every rank's shards are on disk (`wait`: block until then), then write

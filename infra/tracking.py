@@ -362,13 +362,15 @@ class RunTracker:
                        tags_list=[None, None])
 
     def log_completions(self, step: int, examples: Any, texts: Any, rewards: Any, *, count: int,
-                        finish_reasons: Any = None) -> None:
+                        finish_reasons: Any = None) -> Any:
         """Append `count` of a step's completions (spread over its batch) with prompt, answer, reward and finish
-        reason, plus this attempt's number, to the run's `completions.json` table (`mlflow.load_table`)."""
+        reason, plus this attempt's number, to the run's `completions.json` table (`mlflow.load_table`); the rows
+        appended (a pandas DataFrame)."""
         from infra.tracking_items import COMPLETIONS_TABLE, completions_frame
 
         frame = completions_frame(step, self.attempt, examples, texts, rewards, count, finish_reasons)
         self._call("log_table", self.client.log_table, self.run_id, frame, COMPLETIONS_TABLE)
+        return frame
 
     def log_model(self, path: str | os.PathLike, cfg: Any, step: int) -> Any:
         """Log a saved model directory (weights, config, tokenizer) as a transformers LoggedModel of this run at

@@ -38,9 +38,12 @@ class EnvironmentWorker:
         use_threads(1)
         self.environment = get_task(config_from_dict(cfg_data).data.task).environment
         self.envs = LocalEnvironments()
+        # the tools' schemas come from transformers: imported now, while `setup` is awaited, not by the first
+        # `open`, which data.env_timeout_s bounds
+        from transformers.utils import get_json_schema  # noqa: F401
 
     def preload(self) -> float:
-        return 0.0  # the environment was imported by the constructor
+        return 0.0  # the environment and the schema builder were imported by the constructor
 
     def setup(self) -> str:
         return self.environment.__name__

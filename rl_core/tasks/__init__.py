@@ -26,7 +26,8 @@ from rl_core.tasks.base import Example, Task, is_import_path
 
 def get_task(name: str) -> Task:
     """The task `data.task` names: a built-in name or `package.module:attr` (a Task instance or subclass, or an
-    `rl_core.agents.Environment` subclass: its episodes on the rows of the `prompts` task)."""
+    `rl_core.agents.Environment` subclass or a class in TRL's `environment_factory` convention: its episodes on the
+    rows of the `prompts` task)."""
     from rl_core.tasks.builtin import TASKS
 
     if not is_import_path(name):
@@ -38,17 +39,23 @@ def get_task(name: str) -> Task:
 
     obj = load_object(name, "data.task")
     from rl_core.agents.environment import Environment
+    from rl_core.agents.trl_style import is_trl_style, trl_environment
 
     if isinstance(obj, type) and issubclass(obj, Environment):
         from rl_core.tasks.environment import EnvironmentTask
 
         return EnvironmentTask(obj, name)
+    if is_trl_style(obj):  # a class written for TRL's GRPOTrainer(environment_factory=...)
+        from rl_core.tasks.environment import EnvironmentTask
+
+        return EnvironmentTask(trl_environment(obj), name)
     if isinstance(obj, type) and issubclass(obj, Task):
         obj = obj()
     if not isinstance(obj, Task):  # a config error, reported with the other ValueErrors of the config
         raise ValueError(  # noqa: TRY004
-            f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass) nor an "
-            "rl_core.agents.Environment subclass; see docs/data.md and docs/agents.md")
+            f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass), an "
+            "rl_core.agents.Environment subclass nor a class with a reset method (TRL's environment_factory "
+            "convention); see docs/data.md and docs/agents.md")
     return obj
 
 

@@ -39,12 +39,12 @@ def test_guess_number_plays_multi_turn_games_trains_on_guesses_only_and_logs_the
 
     build_data(["--out", "data/guess-number", "--seed", "0"])  # the `guess_number` DVC stage's command
     model = talkative_model(in_workdir, tmp_path / "talkative")
-    grpo(recipe("guess_number"), [f"model.name_or_path={model}", "rollout.prompts_per_step=4", "rollout.n=4",
+    state = grpo(recipe("guess_number"), [f"model.name_or_path={model}", "rollout.prompts_per_step=4", "rollout.n=4",
                                   "rollout.max_tokens=4", "rl.max_steps=2", "rl.save_every=2",
                                   "rl.validation.max_prompts=8", "rl.validation.every_steps=2",
                                   "tracking.sample_completions_every=1", "tracking.system_metrics=false",
                                   "data.reward_workers=1", "job.name=guess",
-                                  f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+                                  f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"], return_state=True)
     run = in_workdir / "runs" / "guess"
     records = read_metrics(run)
     steps = [r for r in records if "train/loss" in r]
@@ -70,4 +70,14 @@ def test_guess_number_plays_multi_turn_games_trains_on_guesses_only_and_logs_the
     games = [t for t in table["completion"] if "\nuser: " in t]
     assert games and all(t.startswith("assistant: ") for t in table["completion"])
     assert any(hint in t for t in games for hint in ("user: higher", "user: lower", "user: a number from 1 to 9"))
+    # the Prefect run shows them too: the last step's sample, each game whole
+    from tests.flows.test_flow import flow_run_artifacts
+
+    shown = [a.data for a in flow_run_artifacts(state.state_details.flow_run_id) if a.key == "guess-completions"]
+    assert sorted(text.splitlines()[0] for text in shown) == ["# Sample completions, step 1",
+                                                             "# Sample completions, step 2"]  # a version per step
+    (shown,) = [text for text in shown if text.startswith("# Sample completions, step 2")]
+    last = table[table["step"] == 2]
+    assert len(last) == 8
+    assert all(f"```\n{conversation}\n```" in shown for conversation in last["completion"])
     assert next((run / "final_model").glob("*.safetensors")).stat().st_size > 0

@@ -435,7 +435,8 @@ def test_arithmetic_deployment_run_completes_and_is_in_mlflow(services, deployed
     artifacts = {a.key: a for a in api(env["PREFECT_API_URL"], lambda c: c.read_artifacts(
         artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))))}
     assert set(artifacts) == {"deployed-arithmetic-mlflow", "deployed-arithmetic-progress",
-                              "deployed-arithmetic-summary"}
+                              "deployed-arithmetic-summary", "deployed-arithmetic-completions"}
+    assert artifacts["deployed-arithmetic-completions"].data.startswith("# Sample completions, step 2")
     run_id = mlflow_run.info.run_id
     assert artifacts["deployed-arithmetic-mlflow"].data == (
         f"[MLflow run {run_id}]({env['MLFLOW_TRACKING_URI']}/#/experiments/{exp.experiment_id}/runs/{run_id})")

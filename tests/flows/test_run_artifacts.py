@@ -70,3 +70,19 @@ def test_an_unreachable_prefect_api_costs_one_warning_and_no_failure(caplog):
     assert artifacts.off and artifacts.progress_id is None
     warnings = [r.getMessage() for r in caplog.records if "Prefect artifacts" in r.getMessage()]
     assert len(warnings) == 1 and "create_progress_artifact failed" in warnings[0], warnings
+
+
+def test_the_completions_artifact_shows_each_sample_whole_fenced_cut_and_redacted():
+    from flows.artifacts import COMPLETION_CHARS, completions_markdown
+
+    conversation = "assistant: <tool_call>{\"name\": \"calculator\"}</tool_call>\ntool: ```1368```\nassistant: 1368"
+    rows = [{"prompt": "123+456+789", "answer": "1368", "completion": conversation, "reward": 1.0, "finish_reason": "stop"},
+            {"prompt": "fetch https://me:s3cret@h.example/x", "answer": "2", "completion": "x" * (COMPLETION_CHARS + 5),
+             "reward": None, "finish_reason": "length"}]
+    text = completions_markdown(7, rows)
+    assert text.startswith("# Sample completions, step 7\n")
+    assert "## 1. reward 1.0000, finish reason stop" in text and "## 2. reward none, finish reason length" in text
+    # the conversation whole, in a fence longer than the backticks inside it
+    assert f"````\n{conversation}\n````" in text
+    assert "x" * COMPLETION_CHARS + "\n... (5 more characters)\n```" in text
+    assert "s3cret" not in text and "**prompt** fetch https://" in text  # a credential in a URI is redacted

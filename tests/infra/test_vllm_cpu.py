@@ -66,14 +66,14 @@ def test_vllm_sampled_logprobs_equal_the_trainers(vllm_cluster, warm_model):
 def test_vllm_plays_multi_turn_episodes_token_exactly(vllm_cluster, warm_model):
     """Agent episodes (examples/guess_number.py) on the vLLM engine, from token-id prompts turn by turn: the trainer's
     log-probs of exactly the episodes' ids equal vLLM's on the sampled tokens, and the replies are holes."""
-    from examples.guess_number import PROMPT, GuessNumber
+    from examples.guess_number import GuessNumber, prompt
     from rl_core.agents.rollout import rollout_episodes
     from rl_core.tasks import Example
     from rl_core.tasks.environment import EnvironmentTask
 
     cluster, role = vllm_cluster
     task = EnvironmentTask(GuessNumber, "examples.guess_number:GuessNumber")
-    rows = [Example(PROMPT, str(secret)) for secret in (2, 5, 9, 4)]
+    rows = [Example(prompt(9), str(secret)) for secret in (2, 5, 9, 4)]
     completions, _ = rollout_episodes(cluster.engines, task, rows, role.tokenizer, 2, role.sampling(3), max_turns=3,
                                       max_episode_tokens=EPISODE_TOKENS)
     turns = [e["stats"]["turns"] for e in completions.episodes]

@@ -523,3 +523,58 @@ def test_an_episode_whose_environment_is_lost_ends_as_an_environment_error_with_
     assert max(r["stats"]["turns"] for r in rest) > 1
     assert episode_stats(lossy.episodes)["rollout/env_errors"] == 1.0
     assert host.local.live == {}  # every environment dropped
+
+
+class Tally:
+    """An environment written in TRL's `environment_factory` convention (no posttrain import): `reset(**row)`
+    returns text for the prompt, the public methods are the tools, `get_reward` scores the episode."""
+
+    def reset(self, **kwargs) -> str:
+        self.target, self.total = int(kwargs["answer"]), 0
+        return f" (reach {self.target})"
+
+    def add(self, amount: int) -> str:
+        """Add to the running total.
+
+        Args:
+            amount: how much to add
+        """
+        self.total += amount
+        return str(self.total)
+
+    def _helper(self) -> None:  # private: not a tool
+        pass
+
+    def get_reward(self) -> float:
+        return float(self.total == self.target)
+
+
+def test_an_environment_in_trls_convention_runs_unchanged():
+    """`data.task` naming a class written for TRL's GRPOTrainer(environment_factory=...): its public methods are the
+    tools (their schemas in the prompt), reset's text is appended to the user message, tool calls reach the
+    instance, `get_reward` is the environment's reward; a class that is none of the three kinds is refused."""
+    from rl_core.agents.host import LocalEnvironments
+    from rl_core.tasks import get_task
+
+    task = get_task("tests.rl_core.test_agents:Tally")
+    assert task.environment.__name__ == "Tally"
+    tok = tokenizer()
+    host = LocalEnvironments()
+    (opening,) = host.open(task.environment, [("a", Example("Count to 5.", "5", columns={"answer": "5"}))])
+    assert opening.error is None
+    assert opening.messages == [{"role": "user", "content": "Count to 5. (reach 5)"}]
+    assert [t["function"]["name"] for t in opening.tools] == ["add"]
+    assert opening.tools[0]["function"]["parameters"]["properties"]["amount"]["type"] == "integer"
+    episode = Episode(opening, tok, max_turns=4, max_tokens=400)
+    for text in ('<tool_call>{"name": "add", "arguments": {"amount": 2}}</tool_call>',
+                 '<tool_call>{"name": "add", "arguments": {"amount": 3}}</tool_call>', "done"):
+        turn = episode.take_turn(ids_of(tok, text) + [tok.eos_token_id], [-0.1] * (len(ids_of(tok, text)) + 1), True)
+        if turn is not None:
+            episode.answer(host.respond([("a", turn)])[0])
+    assert episode.done and not episode.truncated
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["2", "5"]
+    (finished,) = host.finish(["a"])
+    assert finished.reward == 1.0 and finished.tool_calls == 2 and finished.tool_errors == 0
+
+    with pytest.raises(ValueError, match=r"nor a class with a reset method \(TRL's environment_factory convention\)"):
+        get_task("tests.rl_core.test_agents:ids_of")
