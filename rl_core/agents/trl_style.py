@@ -23,11 +23,9 @@ SPECIAL = ("reset", "get_reward")
 
 
 def is_trl_style(obj: Any) -> bool:
-    """Whether `obj` is a class in TRL's environment convention: a callable `reset`, and no posttrain base class."""
-    from rl_core.tasks.base import Task
-
-    return (isinstance(obj, type) and not issubclass(obj, (Environment, Task))
-            and callable(getattr(obj, "reset", None)))
+    """Whether `obj` is a class in TRL's environment convention: a callable `reset`, not an `Environment` (the
+    caller has ruled out a `Task`)."""
+    return isinstance(obj, type) and not issubclass(obj, Environment) and callable(getattr(obj, "reset", None))
 
 
 def trl_environment(factory: type) -> type[Environment]:

@@ -45,12 +45,12 @@ def get_task(name: str) -> Task:
         from rl_core.tasks.environment import EnvironmentTask
 
         return EnvironmentTask(obj, name)
-    if is_trl_style(obj):  # a class written for TRL's GRPOTrainer(environment_factory=...)
+    if isinstance(obj, type) and issubclass(obj, Task):
+        obj = obj()
+    elif is_trl_style(obj):  # a class written for TRL's GRPOTrainer(environment_factory=...)
         from rl_core.tasks.environment import EnvironmentTask
 
         return EnvironmentTask(trl_environment(obj), name)
-    if isinstance(obj, type) and issubclass(obj, Task):
-        obj = obj()
     if not isinstance(obj, Task):  # a config error, reported with the other ValueErrors of the config
         raise ValueError(  # noqa: TRY004
             f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass), an "
