@@ -1,14 +1,14 @@
 """Guess the number: a multi-turn environment where the replies matter (docs/agents.md; recipes/guess_number.py
 trains with it).
 
-Each row holds a secret number from 1 to 9 (its `answer` column) behind the same prompt for every row, so nothing
+Each row holds a secret number from 1 to `high` (9 by default; its `answer` column) behind the same prompt for every row, so nothing
 but the environment's replies tells the secret: the policy guesses one number per turn and hears "higher" or
 "lower" until it names the secret, or `rollout.max_turns` runs out. The reward is 1.0 when it found the number, so
 the held-out `val/accuracy` is the success rate. A policy deaf to the replies finds it in four guesses at best 4
 times in 9; one that halves the range every turn always does.
 
-The rows (`make_rows`) and the warm start's games (`make_transcripts`: random guesses, the format without the
-skill) are written by the DVC stage `guess_number`; the stage `guess_warm_start` trains the tiny model on the
+The rows (`make_rows`) and the warm start's games (`make_transcripts`: the format, and the replies heeded in a
+share of the games) are written by the DVC stage `guess_number`; the stage `guess_warm_start` trains the tiny model on the
 games (`dvc repro pipelines/guess_number/dvc.yaml` runs both).
 """
 
@@ -59,23 +59,28 @@ def make_rows(seed: int = 0, high: int = 9, train_size: int = 2000,
     return rows[val_size:], rows[:val_size]
 
 
-def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4, high: int = 9) -> list[dict]:
-    """Whole games for the warm start (`posttrain warm-start --chats`): uniformly random guesses, whatever the
-    replies say, answered as `GuessNumber` answers them. They teach the format (a digit, then the end of the turn,
-    after every reply), not the game: that is left to RL."""
+def make_transcripts(seed: int = 0, count: int = 4000, max_turns: int = 4, high: int = 9,
+                     heeding: float = 0.0) -> list[dict]:
+    """Whole games for the warm start (`posttrain warm-start --chats`), answered as `GuessNumber` answers them: in
+    a `heeding` share of them each guess is drawn uniformly from the numbers the replies so far leave, in the others
+    from 1..`high` whatever the replies say. They teach the format (a digit, then the end of the turn, after every
+    reply) and, in part, to heed the replies; heeding them always is left to RL."""
     import random
 
     rng = random.Random(seed)
     out = []
     for _ in range(count):
         secret = rng.randint(1, high)
+        heeds = rng.random() < heeding  # guesses within what the replies so far allow
+        low, top = 1, high
         messages = [{"role": "user", "content": prompt(high)}]
         for turn in range(max_turns):
-            guess = rng.randint(1, high)
+            guess = rng.randint(low, top) if heeds else rng.randint(1, high)
             messages.append({"role": "assistant", "content": str(guess)})
             if guess == secret or turn == max_turns - 1:
                 break
             messages.append({"role": "user", "content": "higher" if guess < secret else "lower"})
+            low, top = (max(low, guess + 1), top) if guess < secret else (low, min(top, guess - 1))
         out.append({"messages": messages})
     return out
 
@@ -86,11 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--high", type=int, default=9, help="secrets are 1..HIGH")
     parser.add_argument("--max-turns", type=int, default=4, help="guesses per warm-start game")
+    parser.add_argument("--heeding", type=float, default=0.0,
+                        help="share of warm-start games whose guesses heed the replies (random within the range left)")
     args = parser.parse_args(argv)
     train, val = make_rows(args.seed, args.high)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    games = make_transcripts(args.seed, max_turns=args.max_turns, high=args.high)
+    games = make_transcripts(args.seed, max_turns=args.max_turns, high=args.high, heeding=args.heeding)
     warm_val = len(games) // 20
     splits = (("train", train), ("val", val), ("warm-train", games[warm_val:]), ("warm-val", games[:warm_val]))
     for name, rows in splits:
