@@ -9,13 +9,15 @@ one does not wait on a model; the model (engine, functions) comes with `setup`.
 another role's bundles: the teachers sit in the trainer ranks'), starts the actors (not waited for), waits for their
 placement, fans out `preload`, `setup` and `info`, and on `close` shuts the actors down, kills them and frees its
 placement group. `infra.placement.Placement` owns the groups of a run's trainer ranks and engines, and the Ray
-they run in.
+they run in. `start_pool` starts the run's helper pools (reward functions, environments): actors that
+reserve nothing, each built from the run's config.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, Self, runtime_checkable
 
 import ray
@@ -145,3 +147,66 @@ class ActorGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
         self.actors, self.placement_group, self.placed = [], None, False
+
+
+def start_pool(role: str, cls: type, count: int, args: tuple, *, timeout: float, what: str,
+               failure: type[Exception], failed: str) -> ActorGroup:
+    """`count` actors of `cls` (each built from `args`, never restarted) that reserve nothing, started and set up
+    within `timeout` seconds (`cluster.placement_timeout_s`): a helper pool of the run (reward functions, environments).
+    PlacementError naming `what` after the timeout; `failure(f"{failed}: <why>")` when an actor fails to start.
+    Nothing is left running on an error."""
+    group = ActorGroup(role, cls, count, lambda i: args, options={"max_restarts": 0}).start()
+    try:
+        group.wait(group.setup(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        group.close(graceful=False)
+        raise PlacementError(f"Ray could not start the {count} {what} within cluster.placement_timeout_s={timeout:g}; "
+                             f"available now: {describe_resources(ray.available_resources())}") from None
+    except ray.exceptions.RayActorError as exc:
+        group.close(graceful=False)
+        raise failure(f"{failed}: {exc}") from None
+    return group
+
+
+class HelperPool(AbstractContextManager):
+    """A run's helper pool (`start_pool`) of `count` actors of `worker` built from `worker_args()`: placed when
+    entered (and again on the next use after `_kill`), killed on exit; `count=0` places none (the caller then works
+    in its own process). Subclasses name the role (`role`, `what`) and the error of a failed start (`failure`,
+    `failed`)."""
+
+    role: str
+    worker: type
+    what: str
+    failure: type[Exception]
+    failed: str
+
+    def __init__(self, cfg: Any, count: int):
+        self.cfg, self.count = cfg, count
+        self.group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
+
+    def __enter__(self) -> Self:
+        self._place()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._kill()
+
+    def worker_args(self) -> tuple:
+        raise NotImplementedError
+
+    def _place(self) -> None:
+        if self.count == 0 or self.actors:
+            return
+        self.group = start_pool(self.role, self.worker, self.count, self.worker_args(),
+                                timeout=self.cfg.cluster.placement_timeout_s, what=self.what, failure=self.failure,
+                                failed=self.failed)
+
+    def _kill(self) -> None:
+        """Kill the actors (no `shutdown` call: one may be stuck in a call that timed out)."""
+        if self.group is not None:
+            self.group.close(graceful=False)
+        self.group = None

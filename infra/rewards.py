@@ -15,12 +15,11 @@ engines' CPUs are idle.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
-from typing import Any, Self
+from typing import Any
 
 import ray
 
-from infra.actor import ActorGroup, PlacementError, describe_resources
+from infra.actor import HelperPool
 from infra.processes import use_threads
 from rl_core.config import PosttrainConfig
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
@@ -58,50 +57,20 @@ class RewardWorker:
         return call_reward(self.functions[index], inputs, offset)
 
 
-class RewardPool(AbstractContextManager):
+class RewardPool(HelperPool):
     """`score(inputs) -> (rewards, per-function means)` on `data.reward_workers` actors (or in this process)."""
 
+    role, worker, what = "rewards", RewardWorker, "reward workers (data.reward_workers)"
+    failure, failed = RewardError, "a reward worker failed to start (importing data.rewards / data.task)"
+
     def __init__(self, cfg: PosttrainConfig):
-        self.cfg = cfg
+        super().__init__(cfg, cfg.data.reward_workers)
         self.functions: list[RewardFunction] = configured_functions(cfg.data)
-        self.group: ActorGroup | None = None
 
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
-
-    def __enter__(self) -> Self:
-        self._place()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._kill()
-
-    def _place(self) -> None:
+    def worker_args(self) -> tuple:
         from infra.policy_worker import worker_config
 
-        n, timeout = self.cfg.data.reward_workers, self.cfg.cluster.placement_timeout_s
-        if n == 0 or self.actors:
-            return
-        cfg_data = worker_config(self.cfg)
-        self.group = ActorGroup("rewards", RewardWorker, n, lambda i: (cfg_data,), options={"max_restarts": 0}).start()
-        try:
-            self.group.wait(self.group.setup(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            self._kill()
-            raise PlacementError(f"Ray could not start the {n} reward workers (data.reward_workers) within "
-                                 f"cluster.placement_timeout_s={timeout:g}; available now: "
-                                 f"{describe_resources(ray.available_resources())}") from None
-        except ray.exceptions.RayActorError as exc:
-            self._kill()
-            raise RewardError(f"a reward worker failed to start (importing data.rewards / data.task): "
-                              f"{exc}") from None
-
-    def _kill(self) -> None:
-        """Kill the actors (no `shutdown` call: one may be stuck in a function that timed out)."""
-        if self.group is not None:
-            self.group.close(graceful=False)
-        self.group = None
+        return (worker_config(self.cfg),)
 
     def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
         if self.cfg.data.reward_workers == 0:

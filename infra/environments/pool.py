@@ -15,12 +15,11 @@ The actors reserve no CPU: environments answer between engine calls, when the en
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Self
+from typing import Any
 
 import ray
 
-from infra.actor import ActorGroup, PlacementError, describe_resources
+from infra.actor import HelperPool
 from infra.processes import use_threads
 from rl_core.agents.host import Answer, LocalEnvironments, Opening
 from rl_core.agents.rollout import EnvironmentFailure
@@ -71,55 +70,29 @@ class EnvironmentWorker:
         self.envs.discard(keys)
 
 
-class EnvironmentPool(AbstractContextManager):
+class EnvironmentPool(HelperPool):
     """The host of an agent task's environments (`rl_core.agents.host`) on `data.env_workers` actors, or in this
     process (`LocalEnvironments`) with `data.env_workers=0`."""
 
+    role, worker, what = "environments", EnvironmentWorker, "environment workers (data.env_workers)"
+    failure, failed = EnvironmentFailure, "an environment worker failed to start (importing data.task)"
+
     def __init__(self, cfg: PosttrainConfig):
-        self.cfg = cfg
-        self.group: ActorGroup | None = None
+        super().__init__(cfg, cfg.data.env_workers)
         self.local = LocalEnvironments() if cfg.data.env_workers == 0 else None
         self.where: dict[Hashable, int] = {}  # episode key -> the actor holding its environment
         self.lost: dict[Hashable, str] = {}  # episode key -> why its environment is gone
         self.dead: set[int] = set()  # actors killed after a timeout or a crash
 
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
-
-    def __enter__(self) -> Self:
-        self._place()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._kill()
-
     # -- the actors
-    def _place(self) -> None:
+    def worker_args(self) -> tuple:
         from infra.policy_worker import worker_config
 
-        n, timeout = self.cfg.data.env_workers, self.cfg.cluster.placement_timeout_s
-        if n == 0 or self.actors:
-            return
-        cfg_data = worker_config(self.cfg)
-        self.group = ActorGroup("environments", EnvironmentWorker, n, lambda i: (cfg_data,),
-                                options={"max_restarts": 0}).start()
-        try:
-            self.group.wait(self.group.setup(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            self._kill()
-            raise PlacementError(f"Ray could not start the {n} environment workers (data.env_workers) within "
-                                 f"cluster.placement_timeout_s={timeout:g}; available now: "
-                                 f"{describe_resources(ray.available_resources())}") from None
-        except ray.exceptions.RayActorError as exc:
-            self._kill()
-            raise EnvironmentFailure(f"an environment worker failed to start (importing data.task): {exc}") from None
+        return (worker_config(self.cfg),)
 
     def _kill(self) -> None:
-        """Kill the actors (no `shutdown` call: one may be stuck in a tool that timed out)."""
-        if self.group is not None:
-            self.group.close(graceful=False)
-        self.group, self.dead = None, set()
+        super()._kill()
+        self.dead = set()
         self.where.clear()
         self.lost.clear()
 
