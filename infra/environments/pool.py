@@ -63,8 +63,8 @@ class EnvironmentWorker:
     def respond(self, items: list) -> list[Answer]:
         return self.envs.respond(items)
 
-    def finish(self, keys: list[Hashable]) -> list[Answer]:
-        return self.envs.finish(keys)
+    def finish(self, items: list[tuple[Hashable, None]]) -> list[Answer]:
+        return self.envs.finish([key for key, _ in items])
 
     def discard(self, keys: list[Hashable]) -> None:
         self.envs.discard(keys)
@@ -118,7 +118,7 @@ class EnvironmentPool(HelperPool):
                                      "rollout; see the errors above")
         for i, (key, _) in enumerate(items):
             self.where[key] = healthy[i % len(healthy)]
-        return self._call("open", list(items), lambda why: Opening(error=why, lost=True))
+        return self._call("open", list(items), lambda why: Opening(error=why))
 
     def respond(self, items: Sequence[tuple[Hashable, Any]]) -> list[Answer]:
         if self.local is not None:
@@ -129,7 +129,7 @@ class EnvironmentPool(HelperPool):
         if self.local is not None:
             return self.local.finish(keys)
         try:
-            return self._call("finish", [(key, key) for key in keys], lambda why: Answer(error=why, lost=True))
+            return self._call("finish", [(key, None) for key in keys], lambda why: Answer(error=why, lost=True))
         finally:
             self._forget(keys)
 
@@ -161,8 +161,7 @@ class EnvironmentPool(HelperPool):
                 by_actor.setdefault(self.where[key], []).append(i)
         calls = {}
         for a, positions in by_actor.items():
-            payload = [items[i][1] for i in positions] if method == "finish" else [items[i] for i in positions]
-            calls[getattr(self.actors[a], method).remote(payload)] = (a, positions)
+            calls[getattr(self.actors[a], method).remote([items[i] for i in positions])] = (a, positions)
         timeout = self.cfg.data.env_timeout_s
         ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
         for ref in pending:

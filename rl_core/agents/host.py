@@ -1,7 +1,7 @@
 """Where a step's environments live, and the three calls a rollout makes on them, each over a batch of episodes.
 
-Episode `k` of a step (an key the rollout chooses, unique among the episodes in flight) has one environment, built from its dataset row by `open`
-and dropped by `finish`. `LocalEnvironments` keeps them in this process; `infra.environments.EnvironmentPool`
+Episode `k` (a key the rollout chooses, unique among the episodes in flight) has one environment, built from its
+dataset row by `open` and dropped by `finish`. `LocalEnvironments` keeps them in this process; `infra.environments.EnvironmentPool`
 keeps them in Ray actors, one share per actor, and bounds every call by `data.env_timeout_s`. Both answer with
 the same records, so the rollout (`rl_core.agents.rollout`) does not know where its environments run:
 
@@ -10,8 +10,8 @@ the same records, so the rollout (`rl_core.agents.rollout`) does not know where 
     finish([k])                        -> [Answer]    the episode's reward; the environment is dropped
     discard([k])                                      drop environments without a reward (a rollout that failed)
 
-A call that raised carries `error` (the exception, named); a call that did not return in time, or whose
-environment was lost with its actor, carries `lost` too. Every answer carries the environment's tool counts so
+A call that raised carries `error` (the exception, named); an answer to a call that did not return in time, or
+whose environment was lost with its actor, carries `lost` too (an opening that failed either way: just `error`). Every answer carries the environment's tool counts so
 far and the seconds the call took inside the environment.
 """
 
@@ -34,7 +34,6 @@ class Opening:
     tools: list[dict] | None = None
     seconds: float = 0.0
     error: str | None = None
-    lost: bool = False
 
 
 @dataclass
