@@ -129,10 +129,47 @@ def start_local_ray(cfg: PosttrainConfig) -> None:
     c = cfg.cluster
     need = c.num_workers * c.cpus_per_worker + (
         num_engines(cfg) * c.cpus_per_engine if c.placement == "separate" else 0)
-    ray.init(address="local", include_dashboard=False,
-             num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
-             log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env())
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = _children()
+        try:
+            ray.init(address="local", include_dashboard=False,
+                     num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
+                     log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env())
+            break
+        except Exception as exc:
+            if attempt == LOCAL_START_ATTEMPTS or NODE_START_TIMEOUT not in str(exc):
+                raise
+            # Ray waits a fixed 30 s for its raylet to register; a busy machine can take longer. What this attempt
+            # started (GCS, raylet, agents) is stopped, so the next one is the only local Ray.
+            stopped = _stop_children_since(before)
+            log.warning("the local Ray did not come up within Ray's 30 s (a busy machine?): stopped the %d "
+                        "processes it started, starting it again (attempt %d of %d)", stopped, attempt + 1,
+                        LOCAL_START_ATTEMPTS)
     log.info("started a local Ray on 127.0.0.1")
+
+
+LOCAL_START_ATTEMPTS = 3
+NODE_START_TIMEOUT = "timed out during startup"  # ray._private.node.Node's message when the raylet is late
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _stop_children_since(before: set[int]) -> int:
+    """Kill this process's descendants that are not in `before` (what a failed `ray.init` left); their count."""
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in new:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(new, timeout=10)
+    return len(new)
 
 
 def _join_failure(address: str, exc: BaseException) -> str:
