@@ -1,4 +1,4 @@
-"""`posttrain export RUN [--step N] [--to DIR] [--merged] [--overwrite]`: a step's checkpoint as a transformers
+"""`posttrain export RUN [--step N] [--to DIR] [--merged] [--overwrite] [--trust-remote-code]`: a step's checkpoint as a transformers
 directory (`infra.export`), loadable with `from_pretrained`, vLLM `--model DIR` or lm-eval `pretrained=DIR`."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from rl_core.redact import redact_message
 
     try:
-        done = export_checkpoint(args.run, args.step, args.to, merged=args.merged, overwrite=args.overwrite)
+        done = export_checkpoint(args.run, args.step, args.to, merged=args.merged, overwrite=args.overwrite,
+                                 trust_remote_code=args.trust_remote_code)
     except ExportError as exc:
         print(f"posttrain export: {redact_message(str(exc))}", file=sys.stderr)
         return 1
@@ -39,4 +40,7 @@ def add_export_command(subparsers) -> None:
     p.add_argument("--to", default=None, help="the directory to write (default: RUN/export/step-<N>)")
     p.add_argument("--merged", action="store_true", help="LoRA runs: the merged model instead of the adapter")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --to directory")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the base model's own code (auto_map in its config.json) run; a checkpoint cannot ask "
+                        "for it")
     p.set_defaults(handler=cmd_export)

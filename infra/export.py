@@ -8,6 +8,10 @@ files. With LoRA it writes the adapter in PEFT's format (`adapter_config.json`, 
 with `merged=True` the merged model. A step that is only on S3 (`tracking.checkpoint_uri`) is downloaded and
 verified first, into a temporary directory that is removed afterwards: the run's own checkpoints are not touched.
 
+What the checkpoint says is data, never permission: `trust_remote_code` comes only from the operator
+(`trust_remote_code=True`, `posttrain export --trust-remote-code`); a checkpoint whose `meta.json` asks for it is
+refused (anyone who can write the run directory or its S3 prefix writes that file).
+
 Nothing is unpickled: the driver's parts are safetensors and JSON, the shards tensors read with
 `torch.load(weights_only=True)` (`infra.checkpoint_shards`), the model's base from its safetensors.
 """
@@ -151,13 +155,19 @@ def _remote_prefix(run_dir: Path) -> str | None:
     return checkpoint_prefix(PosttrainConfig.model_construct(**sections), run_id)
 
 
-def _model_config(meta: dict, checkpoint: Path) -> ModelConfig:
-    """The run's `model` section; a relative local base model path that is not found here is looked up again from
-    the directory the run was started in (the run directory's `<job.out_dir>/<job.name>` stripped)."""
+def _model_config(meta: dict, checkpoint: Path, trust_remote_code: bool) -> ModelConfig:
+    """The run's `model` section, with `trust_remote_code` the operator's; a relative local base model path that is
+    not found here is looked up again from the directory the run was started in (the run directory's
+    `<job.out_dir>/<job.name>` stripped)."""
     data = translate(meta.get("config") or {})
     if "model" not in data:
         raise ExportError(f"{checkpoint / 'meta.json'} holds no run config; it was not written by a posttrain run")
     model = ModelConfig.model_validate(data["model"])
+    if model.trust_remote_code and not trust_remote_code:
+        raise ExportError(f"{checkpoint / 'meta.json'} sets model.trust_remote_code=true; an export never takes it "
+                          "from a checkpoint (whoever can write the checkpoint writes that file). If you trust the "
+                          f"code of the base model {model.name_or_path!r}, pass --trust-remote-code")
+    model = model.model_copy(update={"trust_remote_code": trust_remote_code})
     base = Path(model.name_or_path).expanduser()
     run_dir = meta.get("run_dir")
     job = JobConfig.model_validate(data.get("job") or {})
@@ -178,11 +188,12 @@ def _prepare_target(target: Path, overwrite: bool) -> None:
 
 
 def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path | None = None, *,
-                      merged: bool = False, overwrite: bool = False) -> Exported:
+                      merged: bool = False, overwrite: bool = False, trust_remote_code: bool = False) -> Exported:
     """Write checkpoint `step` of `run` (a run directory or a job name; None: its newest step) as a transformers
     directory at `to` (default `<run>/export/step-<N>`). With LoRA: the adapter, or the merged model with
     `merged`. The directory appears whole (written beside it, then renamed); an existing non-empty one is refused
-    unless `overwrite`. Raises ExportError naming the file and what to do."""
+    unless `overwrite`. `trust_remote_code` lets the base model's own code run (the checkpoint cannot ask for it). Raises ExportError
+    naming the file and what to do."""
     from rl_core.models import load_policy, save_policy
     from rl_core.trainer_state import load_model_shards
 
@@ -199,7 +210,7 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
             parts, meta = checkpoints.local.load(directory)  # every file checked against the manifest
         except CheckpointError as exc:
             raise ExportError(f"checkpoint step {step} cannot be read: {exc}") from None
-        model_cfg = _model_config(meta, directory)
+        model_cfg = _model_config(meta, directory, trust_remote_code)
         try:
             model, tokenizer = load_policy(model_cfg)
         except (OSError, ValueError) as exc:  # a missing directory, an unreachable hub id

@@ -248,3 +248,80 @@ def test_a_step_that_is_only_on_s3_is_downloaded_verified_and_exported(full_run,
     assert_same(trainer_logprobs(model, full_run["sequences"]), full_run["logp"], 0.0)
     with pytest.raises(ExportError, match=rf"no checkpoint of step 3 in .* nor at {prefix}; available steps: 2$"):
         export_checkpoint(run_dir, 3, tmp_path / "out3")
+
+
+# ------------------------------------------------------------------------ what a checkpoint cannot make it do
+
+PLANTED = '''import pathlib
+pathlib.Path({marker!r}).write_text("the checkpoint's code ran")
+from transformers import PretrainedConfig
+
+
+class PlantedConfig(PretrainedConfig):
+    model_type = "planted"
+'''
+
+
+def planted_run(root: Path, model: dict) -> Path:
+    """A run directory whose one checkpoint (step 1, manifest intact) records `model` as the run's model section."""
+    from infra.storage import CheckpointStore
+
+    run_dir = root / "runs" / "planted"
+    (run_dir / "metrics.jsonl").parent.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    CheckpointStore(run_dir / "checkpoints").save(
+        1, {"driver": {"step": 1}}, {"config": {"model": model, "job": {"name": "planted"}}, "run_dir": str(run_dir)})
+    return run_dir
+
+
+class Loaded(Exception):
+    """Raised by a stand-in for `load_policy`: the export got past its checks, with this model section."""
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """`load_policy` replaced by one that raises `Loaded(model_cfg)`: nothing is loaded, the checks before it run."""
+    def load_policy(model_cfg, **_):
+        raise Loaded(model_cfg)
+
+    monkeypatch.setattr("rl_core.models.load_policy", load_policy)
+
+
+def test_a_checkpoint_that_asks_for_trust_remote_code_is_refused_and_its_model_code_never_runs(tmp_path, monkeypatch):
+    """The audit's attack (issue 44, finding 3): `model.name_or_path` at a directory whose config.json maps
+    AutoConfig to a planted module, `model.trust_remote_code=true` in the checkpoint's meta.json, the manifest's
+    hashes made to match. The export refuses it naming the file and the flag; the module never runs."""
+    from infra.export import ExportError, export_checkpoint
+
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    marker, base = tmp_path / "ran", tmp_path / "planted-model"
+    base.mkdir()
+    (base / "planted.py").write_text(PLANTED.format(marker=str(marker)))
+    (base / "config.json").write_text(json.dumps({"model_type": "planted", "auto_map": {
+        "AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedConfig"}}))
+    run_dir = planted_run(tmp_path, {"name_or_path": str(base), "trust_remote_code": True})
+
+    with pytest.raises(ExportError, match=r"step_00000001/meta\.json sets model\.trust_remote_code=true; an export "
+                                          r"never takes it from a checkpoint.*pass --trust-remote-code"):
+        export_checkpoint(run_dir, 1, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_trust_remote_code_is_the_operators_flag_alone(tmp_path, monkeypatch, no_load, capsys):
+    from cli.main import main
+    from infra.export import export_checkpoint
+
+    run_dir = planted_run(tmp_path, {"name_or_path": str(tmp_path / "base"), "trust_remote_code": False})
+    with pytest.raises(Loaded) as got:
+        export_checkpoint(run_dir, 1, tmp_path / "out")
+    assert got.value.args[0].trust_remote_code is False
+    with pytest.raises(Loaded) as got:
+        main(["export", str(run_dir), "--to", str(tmp_path / "out"), "--trust-remote-code"])
+    assert got.value.args[0].trust_remote_code is True
+
+    asks = planted_run(tmp_path / "asks", {"name_or_path": str(tmp_path / "base"), "trust_remote_code": True})
+    assert main(["export", str(asks), "--to", str(tmp_path / "out")]) == 1
+    assert "sets model.trust_remote_code=true" in capsys.readouterr().err
+    with pytest.raises(Loaded) as got:  # the operator trusts it: the flag, not the file, decides
+        main(["export", str(asks), "--to", str(tmp_path / "out"), "--trust-remote-code"])
+    assert got.value.args[0].trust_remote_code is True
