@@ -39,7 +39,8 @@ def add_export_command(subparsers) -> None:
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     p.add_argument("--to", default=None, help="the directory to write (default: RUN/export/step-<N>)")
     p.add_argument("--merged", action="store_true", help="LoRA runs: the merged model instead of the adapter")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --to directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --to directory (never the run directory or one inside it)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the base model's own code (auto_map in its config.json) run; a checkpoint cannot ask "
                         "for it")

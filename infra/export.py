@@ -10,7 +10,9 @@ verified first, into a temporary directory that is removed afterwards: the run's
 
 What the checkpoint says is data, never permission: `trust_remote_code` comes only from the operator
 (`trust_remote_code=True`, `posttrain export --trust-remote-code`); a checkpoint whose `meta.json` asks for it is
-refused (anyone who can write the run directory or its S3 prefix writes that file).
+refused (anyone who can write the run directory or its S3 prefix writes that file). The target is never the run
+directory, a directory holding it, or a place inside it other than under `<run>/export/`: `--overwrite` replaces
+the target whole.
 
 Nothing is unpickled: the driver's parts are safetensors and JSON, the shards tensors read with
 `torch.load(weights_only=True)` (`infra.checkpoint_shards`), the model's base from its safetensors.
@@ -180,7 +182,21 @@ def _model_config(meta: dict, checkpoint: Path, trust_remote_code: bool) -> Mode
     return model
 
 
-def _prepare_target(target: Path, overwrite: bool) -> None:
+def _check_outside_run(target: Path, run_dir: Path) -> None:
+    """Refuse a target that is the run directory, holds it, or lies inside it anywhere but under `<run>/export/`
+    (paths resolved, symlinks followed): writing the export replaces the target whole."""
+    where, run = target.resolve(), run_dir.resolve()
+    exports = run / EXPORT_DIR
+    if where == run or run.is_relative_to(where):
+        raise ExportError(f"{target} ({where}) is the run directory or holds it ({run}): writing the export there "
+                          "would delete the run's checkpoints, metrics and config; pass another --to")
+    if where.is_relative_to(run) and not (where.is_relative_to(exports) and where != exports):
+        raise ExportError(f"{target} ({where}) is inside the run directory {run}: writing the export there would "
+                          f"replace the run's own files; pass a --to outside it, or under {exports}/")
+
+
+def _prepare_target(target: Path, overwrite: bool, run_dir: Path) -> None:
+    _check_outside_run(target, run_dir)
     if target.exists() and not target.is_dir():
         raise ExportError(f"{target} exists and is not a directory; pass another --to")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
@@ -192,7 +208,8 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
     """Write checkpoint `step` of `run` (a run directory or a job name; None: its newest step) as a transformers
     directory at `to` (default `<run>/export/step-<N>`). With LoRA: the adapter, or the merged model with
     `merged`. The directory appears whole (written beside it, then renamed); an existing non-empty one is refused
-    unless `overwrite`. `trust_remote_code` lets the base model's own code run (the checkpoint cannot ask for it). Raises ExportError
+    unless `overwrite`, and one that is, holds or lies in the run directory (but for `<run>/export/...`) always.
+    `trust_remote_code` lets the base model's own code run (the checkpoint cannot ask for it). Raises ExportError
     naming the file and what to do."""
     from rl_core.models import load_policy, save_policy
     from rl_core.trainer_state import load_model_shards
@@ -201,11 +218,11 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
     checkpoints = _Checkpoints(run_dir)
     try:
         if to is not None:
-            _prepare_target(Path(to), overwrite)  # before any download or load
+            _prepare_target(Path(to), overwrite, run_dir)  # before any download or load
         directory = checkpoints.step_dir(step)
         step = checkpoint_step(directory)
         target = Path(to) if to is not None else default_target(run_dir, step)
-        _prepare_target(target, overwrite)
+        _prepare_target(target, overwrite, run_dir)
         try:
             parts, meta = checkpoints.local.load(directory)  # every file checked against the manifest
         except CheckpointError as exc:

@@ -12,6 +12,7 @@ the run's `final_model/` holds (one writer). Then what an export refuses, the CL
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def test_a_step_that_is_only_on_s3_is_downloaded_verified_and_exported(full_run,
         export_checkpoint(run_dir, 3, tmp_path / "out3")
 
 
-# ------------------------------------------------------------------------ what a checkpoint cannot make it do
+# ------------------------------------------------------------------ what a checkpoint or a --to cannot make it do
 
 PLANTED = '''import pathlib
 pathlib.Path({marker!r}).write_text("the checkpoint's code ran")
@@ -325,3 +326,32 @@ def test_trust_remote_code_is_the_operators_flag_alone(tmp_path, monkeypatch, no
     with pytest.raises(Loaded) as got:  # the operator trusts it: the flag, not the file, decides
         main(["export", str(asks), "--to", str(tmp_path / "out"), "--trust-remote-code"])
     assert got.value.args[0].trust_remote_code is True
+
+
+def test_an_export_never_writes_over_or_into_its_run_directory(tmp_path, no_load):
+    """The audit's attack (issue 44, finding 4): `--to <the run directory> --overwrite` replaced the run with the
+    export. The run directory, a directory holding it, a place inside it other than under export/, and symlinks
+    to any of them are refused naming the path, before anything is downloaded or loaded; nothing is deleted."""
+    from infra.export import ExportError, export_checkpoint
+
+    run_dir = planted_run(tmp_path, {"name_or_path": str(tmp_path / "base")})
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    (tmp_path / "link-to-run").symlink_to(run_dir)
+    (tmp_path / "link-to-runs").symlink_to(run_dir.parent)
+    holding = r"is the run directory or holds it"
+    inside = r"is inside the run directory .*; pass a --to outside it, or under .*/export/"
+    for to, refusal in ((run_dir, holding), (run_dir.parent, holding), (tmp_path, holding),
+                        (tmp_path / "link-to-run", holding), (tmp_path / "link-to-runs", holding),
+                        (run_dir / "checkpoints", inside), (run_dir / "checkpoints" / "step_00000001", inside),
+                        (run_dir / "final_model", inside), (run_dir / "export", inside),
+                        (tmp_path / "link-to-run" / "checkpoints", inside), (run_dir / "export" / ".." / "x", inside)):
+        with pytest.raises(ExportError, match=rf"^{re.escape(str(to))} \(.*\) {refusal}"):
+            export_checkpoint(run_dir, 1, to, overwrite=True)
+        with pytest.raises(ExportError, match=re.escape(str(to))):
+            export_checkpoint(run_dir, None, to, overwrite=True)
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+    for to in (None, run_dir / "export" / "mine", tmp_path / "elsewhere"):  # the default and its neighbours pass
+        with pytest.raises(Loaded):
+            export_checkpoint(run_dir, 1, to, overwrite=True)
