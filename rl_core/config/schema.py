@@ -18,6 +18,11 @@ from rl_core.redact import has_userinfo
 from rl_core.registry import ObjectiveSpec
 from rl_core.user_code import IMPORT_PATH
 
+# The most seconds any timeout or delay may be (a week): every `*_s` field is bounded by it, so a value reaches
+# Ray's, Prefect's and botocore's timeouts as a number they can hold (1e300 s overflows their conversions to
+# milliseconds and datetimes).
+MAX_SECONDS = 7 * 24 * 3600
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(
@@ -29,8 +34,8 @@ class JobConfig(_Section):
     name: str = Field("posttrain", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name: the run directory is <out_dir>/<name>.")
     out_dir: str = Field("runs", min_length=1, description="Parent directory of run directories.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="The one seed behind data order, sampling and initialisation (< 2^32).")
-    task_retries: int = Field(2, ge=0, description="Retries of the rollout, reward and evaluation tasks before the flow fails.")
-    retry_delay_s: float = Field(1.0, ge=0, description="Seconds between task retries.")
+    task_retries: int = Field(2, ge=0, le=100, description="Retries of the rollout, reward and evaluation tasks before the flow fails.")
+    retry_delay_s: float = Field(1.0, ge=0, le=MAX_SECONDS, description="Seconds between task retries (at most a week, 604800).")
     overwrite: bool = Field(False, description="With rl.resume=off, delete an existing run directory instead of refusing.")
     max_restarts: int = Field(2, ge=0, le=100, description="Automatic restarts of a run whose Ray actor (trainer rank, engine, teacher) died: each resumes from the newest checkpoint; then the flow fails.")
 
@@ -130,9 +135,9 @@ class DataConfig(_Section):
     reward_mode: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction: last '#### N' (strict) or last number (flexible).")
     rewards: list[RewardEntry] = Field(default_factory=list, description="Your reward functions with weights, TRL-style ({path, weight, name}); empty: the task's own reward (docs/data.md).")
     reward_workers: int = Field(1, ge=0, description="Ray actors that run the reward functions, each scoring a share of the batch; 0 runs them in the driver process, without the timeout.")
-    reward_timeout_s: float = Field(60.0, gt=0, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it.")
+    reward_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it (at most a week, 604800).")
     env_workers: int = Field(1, ge=0, description="An agent task's Ray actors that keep its environments (and run their tools), each a share of a rollout's episodes; 0 keeps them in the driver process, without the timeout.")
-    env_timeout_s: float = Field(60.0, gt=0, description="Seconds an environment worker may take to answer one call for its share of the episodes (start, a turn's replies, rewards); one that does not is killed, and its episodes end as environment errors with reward 0.")
+    env_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds an environment worker may take to answer one call for its share of the episodes (start, a turn's replies, rewards); one that does not is killed, and its episodes end as environment errors with reward 0 (at most a week, 604800).")
 
 
 class ClusterConfig(_Section):
@@ -145,7 +150,7 @@ class ClusterConfig(_Section):
     gpus_per_engine: float = Field(0.0, ge=0, description="separate placement: GPUs reserved per rollout engine; above 1 (a whole number, rollout.backend=vllm) the engine splits the model over them (vLLM's tensor_parallel_size).")
     teacher_replicas: int | None = Field(None, gt=0, description="OPD: teacher copies that score a batch together, each a contiguous share of its rows in parallel; replica i sits on trainer rank i % cluster.num_workers's node and GPU. None: one per trainer rank (cluster.num_workers).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy of the trainer ranks (STRICT_SPREAD: one rank per node).")
-    placement_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for Ray to place every role before failing with what could not be placed.")
+    placement_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS, description="Seconds to wait for Ray to place every role before failing with what could not be placed (at most a week, 604800).")
     sharding: Literal["none", "fsdp", "hsdp"] = Field("none", description="Trainer state across ranks: 'none' keeps a full replica per rank, 'fsdp' shards parameters, gradients and optimizer state over every rank (torch FSDP2), 'hsdp' shards them within groups of cluster.shard_size ranks and replicates them across the groups (a 2-D mesh).")
     shard_size: int | None = Field(None, gt=1, description="cluster.sharding=hsdp: the ranks of one shard group (consecutive ranks; set it to the GPUs of a node, so that only the groups' gradient all-reduce crosses nodes). Must divide cluster.num_workers.")
     gpu_memory_gib: float | None = Field(None, gt=0, description="Memory of one GPU for the preflight memory plan; None reads it from this machine's GPU (no GPU here: the plan is printed, not enforced).")
@@ -164,8 +169,8 @@ URI_CREDENTIALS_GO = {
 
 class S3Config(_Section):
     max_attempts: int = Field(15, ge=1, le=100, description="Tries of one S3 request, the first included, by botocore's adaptive retry mode: connection errors, timeouts, HTTP 5xx and throttling (SlowDown) are retried after a random wait of up to 2**(try-1) s, at most 20 s (on average about 100 s in all for 15 tries: an endpoint restart is ridden out), and a throttled client slows down. Errors that name a fix (no such bucket, access denied) are not retried. Wins over AWS_MAX_ATTEMPTS and AWS_RETRY_MODE.")
-    connect_timeout_s: float = Field(10.0, gt=0, description="Seconds to wait for a connection to the S3 endpoint before the try fails (and is retried).")
-    read_timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for the S3 endpoint to answer on an open connection before the try fails (and is retried).")
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS, description="Seconds to wait for a connection to the S3 endpoint before the try fails (and is retried; at most a week, 604800).")
+    read_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds to wait for the S3 endpoint to answer on an open connection before the try fails (and is retried; at most a week, 604800).")
 
 
 class TrackingConfig(_Section):

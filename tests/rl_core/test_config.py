@@ -201,6 +201,38 @@ def test_nan_and_inf_are_refused(override):
     assert override.split("=")[0] in msg and "NaN" in msg
 
 
+SECONDS = ["job.retry_delay_s", "data.reward_timeout_s", "data.env_timeout_s", "cluster.placement_timeout_s",
+           "tracking.s3.connect_timeout_s", "tracking.s3.read_timeout_s"]
+
+
+@pytest.mark.parametrize("key", SECONDS)
+def test_a_timeout_beyond_a_week_is_refused_naming_its_key(key):
+    """Issue 44, finding 6: data.reward_timeout_s=1e300 passed validation and every reward phase failed with an
+    OverflowError inside Ray. Every timeout and delay is at most a week, one bound in the schema."""
+    from rl_core.config import flatten
+    from rl_core.config.schema import MAX_SECONDS
+
+    assert MAX_SECONDS == 604800
+    assert errors_of(ARITH, f"{key}=1e300") == [f"{key}=1e+300: must be <= 604800.0"]
+    assert errors_of(ARITH, f"{key}=604800.5") == [f"{key}=604800.5: must be <= 604800.0"]
+    assert flatten(load_config(ARITH, [f"{key}=604800"]))[key] == 604800  # a week itself is allowed
+
+
+def test_every_seconds_field_is_bounded_by_a_week_and_retries_by_a_hundred():
+    from rl_core.config.loader import _field_for
+    from rl_core.config.schema import MAX_SECONDS
+
+    def upper(key: str):
+        return next((m.le for m in _field_for(key).metadata if getattr(m, "le", None) is not None), None)
+
+    seconds = [k for k in all_keys() if k.endswith("_s")]
+    assert sorted(seconds) == sorted(SECONDS)  # a new *_s field joins the list above, and gets the bound
+    assert {k: upper(k) for k in seconds} == dict.fromkeys(seconds, MAX_SECONDS)
+    assert upper("job.task_retries") == 100 and upper("job.max_restarts") == 100
+    (msg,) = errors_of(ARITH, "job.task_retries=1000000000")
+    assert msg == "job.task_retries=1000000000: must be <= 100"
+
+
 def test_enum_errors_list_the_allowed_values():
     (msg,) = errors_of(ARITH, "rl.objective.loss_type=sum")
     for allowed in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-fixed"):
