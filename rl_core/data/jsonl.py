@@ -1,4 +1,5 @@
-"""Reading JSONL data files line by line, with errors that name the file and the line."""
+"""Reading JSONL data files line by line, with errors that name the file and the line; the same value rules for
+rows of any other source (`value_problem`: Parquet, a `datasets` dataset)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,41 @@ def _find_bad(node: object, key: str = "") -> tuple[str, _Bad] | None:
         found = _find_bad(v, f"{key}.{k}" if key else str(k))
         if found:
             return found
+    return None
+
+
+def value_problem(record: dict) -> tuple[str, str] | None:
+    """`(key, why)` of the first value of a row that a JSONL line could not hold, else None: what every data source's
+    rows must be, JSONL's parser enforcing it as it reads. Text, true/false, null, finite numbers of at most
+    `MAX_NUMBER_CHARS` digits, and lists and mappings (text keys) of them nested at most `MAX_NESTING` deep; not
+    NaN or infinity, bytes, timestamps, decimals or any other object. `key` is dotted (`meta.tags.0`)."""
+    stack: list[tuple[str, object, int]] = [(str(k), v, 1) for k, v in reversed(record.items())]
+    while stack:  # no recursion: a deep value is refused, never a RecursionError
+        key, value, depth = stack.pop()
+        if value is None or isinstance(value, (str, bool)):
+            continue
+        if isinstance(value, int):
+            if abs(value) >= 10 ** MAX_NUMBER_CHARS:
+                return key, f"a number of more than {MAX_NUMBER_CHARS} digits"
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                text = "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+                return key, f"{text} is not a number JSON allows"
+            continue
+        if isinstance(value, (list, tuple, dict)):
+            if depth >= MAX_NESTING:
+                return key, f"nested more than {MAX_NESTING} levels deep"
+            if isinstance(value, dict):
+                if bad := [k for k in value if not isinstance(k, str)]:
+                    return key, f"a mapping with a key that is not text ({bad[0]!r:.40})"
+                items = list(value.items())
+            else:
+                items = list(enumerate(value))
+            stack.extend((f"{key}.{k}", v, depth + 1) for k, v in reversed(items))
+            continue
+        return key, (f"a {type(value).__name__} value ({value!r:.40}) is not text, a number, true/false, null, a list "
+                     "or a mapping")
     return None
 
 

@@ -15,7 +15,9 @@ added to every prompt. The source (`data.train` / `data.val`) is
   split=...)`; the split follows a colon, `my-org/my-data:validation` (default `train`).
 
 A bad row (no prompt, an empty one, malformed messages, a column other rows have missing) is refused while
-the data is loaded, before anything is placed or trained, naming the file, the row and the column.
+the data is loaded, before anything is placed or trained, naming the file, the row and the column. So is a
+value that a JSONL line could not hold, whatever the source (`rl_core.data.jsonl.value_problem`): NaN or
+infinity, bytes, a timestamp, a decimal, nesting deeper than 64 levels.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rl_core.data.jsonl import iter_jsonl
+from rl_core.data.jsonl import iter_jsonl, value_problem
 from rl_core.tasks.base import Example, Task
 
 ROLES = ("system", "user", "assistant")
@@ -42,6 +44,10 @@ class PromptsTask(Task):
         expected = set(first)
         examples = []
         for where, record in rows:
+            if problem := value_problem(record):
+                key, why = problem
+                raise ValueError(f"{where}: column {key!r}: {why}; every value is text, a finite number, true/false, "
+                                 "null, or a list or mapping of them: convert or drop it in the source")
             if missing := sorted(expected - set(record)):
                 raise ValueError(f"{where}: column {missing[0]!r} is missing (row {first_where} has it); "
                                  "give every row the same columns")
@@ -64,10 +70,11 @@ def _read_rows(source: str, config: str | None):
             yield f"{path}:{lineno}", record
         return
     if path.is_file() and path.suffix == ".parquet":
-        import pandas as pd
+        import pyarrow.parquet as pq
 
-        for i, record in enumerate(pd.read_parquet(path).to_dict("records"), 1):
-            yield f"{path} row {i}", {k: _plain(v) for k, v in record.items()}
+        # Arrow's own values: a null is None (pandas would make it NaN in a number column), a list a list
+        for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"{path} row {i}", record
         return
     if path.is_file():
         raise ValueError(f"{path}: a prompt dataset file is .jsonl or .parquet (or give a directory / hub dataset "
@@ -84,17 +91,6 @@ def _read_rows(source: str, config: str | None):
                          f"split={split or 'train'!r}): {type(exc).__name__}: {exc}") from None
     for i, record in enumerate(table, 1):
         yield f"{name} ({split or 'train'}) row {i}", record
-
-
-def _plain(value: Any) -> Any:
-    """Parquet's numpy values as Python ones (a list column comes back as an array)."""
-    if hasattr(value, "tolist"):
-        return [_plain(v) for v in value.tolist()] if getattr(value, "ndim", 0) else value.tolist()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def _example(where: str, record: dict) -> Example:

@@ -4,6 +4,9 @@ rendering with a system prompt and instruction, and bad rows refused naming the 
 from __future__ import annotations
 
 import json
+import re
+from datetime import datetime
+from decimal import Decimal
 
 import pandas as pd
 import pytest
@@ -107,6 +110,61 @@ def test_a_bad_row_is_refused_naming_the_file_row_and_column(tmp_path, rows, mes
     path = _jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + message):
         load_examples(path, "prompts", chat())
+
+
+NOT_JSON = [  # a column's values (row 1 good, row 2 not), and what the refusal says of row 2
+    ("answer", [46.0, float("nan")], "answer", "NaN is not a number JSON allows"),
+    ("answer", [46.0, float("inf")], "answer", "Infinity is not a number JSON allows"),
+    ("blob", [None, b"\x00\x01"], "blob", "a bytes value"),
+    ("when", [None, datetime(2024, 1, 1)], "when", "a datetime value"),
+    ("price", [None, Decimal("1.5")], "price", "a Decimal value"),
+    ("meta", [None, {"score": float("-inf")}], "meta.score", "-Infinity is not a number JSON allows"),
+]
+
+
+@pytest.mark.parametrize("source", ["parquet", "datasets"])
+@pytest.mark.parametrize("column, values, key, why", NOT_JSON, ids=["nan", "inf", "bytes", "timestamp", "decimal", "nested-inf"])
+def test_parquet_and_datasets_rows_pass_the_value_checks_of_jsonl(tmp_path, source, column, values, key, why):
+    """Issue 44, finding 8: Parquet and `datasets` rows took NaN, infinity, bytes and timestamps that a JSONL line
+    is refused for (a NaN answer became the text "nan"). Each is refused naming the file, the row and the column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory = tmp_path / "dataset"
+    directory.mkdir()
+    parquet = directory / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["1+2=", "3+4="], column: values}), parquet)
+    where = f"{parquet} row 2" if source == "parquet" else f"{directory} (train) row 2"
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: column {key!r}: {re.escape(why)}.*convert or drop"):
+        load_examples(parquet if source == "parquet" else directory, "prompts", chat())
+
+
+def test_a_parquet_null_is_none_and_its_numbers_keep_their_type(tmp_path):
+    """Arrow's own values: a null in a number column is None (not NaN, which is refused), an int stays an int."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": ["1+2=", "3+4="], "answer": [3, None], "max_chars": [1, None]}), parquet)
+    rows = load_examples(parquet, "prompts", chat())
+    assert [dict(e.columns) for e in rows] == [{"answer": 3, "max_chars": 1}, {"answer": None, "max_chars": None}]
+    assert [e.answer for e in rows] == ["3", ""] and type(rows[0].columns["max_chars"]) is int
+
+
+def test_value_problem_walks_deep_values_without_recursion():
+    from rl_core.data.jsonl import MAX_NESTING, value_problem
+
+    deep: object = "x"
+    for _ in range(100_000):
+        deep = [deep]
+    assert value_problem({"prompt": "a", "deep": deep}) == ("deep" + ".0" * (MAX_NESTING - 1),
+                                                            f"nested more than {MAX_NESTING} levels deep")
+    shallow: object = "x"
+    for _ in range(MAX_NESTING - 1):  # a line of this record is MAX_NESTING deep: what JSONL allows
+        shallow = [shallow]
+    assert value_problem({"ok": shallow, "n": 10**99, "t": True}) is None
+    assert value_problem({"n": 10**100}) == ("n", "a number of more than 100 digits")
+    assert value_problem({"m": {1: "a"}}) == ("m", "a mapping with a key that is not text (1)")
 
 
 def test_messages_need_the_chat_template(tmp_path):
