@@ -31,6 +31,9 @@ PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 RESERVED_PARTS = {"meta", "manifest"}
 _LOADABLE_SUFFIXES = (".safetensors", ".json", ".distcp")  # .distcp: tensors only, read with weights_only=True
 _SAFETENSORS_DTYPES = frozenset(safetensors.torch._TYPES.values())
+# Deeper nesting than this in a checkpoint's JSON is damage: posttrain's own files nest a few levels (a skeleton about
+# four per level of the saved state), and the code that walks them recurses once per level.
+MAX_JSON_DEPTH = 256
 
 
 class CheckpointError(RuntimeError):
@@ -223,6 +226,26 @@ def _numpy_dtype(text: Any) -> np.dtype:
 
 # ------------------------------------------------------------------------------------ file helpers
 
+def parse_json(data: bytes | str, where: str, remedy: str) -> Any:
+    """A checkpoint's JSON (`where` names its file or object); CheckpointError `"<where> is not valid JSON (...);
+    <remedy>"` when it does not parse or nests deeper than `MAX_JSON_DEPTH`: damage, never a RecursionError."""
+    deep = f"nested deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{where} is not valid JSON ({deep}); {remedy}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{where} is not valid JSON ({exc}); {remedy}") from None
+    stack = [(value, 1)]
+    while stack:  # no recursion
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise CheckpointError(f"{where} is not valid JSON ({deep}); {remedy}")
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return value
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -257,7 +280,9 @@ def verify_checkpoint(path: str | Path, *, check_hashes: bool = True) -> dict:
 
     Checks: manifest present and parsable, known format version, every listed file a plain name
     ending in .safetensors/.json/.distcp that exists with the listed size and sha256, every part with its
-    two files, meta.json listed, and no file in the directory that the manifest does not list.
+    two files, meta.json listed, and no file in the directory that the manifest does not list. With
+    `check_hashes`, every listed .json file also parses (`parse_json`) and meta.json is a JSON object: a file
+    whose hash was made to match is still damage when it is garbage or nested 100k deep.
     """
     path = Path(path)
     manifest_path = path / MANIFEST
@@ -267,9 +292,10 @@ def verify_checkpoint(path: str | Path, *, check_hashes: bool = True) -> dict:
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (the writer "
                               f"crashed or it was copied partially); {remedy}")
     try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{manifest_path} is not valid JSON ({exc}); {remedy}") from exc
+        data = manifest_path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{manifest_path} cannot be read ({exc}); {remedy}") from exc
+    manifest = parse_json(data, str(manifest_path), remedy)
     check_manifest_structure(manifest, str(manifest_path), remedy)
     listed = manifest["files"]
     present = {p.name for p in path.iterdir()} - {MANIFEST}
@@ -290,6 +316,11 @@ def verify_checkpoint(path: str | Path, *, check_hashes: bool = True) -> dict:
             if digest != entry["sha256"]:
                 raise CheckpointError(f"{file} has sha256 {digest} but {MANIFEST} records {entry['sha256']}: "
                                       f"the file is corrupted or was modified; {remedy}")
+    if check_hashes:
+        for name in (n for n in listed if n.endswith(".json")):
+            value = parse_json((path / name).read_bytes(), str(path / name), remedy)
+            if name == META and not isinstance(value, dict):
+                raise CheckpointError(f"{path / name} is not a JSON object; {remedy}")
     return manifest
 
 

@@ -6,7 +6,6 @@ retried by botocore itself (`infra.s3.s3_client`, `tracking.s3`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
@@ -22,6 +21,7 @@ from infra.checkpoint_format import (
     CheckpointError,
     check_manifest_structure,
     checkpoint_step,
+    parse_json,
     sha256_file,
     step_dir_name,
     verify_checkpoint,
@@ -253,12 +253,9 @@ class RemoteCheckpoints:
         tmp = self.root / f"{TMP_PREFIX}download-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            try:
-                body = self._call(f"get {remote}/{MANIFEST}", lambda: self.s3.get_object(
-                    Bucket=self.bucket, Key=self._key(step, MANIFEST), ChecksumMode="ENABLED")["Body"].read())
-                manifest = json.loads(body)
-            except ValueError as exc:
-                raise CheckpointError(f"{remote}/{MANIFEST} is not valid JSON ({exc}); {remedy}") from exc
+            body = self._call(f"get {remote}/{MANIFEST}", lambda: self.s3.get_object(
+                Bucket=self.bucket, Key=self._key(step, MANIFEST), ChecksumMode="ENABLED")["Body"].read())
+            manifest = parse_json(body, f"{remote}/{MANIFEST}", remedy)
             check_manifest_structure(manifest, f"{remote}/{MANIFEST}", remedy)
             if manifest["step"] != step:
                 raise CheckpointError(f"{remote}/{MANIFEST} records step {manifest['step']}; {remedy}")

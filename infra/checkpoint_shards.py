@@ -15,7 +15,6 @@ this module writes and reads its own), only tensors are stored, and they are rea
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from infra.checkpoint_format import CheckpointError, sha256_file, write_json
+from infra.checkpoint_format import CheckpointError, parse_json, sha256_file, write_json
 from rl_core.atomic import fsync_dir
 
 SHARD_INDEX = "shards.json"
@@ -67,11 +66,11 @@ class _Reader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / SHARD_INDEX
+        remedy = "resume from another checkpoint (CheckpointStore.latest_valid() skips damaged ones)"
         try:
-            return _decode_index(json.loads(path.read_bytes()))
+            return _decode_index(parse_json(path.read_bytes(), str(path), remedy))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{path} is not a shard index ({type(exc).__name__}: {exc}); resume from another "
-                                  "checkpoint (CheckpointStore.latest_valid() skips damaged ones)") from exc
+            raise CheckpointError(f"{path} is not a shard index ({type(exc).__name__}: {exc}); {remedy}") from exc
 
 
 def _tensor_leaves(tree: Any, path: str = "") -> None:
@@ -153,7 +152,8 @@ def read_shards(tensors: dict[str, Any], directory: str | Path, group: Any = Non
 def full_tensors(directory: str | Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """The whole tensors under `prefix` (`model`: the weights, or with LoRA the adapters, by parameter name), read in
     this process on CPU, without a process group: a checkpoint's weights for tools outside a run."""
-    index = json.loads((Path(directory) / SHARD_INDEX).read_bytes())
+    path = Path(directory) / SHARD_INDEX
+    index = parse_json(path.read_bytes(), str(path), "export another step")
     tensors = {fqn[len(prefix) + 1:]: torch.empty(md.size, dtype=md.properties.dtype)
                for fqn, md in _decode_index(index).state_dict_metadata.items() if fqn.startswith(prefix + ".")}
     read_shards({prefix: tensors}, directory)

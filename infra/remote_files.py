@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infra.checkpoint_format import MANIFEST, TMP_PREFIX, CheckpointError, sha256_file
+from infra.checkpoint_format import MANIFEST, TMP_PREFIX, CheckpointError, parse_json, sha256_file
 from infra.checkpoint_remote import CheckpointUnavailable, CheckpointUploadError
 from infra.s3 import CHECKSUM, S3Failure, chunks, sha256_b64
 from rl_core.redact import redact_message
@@ -73,8 +73,9 @@ class RemoteFiles:
         tmp = dest.parent / f"{TMP_PREFIX}download-{dest.name}-{uuid.uuid4().hex[:8]}"
         try:
             try:
-                listing = json.loads(self._call(f"get {uri}/{MANIFEST}", lambda: self.s3.get_object(
-                    Bucket=self.bucket, Key=f"{base}/{MANIFEST}", ChecksumMode="ENABLED")["Body"].read()))["files"]
+                listing = parse_json(self._call(f"get {uri}/{MANIFEST}", lambda: self.s3.get_object(
+                    Bucket=self.bucket, Key=f"{base}/{MANIFEST}", ChecksumMode="ENABLED")["Body"].read()),
+                    f"{uri}/{MANIFEST}", "upload the directory again")["files"]
                 for rel, entry in listing.items():
                     target = (tmp / rel).resolve()
                     if not target.is_relative_to(tmp.resolve()):
@@ -126,8 +127,8 @@ class RemoteFiles:
                 return None
             raise CheckpointUnavailable(redact_message(f"reading s3://{self.bucket}/{key} failed: {exc}")) from None
         try:
-            data = json.loads(body)
-        except ValueError:
+            data = parse_json(body, f"s3://{self.bucket}/{key}", "")
+        except CheckpointError:  # garbage or nested 100k deep: as if there were none
             return None
         return data if isinstance(data, dict) else None
 

@@ -71,6 +71,7 @@ from infra.checkpoint_format import (  # noqa: F401 - re-exported: the checkpoin
     check_manifest_structure,
     checkpoint_step,
     flatten_state,
+    parse_json,
     sha256_file,
     step_dir_name,
     unflatten_state,
@@ -262,19 +263,20 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
             raise CheckpointError(f"no checkpoint directory {path}; CheckpointStore.list_valid() lists the "
                                   f"loadable ones")
         manifest = verify_checkpoint(path)
+        remedy = "resume from another checkpoint (CheckpointStore.latest_valid() skips damaged ones)"
         parts: dict[str, Any] = {}
         for name in manifest["parts"]:
+            sidecar = parse_json((path / f"{name}.json").read_bytes(), str(path / f"{name}.json"), remedy)
             try:
-                sidecar = json.loads((path / f"{name}.json").read_bytes())
                 skeleton = sidecar["skeleton"]
-            except (ValueError, KeyError, TypeError) as exc:
+            except (KeyError, TypeError) as exc:
                 raise CheckpointError(f"{path / (name + '.json')} is not a checkpoint skeleton ({exc})") from exc
             tensors = safetensors.torch.load_file(path / f"{name}.safetensors")
             try:
                 parts[name] = unflatten_state(tensors, skeleton)
             except CheckpointError as exc:
                 raise CheckpointError(f"{path / (name + '.safetensors')}: {exc}") from exc
-        meta = json.loads((path / META).read_bytes())
+        meta = parse_json((path / META).read_bytes(), str(path / META), remedy)
         return parts, meta
 
     def list_valid(self) -> list[Path]:

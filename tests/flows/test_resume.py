@@ -96,6 +96,28 @@ def test_plan_resume_policies(tmp_path, monkeypatch):
     assert plan.checkpoint is None and plan.run_state == {} and not run_dir.exists()
 
 
+def test_plan_resume_passes_over_a_checkpoint_whose_meta_json_is_100k_deep(tmp_path, monkeypatch):
+    """Issue 44, finding 9: a meta.json nested 100k deep, its manifest entry fixed up to match, raised RecursionError
+    out of `plan_resume`; it is a damaged checkpoint, and the run resumes from the step before it."""
+    import hashlib
+
+    from infra.resume import plan_resume
+    from infra.storage import MANIFEST, CheckpointStore
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config()
+    store = CheckpointStore(Path(cfg.run_dir) / "checkpoints", keep=3)
+    for step in (2, 4):
+        save_checkpoint(store, cfg, step)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (store.path_for(4) / "meta.json").write_bytes(deep)
+    manifest = json.loads((store.path_for(4) / MANIFEST).read_text())
+    manifest["files"]["meta.json"] = {"size": len(deep), "sha256": hashlib.sha256(deep).hexdigest()}
+    (store.path_for(4) / MANIFEST).write_text(json.dumps(manifest))
+    plan = plan_resume(cfg, store)
+    assert plan.start_step == 2 and plan.parts["driver"] == {"step": 2}
+
+
 # ------------------------------------------------------------------------- policies through the flow
 
 @pytest.mark.e2e

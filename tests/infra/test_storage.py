@@ -9,6 +9,7 @@ wrapping it. What botocore retries and the SHA256 checksums are in test_s3.py.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -277,6 +278,77 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="keep"):
         CheckpointStore(tmp_path, keep=0)
     assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob(".tmp-*"))
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # json's parser recurses once per level: a RecursionError at ~1000
+
+
+def plant(path, name: str, body: bytes) -> None:
+    """Replace `name` in checkpoint `path` with `body` and fix its manifest entry up (size and sha256 match)."""
+    (path / name).write_bytes(body)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name, body, why", [
+    ("meta.json", DEEP, r"not valid JSON \(nested deeper than 256 levels\)"),
+    ("meta.json", b"[" * 300 + b"]" * 300, r"not valid JSON \(nested deeper than 256 levels\)"),  # parses, too deep
+    ("meta.json", b"{not json", r"not valid JSON \(Expecting property name"),
+    ("meta.json", b"[1, 2]", r"meta\.json is not a JSON object"),
+    ("driver.json", DEEP, r"driver\.json is not valid JSON \(nested deeper"),
+], ids=["deep-meta", "300-deep-meta", "garbage-meta", "list-meta", "deep-skeleton"])
+def test_a_deep_or_garbage_json_with_a_matching_hash_is_a_damaged_checkpoint(tmp_path, caplog, name, body, why):
+    """Issue 44, finding 9: a 100k-deep meta.json whose manifest entry was fixed up raised RecursionError out of
+    `latest_valid`/`plan_resume`. It is damage: `verify_checkpoint` and `load` refuse it naming the file, and
+    `latest_valid` passes over it to the older step with a warning."""
+    store = CheckpointStore(tmp_path)
+    older = store.save(1, {"driver": {"step": 1}}, {"config": {}})
+    newest = store.save(2, {"driver": {"step": 2}}, {"config": {}})
+    plant(newest, name, body)
+    with pytest.raises(CheckpointError, match=why):
+        verify_checkpoint(newest)
+    with pytest.raises(CheckpointError, match=why):
+        store.load(2)
+    caplog.set_level(logging.WARNING, logger="posttrain.storage")
+    assert store.latest_valid() == older and store.list_valid() == [older]
+    assert f"ignoring checkpoint {newest}" in caplog.text and "passing over newer step 2" in caplog.text
+    verify_checkpoint(newest, check_hashes=False)  # sizes only: a writer's own quick check stays quick
+
+
+class MemoryS3:
+    """The calls a restore makes of an S3 client (listing, get_object), over objects in a dict: no process."""
+
+    def __init__(self, objects: dict[str, bytes]):
+        self.objects = objects
+
+    def get_paginator(self, _name):
+        objects = self.objects
+
+        class Pages:
+            def paginate(self, Bucket, Prefix):  # boto3's keyword names
+                return [{"Contents": [{"Key": k} for k in sorted(objects) if k.startswith(Prefix)]}]
+
+        return Pages()
+
+    def get_object(self, Bucket, Key, **_):
+        return {"Body": io.BytesIO(self.objects[Key])}
+
+
+def test_a_deep_s3_manifest_or_run_record_is_damage_not_a_recursion_error(tmp_path, caplog):
+    """The same on S3: a remote step whose manifest.json is 100k deep is passed over (the local older step is
+    restored, with a warning naming it), and a 100k-deep run.json reads as no record."""
+    store = CheckpointStore(tmp_path, remote_uri="s3://bucket/run", s3_client=MemoryS3({
+        "run/step_00000002/manifest.json": DEEP, "run/run.json": DEEP, "run/ok.json": b'{"run_id": "a"}'}))
+    older = CheckpointStore(tmp_path).save(1, {"driver": {"step": 1}}, {})  # saved locally only
+    with pytest.raises(CheckpointError, match=r"s3://bucket/run/step_00000002/manifest.json is not valid JSON "
+                                              r"\(nested deeper than 256 levels\); the remote checkpoint"):
+        store.download(2)
+    caplog.set_level(logging.WARNING, logger="posttrain.storage")
+    assert store.latest_valid() == older
+    assert "passing over newer step 2 (remote copy damaged: s3://bucket/run/step_00000002/manifest.json" in caplog.text
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert store.read_remote_json("run.json") is None and store.read_remote_json("ok.json") == {"run_id": "a"}
 
 
 # ---------------------------------------------------------------------------------------- S3 (moto)
