@@ -143,7 +143,8 @@ def record_run(cfg: PosttrainConfig, store: CheckpointStore, run_id: str) -> Non
 
 
 class RunLocked(RuntimeError):
-    """Another process is running (or setting up) a run of the same directory."""
+    """Another process is running (or setting up) a run of the same directory, or its lock file is one this process
+    must not write (a symbolic link, a hard link, not a regular file, another user's)."""
 
 
 class RunLock:
@@ -161,12 +162,34 @@ class RunLock:
         self._fh = None
 
     def acquire(self) -> RunLock:
+        import errno
         import fcntl
         import os
         import socket
+        import stat
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        # `job.out_dir` may be shared (mode 1777): a symlink or hard link planted at the lock's name must not make
+        # this process write through it. No following, no truncation on open, and only a plain file of one link
+        # that this user owns.
+        refuse = (f"refusing the run lock {self.path}: {{}}; remove it (it is not one posttrain made) or pick another "
+                  "job.out_dir/job.name")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR):
+                raise RunLocked(refuse.format("it is a symbolic link" if exc.errno == errno.ELOOP
+                                              else "it is a directory")) from None
+            raise
+        info = os.fstat(fd)
+        why = ("it is not a regular file" if not stat.S_ISREG(info.st_mode)
+               else f"it has {info.st_nlink} hard links" if info.st_nlink != 1
+               else f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+               if info.st_uid != os.geteuid() else None)
+        if why:
+            os.close(fd)
+            raise RunLocked(refuse.format(why))
+        fh = os.fdopen(fd, "r+")  # held open for the run's lifetime
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -16,6 +16,7 @@ RNG states all have to be restored exactly for the trajectories to agree.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,44 @@ def test_plan_resume_passes_over_a_checkpoint_whose_meta_json_is_100k_deep(tmp_p
     (store.path_for(4) / MANIFEST).write_text(json.dumps(manifest))
     plan = plan_resume(cfg, store)
     assert plan.start_step == 2 and plan.parts["driver"] == {"step": 2}
+
+
+def test_the_run_lock_never_writes_through_a_planted_link_in_a_shared_out_dir(tmp_path, monkeypatch):
+    """Issue 44, finding 10: in a shared (1777) `job.out_dir` a symlink planted at `.<name>.lock` made the run lock
+    truncate its target. A symlink, a hard link, a directory or another user's file there is refused naming the
+    lock's path, and the target keeps its bytes; a lock of its own is created 0600 and taken again."""
+    import os
+    import socket
+
+    from infra.resume import RunLock, RunLocked
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    cfg = small_config(f"job.out_dir={shared}")
+    lock, victim = shared / ".plan.lock", tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for plant, why in ((lambda: lock.symlink_to(victim), "it is a symbolic link"),
+                       (lambda: os.link(victim, lock), "it has 2 hard links"),
+                       (lambda: lock.mkdir(), "it is a directory")):
+        plant()
+        with pytest.raises(RunLocked, match=rf"^refusing the run lock {re.escape(str(lock))}: {why}; remove it"):
+            RunLock(cfg).acquire()
+        assert victim.read_text() == "precious\n"
+        if lock.is_dir() and not lock.is_symlink():
+            lock.rmdir()
+        else:
+            lock.unlink()
+
+    held = RunLock(cfg).acquire()  # none there: created, this process's, owner-only
+    assert lock.read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    assert (lock.stat().st_mode & 0o777) == 0o600 and not lock.is_symlink()
+    held.release()
+    RunLock(cfg).acquire().release()  # its own lock, left behind: taken again
+    mine = lock.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: mine + 1)  # the same file, seen by another user
+    with pytest.raises(RunLocked, match=rf"{re.escape(str(lock))}: it belongs to uid {mine}, not to this user"):
+        RunLock(cfg).acquire()
 
 
 # ------------------------------------------------------------------------- policies through the flow
