@@ -11,7 +11,9 @@ subflows that a checked flow starts itself:
   from the recipe or the operator only: import paths (`rl.objective.import_path`/`kwargs`, `data.rewards`, `data.task`),
   models (`model.*`, `rl.reference`), data paths, the Ray address, tracking and checkpoint URIs
   (the worker's credentials go to them), output paths and names, pruning. The typed `knobs`
-  (flows/params.py) are overrides by the time they are judged, the same way.
+  (flows/params.py) are overrides by the time they are judged, the same way. The one allowed key
+  that names a place, `tracking.experiment`, cannot move the run's artifacts: the tracker refuses an
+  experiment whose artifact location is not the store's own (`infra.tracking.check_artifact_location`).
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
   directory and MLflow store from the operator only, its overrides under the same allowlist.
 

@@ -113,19 +113,14 @@ def write_report(report_dir: Path, checks: list[Check], summary: dict, records: 
 
 
 def regression_experiment(tracking_uri: str) -> tuple[Any, str]:
-    """(MlflowClient, id of experiment `posttrain-regression`), creating the experiment if needed."""
+    """(MlflowClient, id of experiment `posttrain-regression`), creating the experiment if needed; refused when it
+    keeps its artifacts outside the store's artifact root (`infra.tracking.experiment_in_root`)."""
     from mlflow import MlflowClient
 
-    from infra.tracking import sqlite_artifact_location
+    from infra.tracking import experiment_in_root
 
     client = MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(EXPERIMENT)
-    if exp is not None:
-        return client, exp.experiment_id
-    try:
-        return client, client.create_experiment(EXPERIMENT, artifact_location=sqlite_artifact_location(tracking_uri))
-    except Exception:  # noqa: BLE001 - created concurrently: read it back
-        return client, client.get_experiment_by_name(EXPERIMENT).experiment_id
+    return client, experiment_in_root(client, tracking_uri, EXPERIMENT)
 
 
 def previous_nights(client, experiment_id: str, limit: int = 14) -> list[dict]:

@@ -92,6 +92,69 @@ def sqlite_artifact_location(tracking_uri: str) -> str | None:
     return (Path(db).resolve().parent / "mlartifacts").as_uri()
 
 
+def artifact_root_location(client: Any, tracking_uri: str, experiment_id: str) -> str:
+    """Where the operator's store keeps the artifacts of experiment `experiment_id`: for a SQLite store the
+    `mlartifacts/` next to the database (`sqlite_artifact_location`, where posttrain creates every experiment of
+    it); for an MLflow server or any other store its default artifact root followed by the experiment id, as the
+    store gives every experiment created without a location (`mlflow server --artifacts-destination` or
+    `--default-artifact-root`). That root is read from the store's Default experiment (id 0, created by the store
+    itself at `<root>/0`; no API call moves it)."""
+    from mlflow.utils.uri import append_to_uri_path
+
+    location = sqlite_artifact_location(tracking_uri)
+    if location is not None:
+        return location
+    try:
+        default = client.get_experiment("0").artifact_location
+    except Exception as exc:  # noqa: BLE001 - no Default experiment: the root is not known
+        raise TrackingError(f"the artifact root of the MLflow store at {redact_text(tracking_uri)} is not known (its "
+                            f"Default experiment, id 0, does not read back: {type(exc).__name__}); posttrain writes "
+                            "only under the store's own artifact root") from None
+    if not default or not default.endswith("/0"):
+        raise TrackingError(f"the artifact root of the MLflow store at {redact_text(tracking_uri)} is not known (its "
+                            f"Default experiment's location {redact_text(str(default))!r} does not end in /0); "
+                            "posttrain writes only under the store's own artifact root")
+    return append_to_uri_path(default[:-1], str(experiment_id))
+
+
+def check_artifact_location(client: Any, tracking_uri: str, experiment: Any) -> str:
+    """`experiment.experiment_id`, once its artifact location is the one the operator's store gives it
+    (`artifact_root_location`); else TrackingError naming the experiment and both locations. Whoever may create
+    experiments (an MLflow server has no authentication) may give one any location, `file://` or `s3://` included:
+    a run in it would write its config, completions, provenance and model there, with this process's credentials.
+    """
+    expected = artifact_root_location(client, tracking_uri, experiment.experiment_id)
+    if experiment.artifact_location != expected:
+        raise TrackingError(
+            f"MLflow experiment {experiment.name!r} (id {experiment.experiment_id}) keeps its artifacts at "
+            f"{redact_text(str(experiment.artifact_location))!r}, not under the artifact root of the store at "
+            f"{redact_text(tracking_uri)} ({redact_text(expected)!r}): a run in it would write its config, "
+            "completions, provenance and model there, so posttrain refuses it. Name another experiment "
+            "(tracking.experiment), or have the operator delete this one")
+    return experiment.experiment_id
+
+
+def experiment_in_root(client: Any, tracking_uri: str, name: str) -> str:
+    """The id of experiment `name`, created when missing (at `sqlite_artifact_location` for a SQLite store, else at
+    the store's default location), refused when it exists with a location outside the store's artifact root
+    (`check_artifact_location`)."""
+    def read() -> Any:
+        try:
+            return client.get_experiment_by_name(name)
+        except Exception as exc:  # noqa: BLE001 - MLflow/requests errors may quote the URI, credentials included
+            raise TrackingError(f"MLflow get_experiment_by_name failed: {type(exc).__name__}: "
+                                f"{redact_text(str(exc))}") from None
+
+    exp = read()
+    if exp is None:
+        with contextlib.suppress(Exception):  # e.g. created concurrently by another process: read back below
+            client.create_experiment(name, artifact_location=sqlite_artifact_location(tracking_uri))
+        exp = read()
+        if exp is None:
+            raise TrackingError(f"MLflow experiment {name!r} could not be created at {redact_text(tracking_uri)}")
+    return check_artifact_location(client, tracking_uri, exp)
+
+
 def _param_value(value: Any) -> str:
     text = str(value)  # what mlflow.log_params would store
     return text if len(text) <= MLFLOW_PARAM_MAX_CHARS else text[: MLFLOW_PARAM_MAX_CHARS - 3] + "..."
@@ -168,19 +231,14 @@ class RunTracker:
         except Exception as exc:  # noqa: BLE001 - MLflow/requests errors may quote the URI, credentials included
             raise TrackingError(f"MLflow {what} failed: {type(exc).__name__}: {redact_text(str(exc))}") from None
 
-    def _experiment_id(self, name: str) -> str:
-        exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
-        if exp is not None:
-            return exp.experiment_id
-        location = sqlite_artifact_location(self.tracking_uri)
-        try:
-            return self.client.create_experiment(name, artifact_location=location)
-        except Exception:  # noqa: BLE001 - e.g. created concurrently by another process: read it back
-            exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
-            if exp is None:
-                raise TrackingError(f"MLflow experiment {name!r} could not be created at "
-                                    f"{redact_text(self.tracking_uri)}") from None
-            return exp.experiment_id
+    def _experiment_id(self, name: str | None, run_id: str | None) -> str:
+        """The experiment of the run: `name` (created when missing) for a new run, the run's own on resume; either
+        refused when its artifacts would go outside the store's artifact root (`check_artifact_location`)."""
+        if run_id is None:
+            return experiment_in_root(self.client, self.tracking_uri, name)
+        run = self._call("get_run", self.client.get_run, run_id)
+        exp = self._call("get_experiment", self.client.get_experiment, run.info.experiment_id)
+        return check_artifact_location(self.client, self.tracking_uri, exp)
 
     def _log_batch(self, *, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
         from mlflow.entities import Param, RunTag
@@ -216,7 +274,8 @@ class RunTracker:
               resumed_from: str | None = None, config_path: str | os.PathLike | None = None) -> str:
         """Open the run with `mlflow.start_run` (create it in `resolve_experiment(cfg)`, or reopen `run_id` on
         resume; system metrics sampled unless `tracking.system_metrics` is off) and log params, tags,
-        `config_resolved.yaml` and `provenance/attempt_<n>.json`. Returns the MLflow run id.
+        `config_resolved.yaml` and `provenance/attempt_<n>.json`. Returns the MLflow run id. An experiment whose
+        artifacts would go outside the store's artifact root is refused first (`check_artifact_location`).
 
         `config_path` is the run directory's `config_resolved.yaml`; None renders it from `cfg`.
         `resumed_from` names the checkpoint this attempt continues from.
@@ -230,14 +289,17 @@ class RunTracker:
             raise TrackingError(f"RunTracker already started run {self.run_id}; use one tracker per run")
         self.tracking_uri = self._explicit_uri or resolve_tracking_uri(cfg)
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        # before anything is written: the experiment (a new run's, or the resumed run's) keeps its artifacts under
+        # the store's artifact root
+        experiment_id = self._experiment_id(resolve_experiment(cfg), run_id)
         cfg_hash = config_hash(cfg)
         sha, dirty = git_revision()
         python = platform.python_version()
 
-        # a new run in its experiment (created with the artifact location of a SQLite store), or the run to continue
-        experiment_id = self._experiment_id(resolve_experiment(cfg)) if run_id is None else None
+        # a new run in its experiment, or the run to continue
         with using_tracking_uri(self.tracking_uri):
-            active = self._call("start_run", mlflow.start_run, run_id=run_id, experiment_id=experiment_id,
+            active = self._call("start_run", mlflow.start_run, run_id=run_id,
+                                experiment_id=experiment_id if run_id is None else None,
                                 run_name=cfg.job.name, log_system_metrics=cfg.tracking.system_metrics)
         self.run_id, self.experiment_id = active.info.run_id, active.info.experiment_id
         self._finished = False

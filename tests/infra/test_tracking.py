@@ -245,6 +245,69 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     assert resolve_tracking_uri(cfg) == "http://mlflow.internal:5000"
 
 
+def test_an_experiment_whose_artifacts_are_elsewhere_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A caller who may create experiments names one whose artifact location is theirs (tracking.experiment is
+    allowlisted for flow runs): the run is refused naming it, for a new run and for a resumed run in it, and nothing
+    is written there; the operator's own experiment is created under the store's root."""
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
+    client = MlflowClient(tracking_uri=uri)
+    theirs = tmp_path / "callers"
+    planted = client.create_experiment("theirs", artifact_location=theirs.as_uri())
+    planted_run = client.create_run(planted).info.run_id
+
+    cfg = load_config(ARITH, [*OVERRIDES, "tracking.experiment=theirs"])
+    with pytest.raises(TrackingError) as refused, RunTracker(tracking_uri=uri) as tracker:
+        tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=[], objective_identity=IDENTITY)
+    message = str(refused.value)
+    assert "'theirs'" in message and theirs.as_uri() in message and "tracking.experiment" in message
+    with pytest.raises(TrackingError, match="'theirs'"), RunTracker(tracking_uri=uri) as tracker:
+        tracker.start(load_config(ARITH, OVERRIDES), recipe="recipes/arithmetic.py", overrides=[],
+                      objective_identity=IDENTITY, run_id=planted_run)  # a resume names the run, not the experiment
+    assert not theirs.exists()
+    assert [r.info.run_id for r in client.search_runs([planted])] == [planted_run]  # no run was started in it
+
+    from infra.tracking import experiment_in_root, sqlite_artifact_location
+
+    ours = experiment_in_root(client, uri, "posttrain-test")
+    assert client.get_experiment(ours).artifact_location == sqlite_artifact_location(uri)
+    assert experiment_in_root(client, uri, "posttrain-test") == ours
+
+
+def test_a_server_experiment_must_sit_at_its_default_location():
+    """Against a server the root is its default artifact root, read from the Default experiment (`<root>/0`): an
+    experiment is accepted only at `<root>/<its id>`, not at a foreign file://, s3:// or mlflow-artifacts:// host."""
+    from types import SimpleNamespace
+
+    from infra.tracking import check_artifact_location
+
+    class Server:
+        def __init__(self, default: str):
+            self.default = default
+
+        def get_experiment(self, experiment_id):
+            assert experiment_id == "0"
+            return SimpleNamespace(artifact_location=self.default)
+
+    def exp(location: str, experiment_id: str = "7"):
+        return SimpleNamespace(name="x", experiment_id=experiment_id, artifact_location=location)
+
+    served = Server("mlflow-artifacts:/0")
+    assert check_artifact_location(served, "http://127.0.0.1:5000", exp("mlflow-artifacts:/7")) == "7"
+    for foreign in ("file:///home/caller/loot", "s3://callers-bucket/x", "mlflow-artifacts://evil:80/7",
+                    "mlflow-artifacts:/3", "mlflow-artifacts:/7/../3"):
+        with pytest.raises(TrackingError, match="not under the artifact root"):
+            check_artifact_location(served, "http://127.0.0.1:5000", exp(foreign))
+    on_s3 = Server("s3://team/mlflow/0")
+    assert check_artifact_location(on_s3, "http://127.0.0.1:5000", exp("s3://team/mlflow/7")) == "7"
+    with pytest.raises(TrackingError, match="s3://team/mlflow-other/7"):
+        check_artifact_location(on_s3, "http://127.0.0.1:5000", exp("s3://team/mlflow-other/7"))
+    with pytest.raises(TrackingError, match="artifact root .* is not known"):
+        check_artifact_location(Server("s3://team/odd"), "http://127.0.0.1:5000", exp("s3://team/odd/7"))
+
+
 @pytest.mark.e2e
 def test_sqlite_default_store_run_contents_and_resume(tmp_path, monkeypatch, workdir):
     monkeypatch.chdir(tmp_path)
@@ -429,6 +492,15 @@ def test_mlflow_server_run_contents_and_resume(mlflow_server, tmp_path, monkeypa
     assert run.data.params["tracking.mlflow_uri"] == "None"
     for k, v in [*run.data.params.items(), *run.data.tags.items()]:
         assert SECRET not in v, (k, v)
+
+    # the server has no authentication: an experiment created with a location of the caller's is refused by name,
+    # while the experiments above (at the server's own mlflow-artifacts:/<id>) were accepted
+    theirs = tmp_path / "callers"
+    MlflowClient(tracking_uri=url).create_experiment("theirs", artifact_location=theirs.as_uri())
+    cfg = load_config(ARITH, [*OVERRIDES, f"tracking.mlflow_uri={url}", "tracking.experiment=theirs"])
+    with pytest.raises(TrackingError, match="'theirs'"), RunTracker() as tracker:
+        tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=[], objective_identity=IDENTITY)
+    assert not theirs.exists()
 
 
 # --------------------------------------------------------------------- MLflow 3 objects of a run
