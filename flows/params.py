@@ -71,13 +71,16 @@ def run_overrides(overrides: list[str] | None, knobs: RunKnobs | dict | None) ->
 
 
 def open_run(recipe: str, overrides: list[str] | None, knobs: RunKnobs | dict | None) -> tuple[list[str], Any]:
-    """`(overrides, checked config)` of a training flow run: the driver's threads set (`DRIVER_THREADS`), its
+    """`(overrides, checked config)` of a training flow run: its logs redacted (`flows.logs`), the driver's threads
+    set (`DRIVER_THREADS`), its
     parameters guarded when a caller of the API chose them, the config checked (preflight: before any placement
     or model construction), the run named `job.name`."""
     from flows.guard import check_run_parameters
+    from flows.logs import redact_run_logs
     from infra.processes import DRIVER_THREADS, use_threads
     from rl_core.config.preflight import load_checked
 
+    redact_run_logs()  # before anything is logged: no credential reaches the run's log rows or stderr
     use_threads(DRIVER_THREADS)  # the driver holds no model; the actors' threads get the cores
     overrides = run_overrides(overrides, knobs)
     check_run_parameters(recipe, overrides)  # a deployment's parameters are untrusted input

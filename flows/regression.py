@@ -108,9 +108,12 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
 
     from flows.grpo import grpo
     from flows.guard import check_regression_parameters, trusted_subflows
+    from flows.logs import redact_run_logs
     from infra.tracking import git_revision, resolve_tracking_uri
     from rl_core.config import load_config
+    from rl_core.user_code import user_error
 
+    redact_run_logs()
     # a deployment's parameters are untrusted input; the grpo subflow's come from this code, not the caller
     check_regression_parameters(thresholds=thresholds, reference=reference, out_dir=out_dir, mlflow_uri=mlflow_uri,
                                 overrides=overrides)
@@ -133,7 +136,8 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
         training_run_id = result.get("mlflow_run_id")
         records = MetricsLog(result["metrics"]).read()
     except Exception as exc:  # noqa: BLE001 - a crashed run is itself the regression; checks 3 and 4 still run
-        checks.append(Check("arithmetic.run", "fail", "crashed", "completes", f"{type(exc).__name__}: {exc}"[:500]))
+        # its error goes into the report and a Prefect artifact: described by the one redaction point
+        checks.append(Check("arithmetic.run", "fail", "crashed", "completes", user_error(exc)[:500]))
 
     # the checks
     if records:

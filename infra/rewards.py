@@ -24,6 +24,7 @@ from infra.processes import use_threads
 from rl_core.config import PosttrainConfig
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
 from rl_core.rewards.configured import reward_functions as configured_functions
+from rl_core.user_code import user_error
 
 
 class RewardWorker:
@@ -103,18 +104,26 @@ class RewardPool(HelperPool):
                                   f"{inputs.rows[start]}); make it faster, or raise data.reward_timeout_s")
         per_function: list[list[float | None]] = [[None] * n for _ in self.functions]
         for ref, (f, s, _) in calls.items():
-            try:
-                values = ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
-                raise (cause if isinstance(cause, RewardError) else RewardError(str(cause))) from None
-            except ray.exceptions.RayActorError as exc:
-                self._kill()
-                raise RewardError(f"a reward worker died while scoring ({exc}); the reward functions crashed "
-                                  "its process") from None
-            start = shares[s][1]
-            per_function[f][start:start + len(values)] = values
+            start, stop = shares[s][1], shares[s][2]
+            failure = self._result(ref, self.functions[f], start, stop, inputs)
+            if isinstance(failure, RewardError):
+                raise failure  # outside the except block that caught Ray's error: nothing of it chained
+            per_function[f][start:start + len(failure)] = failure
         return per_function
+
+    def _result(self, ref: Any, fn: RewardFunction, start: int, stop: int,
+                inputs: RewardInputs) -> list[float | None] | RewardError:
+        """The values of one call, or the RewardError (not raised) that says why there are none."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RewardError):  # `call_reward`'s own error, already described and redacted
+                return RewardError(str(cause))
+            return RewardError(f"reward {fn.name!r} ({fn.key}) failed in its reward worker: {user_error(cause or exc)}")
+        except ray.exceptions.RayActorError as exc:
+            self._kill()
+            return RewardError(f"a reward worker died while scoring ({exc}); the reward functions crashed its process")
 
 
 __all__ = ["RewardPool", "RewardWorker"]

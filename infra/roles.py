@@ -15,7 +15,7 @@ from rl_core.config.loader import ConfigError
 from rl_core.data import PromptSampler
 from rl_core.models import load_tokenizer
 from rl_core.rollout import sampling_params_from_config
-from rl_core.tasks import Example, Task, encode_for, get_task
+from rl_core.tasks import Example, Task, encode_for, get_task, load_split
 
 
 @dataclass
@@ -85,7 +85,7 @@ class RolloutRole:
 def _split(cfg: PosttrainConfig, task: Task, key: str, source: str) -> list[Example]:
     """The examples of one data split, or a ConfigError naming the key (bad file or row, no examples)."""
     try:
-        examples = task.load(source, cfg.data)
+        examples = load_split(task, source, cfg.data)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError([f"{key}={source!r}: {exc}"]) from None
     if not examples:

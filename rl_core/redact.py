@@ -12,15 +12,23 @@ checkpoint storage (`infra.storage`), MLflow tracking (`infra.tracking`) and the
     (`?token=...`, `X-Amz-Signature=...`).
   * `redact_environment_values(text)`: the values (8+ characters) of secret-named environment
     variables, wherever they appear (an AWS secret quoted back in a botocore error).
-  * `redact_message(text)`: both of the above, for error messages and log lines.
+  * `redact_tokens(text)`: credentials recognised by their shape wherever they stand (`sk-...` API keys, AWS
+    access key ids, GitHub / Hugging Face / Slack / GitLab / Google tokens, `Bearer ...` and `Basic ...`
+    authorization values) and the values of secret-named assignments (`api_key=...`, `"token": "..."`).
+  * `redact_message(text)`: all three, for error messages and log lines (what user code raised included:
+    `rl_core.user_code.user_error`).
+  * `RedactingFilter`: a `logging.Filter` that passes every record through `redact_message` (message,
+    arguments, traceback), for the handlers whose output leaves the process (flows/logs.py).
   * `redact(mapping)`: a copy of a (nested) dict safe to log: values of secret-named keys become
     `***`, every other string is scrubbed by `redact_text`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import traceback
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -156,9 +164,60 @@ def redact_environment_values(text: str, environ: Mapping[str, str] | None = Non
     return text
 
 
+# Credentials by their shape: long enough that ordinary text does not match by chance.
+_TOKEN_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(?:"
+    r"sk-[A-Za-z0-9_\-]{16,}"  # OpenAI / Anthropic-style API keys (sk-..., sk-proj-..., sk-ant-...)
+    r"|(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}"  # AWS access key ids
+    r"|(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
+    r"|hf_[A-Za-z0-9]{20,}"  # Hugging Face
+    r"|xox[abposr]-[A-Za-z0-9\-]{10,}"  # Slack
+    r"|glpat-[A-Za-z0-9_\-]{20,}"  # GitLab
+    r"|AIza[A-Za-z0-9_\-]{35}"  # Google API keys
+    r")")
+_AUTH_SCHEME = re.compile(r"(?i)\b(?P<scheme>bearer|basic)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=\-]{8,})")
+# `name=value`, `name: value` after a quoted name (`{'api_key': 'x'}`, JSON) — when `name` is secret-named
+_ASSIGNMENT = re.compile(
+    r"""(?P<head>(?P<q>['"]?)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q)"""
+    r"""(?:\s*=\s*|(?<=['"])\s*:\s*)(?P<open>['"]?))(?P<value>[^\s'",;&)}\]]+)""")
+
+
+def redact_tokens(text: str) -> str:
+    """`text` with credentials recognised by their shape replaced by `***` (API keys, access key ids, tokens,
+    `Bearer`/`Basic` authorization values) and the value of every secret-named assignment (`api_key=...`,
+    `'token': '...'`)."""
+    def assignment(m: re.Match) -> str:
+        value = m.group("value")
+        keep = not is_secret_name(m.group("name")) or value.lower() in ("bearer", "basic")  # its token: below
+        return m.group("head") + (value if keep else REDACTED)
+
+    text = _ASSIGNMENT.sub(assignment, _TOKEN_SHAPES.sub(REDACTED, str(text)))
+    return _AUTH_SCHEME.sub(lambda m: m.group("scheme") + m.group("sep") + REDACTED, text)
+
+
 def redact_message(text: str) -> str:
-    """An error message or log line made safe: `redact_text` and `redact_environment_values`."""
-    return redact_environment_values(redact_text(text))
+    """An error message or log line made safe: `redact_text`, `redact_tokens` and `redact_environment_values`."""
+    return redact_environment_values(redact_tokens(redact_text(text)))
+
+
+class RedactingFilter(logging.Filter):
+    """Passes every record, its message (arguments merged), traceback and stack made safe by `redact_message`.
+    Installed on a handler it scrubs what that handler writes or sends, whichever logger the record came from."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not fit its format: keep its parts
+            message = f"{record.msg} {record.args}"
+        record.msg, record.args = redact_message(message), ()
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = redact_message("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+            record.exc_info = None  # formatters then write exc_text, the redacted traceback
+        elif record.exc_text:
+            record.exc_text = redact_message(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact_message(record.stack_info)
+        return True
 
 
 # ----------------------------------------------------------------------------------------- dicts

@@ -2,6 +2,12 @@
 function or task as `package.module:function`, imported and checked (`load_callable`) when the config is
 checked, so a wrong path or signature fails before anything is placed, naming the key (docs/objectives.md,
 docs/data.md).
+
+What user code raises (a reward, a task's `load`, an environment or tool, a custom objective's builder or loss, a
+module that fails at import) is described at one point, `user_error`: its type and its message made safe by
+`rl_core.redact.redact_message`, so an API key or token in it reaches no log, error, Prefect state or artifact.
+`call_user_code` raises that description as the caller's error, without the original exception (its message,
+arguments and traceback are not passed on, not even as the new error's context).
 """
 
 from __future__ import annotations
@@ -11,10 +17,39 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rl_core.redact import redact_message
+
 IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # 'package.module:name', as every import-path key is written
 
 class ImportPathError(ValueError):
     """A `module:function` path that does not import, or a function with the wrong signature."""
+
+
+class UserCodeError(ValueError):
+    """User code (a task, an environment, a custom objective) raised; the message names it and says what it raised,
+    scrubbed of credentials (`user_error`)."""
+
+
+def user_error(exc: BaseException) -> str:
+    """The one description of what user code raised: `Type: message`, the message made safe by `redact_message`
+    (credentials in URIs, by their shape, in secret-named assignments, and the values of secret-named environment
+    variables)."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails: its type says enough
+        message = "<message not readable>"
+    return f"{type(exc).__name__}: {redact_message(message)}" if message else type(exc).__name__
+
+
+def call_user_code(what: str, fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = None, *,
+                   error: Callable[[str], BaseException] = UserCodeError, hint: str = "") -> Any:
+    """`fn(*args, **kwargs)`; an exception it raises becomes `error(f"{what} raised {user_error(exc)}{hint}")`,
+    raised with neither cause nor context: nothing of the original (message, arguments, traceback, locals) goes on."""
+    try:
+        return fn(*args, **(kwargs or {}))
+    except Exception as exc:  # noqa: BLE001 - the user's code: described, redacted, raised as the caller's error
+        failure = f"{what} raised {user_error(exc)}{hint}"
+    raise error(failure)  # outside the except block: the new error has no __context__
 
 
 def load_object(path: str, key: str) -> Any:
@@ -22,11 +57,9 @@ def load_object(path: str, key: str) -> Any:
     module_name, sep, attr = str(path).partition(":")
     if not sep or not module_name or not attr:
         raise ImportPathError(f"{key}={path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix; say which
-        raise ImportPathError(f"{key}={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-                              "install it or put its directory on PYTHONPATH (Ray workers need it too)") from None
+    module = call_user_code(f"{key}={path!r}: cannot import module {module_name!r} (importing it",
+                            importlib.import_module, (module_name,), error=ImportPathError,
+                            hint="); install it or put its directory on PYTHONPATH (Ray workers need it too)")
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)

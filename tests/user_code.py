@@ -34,6 +34,11 @@ def sleepy_reward(completions, **_):
     return [0.0] * len(completions)
 
 
+def leaky_reward(completions, **_):
+    """Raises quoting an API key, as a reward calling an API might: no log or error may repeat it."""
+    raise PermissionError("the judge API refused key sk-" + "judge0123456789abcdefXYZ")
+
+
 # ------------------------------------------------------------------------------------------ wrong ones
 
 def objective_with_one_argument(rl):

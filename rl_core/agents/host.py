@@ -24,6 +24,7 @@ from typing import Any
 
 from rl_core.agents.environment import Environment, Reply, Turn
 from rl_core.agents.tools import tool_schema
+from rl_core.user_code import user_error
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Answer:
 
 
 def _failure(what: str, exc: BaseException) -> str:
-    return f"{what} raised {type(exc).__name__}: {exc}"
+    return f"{what} raised {user_error(exc)}"  # the environment's error, credentials removed
 
 
 class LocalEnvironments:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.user_code import user_error
+
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 ERROR_PREFIX = "error: "
 
@@ -114,7 +116,7 @@ def run_tool_call(tools: Mapping[str, Callable], call: ToolCall) -> ToolResult:
     try:
         value = fn(**call.arguments)
     except Exception as exc:  # noqa: BLE001 - the model reads what the tool raised, the episode goes on
-        return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} raised {type(exc).__name__}: {exc}", True)
+        return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} raised {user_error(exc)}", True)
     if isinstance(value, str):
         return ToolResult(call.name, value, False)
     try:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rl_core.algorithms.base import GroupAdvantageKnobs, Report, Topology
-from rl_core.user_code import IMPORT_PATH, ImportPathError, load_callable
+from rl_core.user_code import IMPORT_PATH, ImportPathError, call_user_code, load_callable
 
 OBJECTIVE_PARAMS = ("rl", "context")
 
@@ -60,9 +60,32 @@ class CustomObjective(GroupAdvantageKnobs):
     def build(self, rl: Any, context: Any) -> Any:
         from rl_core.primitives.objective import Objective
 
-        objective = self.builder()(rl, context, **self.kwargs)
+        where = f"rl.objective.import_path={self.import_path!r}"
+        objective = call_user_code(f"{where}: the builder", self.builder(), (rl, context), self.kwargs)
         if not isinstance(objective, Objective):
-            raise ImportPathError(f"rl.objective.import_path={self.import_path!r}: the builder returned a "
+            raise ImportPathError(f"{where}: the builder returned a "
                                   f"{type(objective).__name__}, not an rl_core.primitives.objective.Objective")
-        # provenance: which user code, with which arguments, made the math
-        return dataclasses.replace(objective, identity={**self.identity(rl, context), **objective.identity})
+        # the objective's own code raises through `call_user_code` (credentials removed, the import path named)
+        scorer = objective.reference_scorer
+        return dataclasses.replace(
+            objective, fn=UserFunction(objective.fn, f"{where}: the objective's fn"),
+            reference_scorer=UserFunction(scorer, f"{where}: the reference_scorer") if scorer is not None else None,
+            identity={**self.identity(rl, context), **objective.identity})  # provenance: which code, which arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class UserFunction:
+    """A function of a custom objective (`fn`, `reference_scorer`), called through `call_user_code`: what it raises
+    is a UserCodeError naming `what`, its message scrubbed of credentials."""
+
+    fn: Any
+    what: str
+
+    def __call__(self, *args: Any) -> Any:
+        return call_user_code(self.what, self.fn, args)
+
+    def __getattr__(self, name: str) -> Any:
+        """The function's own attributes (a loss object's parameters) read through."""
+        if name.startswith("__") or name in ("fn", "what"):
+            raise AttributeError(name)
+        return getattr(self.fn, name)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.user_code import call_user_code
+
 RewardFn = Callable[..., Sequence[float | None]]
 
 
@@ -111,12 +113,13 @@ def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:
 def call_reward(f: RewardFunction, inputs: RewardInputs, offset: int = 0) -> list[float | None]:
     """`f` on the batch, checked: one finite float or None per completion, else RewardError naming the row."""
     n = len(inputs)
-    try:
-        out = f.fn(**_accepted(f.fn, {"prompts": inputs.prompts, "completions": inputs.completions,
-                                      **inputs.columns}))
-    except Exception as exc:  # noqa: BLE001 - the user's function: say which one failed, on what
-        raise RewardError(f"reward {f.name!r} ({f.key}) raised {type(exc).__name__}: {exc} (scoring {n} completions, "
-                          f"the first from {inputs.rows[0] if n else '-'}); fix the function or the data") from None
+    # what the function raises is described by `user_code.user_error` (credentials removed) and raised as a
+    # RewardError naming the function and the rows, with nothing of the original chained to it
+    out = call_user_code(f"reward {f.name!r} ({f.key})", f.fn,
+                         kwargs=_accepted(f.fn, {"prompts": inputs.prompts, "completions": inputs.completions,
+                                                 **inputs.columns}),
+                         error=RewardError, hint=f" (scoring {n} completions, the first from "
+                                                 f"{inputs.rows[0] if n else '-'}); fix the function or the data")
     try:
         values = list(out)
     except TypeError:

@@ -5,6 +5,7 @@ that serves the next batch after either."""
 from __future__ import annotations
 
 import time
+import traceback
 
 import pytest
 
@@ -50,3 +51,12 @@ def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functi
         with pytest.raises(RewardError, match=r"reward 'units' \(data.rewards\[1\]\) raised TypeError"):
             pool.score(rows)
         assert pool.score(inputs) == score(reward_functions(cfg.data), inputs)  # the pool still serves
+
+        # an API key in what a reward raises in its worker reaches neither the error nor anything chained to it
+        leaky = cfg.model_copy(deep=True)
+        leaky.data.rewards[1].path = "tests.user_code:leaky_reward"
+        with RewardPool(leaky) as leaking, pytest.raises(RewardError) as raised:
+            leaking.score(inputs)
+        assert "reward 'units' (data.rewards[1]) raised PermissionError: the judge API refused key ***" in str(raised.value)
+        assert raised.value.__cause__ is None and raised.value.__context__ is None
+        assert "judge0123456789" not in "".join(traceback.format_exception(raised.value))

@@ -234,3 +234,129 @@ def test_every_config_error_is_redacted_whoever_builds_it():
                          "data.train='s3://AKIAEXAMPLE:x/y@bucket/train.jsonl?X-Amz-Signature=abcdef0123': no such file"])
     assert SECRET not in str(error) and "AKIAEXAMPLE" not in str(error) and "abcdef0123" not in str(error)
     assert "https://***@hub.example/m" in error.problems[0] and "s3://***@bucket/train.jsonl" in error.problems[1]
+
+
+# ------------------------------------------------------------------- what user code raises, and the run's logs
+
+# what a user's reward, task, environment, tool or objective might quote back from an API it calls
+LEAKED = {"openai": "sk-proj-" + "Zq8vW2mN4xR7tY1uI3oP5aS9", "aws": "AKIA" + "Q3EXAMPLEW7KZ2VB", "bearer": "eyJhbGci" + ".leak3d-t0ken",
+          "assignment": "hunter" + "2-the-password"}
+LEAKY = (f"upstream refused {LEAKED['openai']} (access key {LEAKED['aws']}); request headers "
+         f"{{'Authorization': 'Bearer {LEAKED['bearer']}', 'api_password': '{LEAKED['assignment']}'}}")
+
+
+def everything_said(exc: BaseException) -> str:
+    """The message, the printed traceback and every chained cause or context of `exc`: all a log, a Prefect state
+    message or an artifact could quote."""
+    out, seen = [], 0
+    while exc is not None and seen < 20:
+        out += [str(exc), repr(exc.args), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))]
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return "\n".join(out)
+
+
+def assert_no_leak(text: str) -> None:
+    for name, secret in LEAKED.items():
+        assert secret not in text, (name, text)
+
+
+def leaky(*_, **__):
+    raise ValueError(LEAKY)
+
+
+class LeakyEnvironment:
+    def __init__(self, example):
+        raise ConnectionError(LEAKY)
+
+
+def test_redact_message_removes_keys_by_their_shape_and_secret_named_assignments():
+    assert redact_message(LEAKY) == ("upstream refused *** (access key ***); request headers "
+                                     "{'Authorization': 'Bearer ***', 'api_password': '***'}")
+    kept = "KeyError: 'answer' at max_tokens=5, token_id=3 (sk-short)"  # not credentials: kept as they are
+    assert redact_message(kept) == kept
+
+
+def test_what_user_code_raises_is_redacted_at_one_point_and_chains_nothing(tmp_path, monkeypatch):
+    """A reward, a task's load, an environment, a tool, a custom objective's builder and loss, and a module that
+    fails at import, each raising with an API key, an AWS key id, a bearer token and a password in its message: the
+    error each raises names the user code and what it raised, and neither it, its traceback nor any chained
+    exception holds a credential."""
+    from rl_core.agents.host import LocalEnvironments
+    from rl_core.agents.tools import ToolCall, run_tool_call
+    from rl_core.algorithms.context import ObjectiveContext
+    from rl_core.registry import build_objective
+    from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, score
+    from rl_core.tasks import Example, Task, load_examples
+    from rl_core.user_code import ImportPathError, UserCodeError, load_object
+
+    inputs = RewardInputs(["1+1="], ["2"], {"answer": ["2"]}, ["train.jsonl:1"])
+    for call in (lambda: call_reward(RewardFunction("leaky", leaky, 1.0, "data.rewards[0]"), inputs),
+                 lambda: score([RewardFunction("leaky", leaky, 1.0, "data.rewards[0]")], inputs)):
+        with pytest.raises(RewardError) as raised:
+            call()
+        assert str(raised.value).startswith("reward 'leaky' (data.rewards[0]) raised ValueError: upstream refused ***")
+        assert raised.value.__cause__ is None and raised.value.__context__ is None
+        assert_no_leak(everything_said(raised.value))
+
+    class LeakyTask(Task):
+        name = "leaky-task"
+
+        def load(self, source, data):
+            leaky()
+
+    with pytest.raises(UserCodeError, match=r"data.task 'leaky-task': load raised ValueError: upstream") as raised:
+        load_examples(tmp_path / "x.jsonl", LeakyTask())
+    assert_no_leak(everything_said(raised.value))
+
+    opening = LocalEnvironments().open(LeakyEnvironment, [("k", Example("1+1=", "2"))])[0]
+    assert opening.error.startswith("LeakyEnvironment raised ConnectionError: upstream refused ***")
+    assert_no_leak(opening.error)
+    result = run_tool_call({"lookup": leaky}, ToolCall("lookup", {}))  # the model reads it; so may a completions table
+    assert result.error and "lookup raised ValueError" in result.content
+    assert_no_leak(result.content)
+
+    monkeypatch.setattr(sys.modules[__name__], "leaky_builder", lambda rl, context: leaky(), raising=False)
+    cfg = load_config(ARITH, ["rl.objective={type: custom, import_path: 'tests.rl_core.test_redaction:leaky_builder'}"])
+    with pytest.raises(UserCodeError, match=r"rl.objective.import_path=.*: the builder raised ValueError") as raised:
+        build_objective(cfg, ObjectiveContext.from_config(cfg))
+    assert_no_leak(everything_said(raised.value))
+    from rl_core.algorithms.custom import UserFunction
+
+    with pytest.raises(UserCodeError, match="the objective's fn raised ValueError") as raised:
+        UserFunction(leaky, "rl.objective.import_path='m:b': the objective's fn")(torch.nn.Linear(1, 1), None)
+    assert_no_leak(everything_said(raised.value))
+
+    (tmp_path / "leaky_module.py").write_text(f"raise RuntimeError({LEAKY!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportPathError, match="cannot import module 'leaky_module'") as raised:
+        load_object("leaky_module:fn", "data.rewards[0].path")
+    assert_no_leak(everything_said(raised.value))
+
+
+def test_the_run_log_handlers_scrub_every_record_they_write():
+    """Prefect's API handler (the run's log rows in its database) and the console handler (stderr) carry the
+    redacting filter once a flow has called `redact_run_logs`: a record whose arguments and traceback quote a key
+    is written without it."""
+    import prefect.logging.handlers as prefect_handlers
+
+    from flows.logs import redact_run_logs
+    from rl_core.redact import RedactingFilter
+
+    handlers = redact_run_logs()
+    assert redact_run_logs() == handlers  # once each
+    api = [h for h in handlers if isinstance(h, prefect_handlers.APILogHandler)]
+    console = [h for h in handlers if h in logging.getLogger().handlers]
+    assert api and console
+    assert all(sum(isinstance(f, RedactingFilter) for f in h.filters) == 1 for h in handlers)
+    try:
+        leaky()
+    except ValueError:
+        exc_info = sys.exc_info()
+    for handler in api + console:
+        record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "reward phase failed: %s",
+                                   (LEAKY,), exc_info)
+        record.task_run_name, record.flow_run_name = "reward step 1", "leaky-run"  # what a run logger adds
+        assert handler.filter(record)
+        written = handler.format(record)
+        assert "reward phase failed: upstream refused ***" in written and "Traceback" in written
+        assert_no_leak(written)
