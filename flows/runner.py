@@ -102,14 +102,26 @@ class Timer:
 
 
 def lost_actor(exc: BaseException) -> bool:
-    """Whether `exc` (or what it was raised from) is a Ray actor or node that died: what a restart survives."""
+    """Whether `exc` (or what it was raised from) is a Ray actor or node that died: what a restart survives.
+
+    What it was raised from is the chain Python prints: the cause, else the context unless `raise ... from None`
+    suppressed it. An error of user code (a reward, whose worker may have died under it; a task, environment or
+    custom objective) is never a lost actor: re-placing the trainers would not fix it, the task's retries are its
+    remedy."""
     import ray.exceptions as rex
+
+    from rl_core.rewards import RewardError
+    from rl_core.user_code import UserCodeError
 
     seen = 0
     while exc is not None and seen < 10:
+        if isinstance(exc, (RewardError, UserCodeError)):
+            return False
         if isinstance(exc, (rex.RayActorError, rex.NodeDiedError, rex.OwnerDiedError)):
             return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+        chained = exc.__cause__ if exc.__cause__ is not None else \
+            (None if exc.__suppress_context__ else exc.__context__)
+        exc, seen = chained, seen + 1
     return False
 
 

@@ -107,7 +107,10 @@ class RewardPool(HelperPool):
             start, stop = shares[s][1], shares[s][2]
             failure = self._result(ref, self.functions[f], start, stop, inputs)
             if isinstance(failure, RewardError):
-                raise failure  # outside the except block that caught Ray's error: nothing of it chained
+                # raised here, outside the except block that caught Ray's error: the RewardError carries neither
+                # Ray's error (its remote traceback) nor a dead actor's error as its context, so a dead reward
+                # worker is a reward error, never a lost trainer (`flows.runner.lost_actor`)
+                raise failure
             per_function[f][start:start + len(failure)] = failure
         return per_function
 
@@ -123,7 +126,11 @@ class RewardPool(HelperPool):
             return RewardError(f"reward {fn.name!r} ({fn.key}) failed in its reward worker: {user_error(cause or exc)}")
         except ray.exceptions.RayActorError as exc:
             self._kill()
-            return RewardError(f"a reward worker died while scoring ({exc}); the reward functions crashed its process")
+            return RewardError(
+                f"reward {fn.name!r} ({fn.key}) was running when its reward worker's process ended, scoring "
+                f"completions {start}..{stop - 1} (the first from {inputs.rows[start]}; {type(exc).__name__}): the "
+                "function crashed or exited its process (a segfault, os._exit, sys.exit, out of memory); fix the "
+                "function (a retry of the reward phase, job.task_retries, starts on fresh workers)")
 
 
 __all__ = ["RewardPool", "RewardWorker"]

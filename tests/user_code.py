@@ -39,6 +39,13 @@ def leaky_reward(completions, **_):
     raise PermissionError("the judge API refused key sk-" + "judge0123456789abcdefXYZ")
 
 
+def exiting_reward(completions, **_):
+    """Ends its own process, as a reward that crashes would: a reward error, never a lost trainer."""
+    import os
+
+    os._exit(3)
+
+
 # ------------------------------------------------------------------------------------------ wrong ones
 
 def objective_with_one_argument(rl):

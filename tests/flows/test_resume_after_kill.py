@@ -328,3 +328,42 @@ def test_the_restart_budget_is_bounded_and_only_actor_deaths_restart():
     with pytest.raises(ConfigError):
         run_with_restarts(cfg, bad_config, announce=lambda *a: None)
     assert calls == [1]  # not an actor death: no restart
+
+
+def test_a_reward_whose_worker_died_fails_as_a_reward_error_and_never_restarts_the_trainers():
+    """A reward that kills its own process: the RewardError raised while handling the dead reward actor's error
+    (`from None`, so Python still keeps that error as its context) was taken for a lost trainer, and the run
+    re-placed every role up to job.max_restarts. A user-code error is never a lost actor; a trainer's death, also
+    raised while handling another error, still is."""
+    from ray.exceptions import ActorDiedError
+
+    from flows.runner import lost_actor, run_with_restarts
+    from rl_core.rewards import RewardError
+
+    def reward_worker_died():
+        try:
+            raise ActorDiedError()
+        except ActorDiedError:
+            raise RewardError("reward 'units' (data.rewards[1]) was running when its reward worker's process "
+                              "ended") from None
+
+    def trainer_died_in_a_task():
+        try:
+            raise ActorDiedError()
+        except ActorDiedError as exc:
+            raise RuntimeError("the train task failed") from exc
+
+    for body, restarts in ((reward_worker_died, 0), (trainer_died_in_a_task, 1)):
+        try:
+            body()
+        except Exception as exc:  # noqa: BLE001
+            assert lost_actor(exc) is bool(restarts)
+        calls = []
+
+        def attempt(c, body=body, calls=calls):
+            calls.append(c.rl.resume)
+            body()
+
+        with pytest.raises(RewardError if body is reward_worker_died else RuntimeError):
+            run_with_restarts(small_config(f"job.max_restarts={restarts}"), attempt, announce=lambda *a: None)
+        assert len(calls) == 1 + restarts

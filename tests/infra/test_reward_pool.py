@@ -54,9 +54,22 @@ def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functi
 
         # an API key in what a reward raises in its worker reaches neither the error nor anything chained to it
         leaky = cfg.model_copy(deep=True)
-        leaky.data.rewards[1].path = "tests.user_code:leaky_reward"
+        leaky.data.rewards[1].path, leaky.data.reward_workers = "tests.user_code:leaky_reward", 1
         with RewardPool(leaky) as leaking, pytest.raises(RewardError) as raised:
             leaking.score(inputs)
         assert "reward 'units' (data.rewards[1]) raised PermissionError: the judge API refused key ***" in str(raised.value)
         assert raised.value.__cause__ is None and raised.value.__context__ is None
         assert "judge0123456789" not in "".join(traceback.format_exception(raised.value))
+
+        # a reward that ends its own worker's process: a RewardError naming it, which the flow never takes for a
+        # lost trainer (no re-placement of every role); the pool starts fresh workers for the next batch
+        from flows.runner import lost_actor
+
+        exiting = cfg.model_copy(deep=True)
+        exiting.data.rewards[1].path, exiting.data.reward_workers = "tests.user_code:exiting_reward", 1
+        with RewardPool(exiting) as dying:
+            with pytest.raises(RewardError, match=r"reward 'units' \(data.rewards\[1\]\) was running when its reward "
+                                                  r"worker's process ended, scoring completions 0\.\.10") as raised:
+                dying.score(inputs)
+            assert raised.value.__context__ is None and not lost_actor(raised.value)
+            assert dying.actors == []  # killed: the next batch starts on fresh actors
