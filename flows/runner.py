@@ -29,6 +29,7 @@ from typing import Any, Self
 from prefect.runtime import flow_run
 
 from flows.artifacts import RunArtifacts
+from infra.lease import S3Lease
 from infra.plots import curve_title
 from infra.provenance import dvc_hashes
 from infra.resume import (
@@ -189,8 +190,8 @@ class TrainingRun:
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
                 announce: Callable[[str], None]) -> TrainingRun:
-        """Lock the run directory, plan the resume, write the resolved config; use the result as a context
-        manager (`with run, ...:`), whose exit releases the lock."""
+        """Lock the run directory, lease its S3 prefix (`infra.lease`), plan the resume, write the resolved config;
+        use the result as a context manager (`with run, ...:`), whose exit releases the lease and the lock."""
         lock = RunLock(cfg).acquire()  # before anything in the run directory is read, deleted or written
         try:
             return cls._prepare(cfg, recipe, overrides, announce, lock)
@@ -207,6 +208,21 @@ class TrainingRun:
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.tracking.keep_checkpoints,
                                 remote_uri=checkpoint_prefix(cfg, run_id), s3_config=cfg.tracking.s3,
                                 background_upload=True)
+        if store.bucket is not None:
+            # one writer per S3 prefix: another host (or container) with this run directory's path may have
+            # adopted the same run id; before anything on S3 is read for the plan, deleted or written
+            store.lease = S3Lease(store, str(run_dir.resolve())).acquire(lock.previous)
+            lock.note(f"lease {store.lease.owner}")
+        try:
+            return cls._plan(cfg, recipe, overrides, announce, lock, run_dir, run_id, store)
+        except BaseException:
+            if store.lease is not None:
+                store.lease.release()
+            raise
+
+    @classmethod
+    def _plan(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str], announce: Callable[[str], None],
+              lock: RunLock, run_dir: Path, run_id: str, store: CheckpointStore) -> TrainingRun:
         plan = plan_resume(cfg, store)
         record_run(cfg, store, run_id)
         config_path = write_resolved(cfg, run_dir)
@@ -233,6 +249,8 @@ class TrainingRun:
                 raise
             logging.getLogger("posttrain").warning("%s", error)
         finally:
+            if self.store.lease is not None:  # after the last upload: the prefix is free for the next run
+                self.store.lease.release()
             if self.lock is not None:
                 self.lock.release()
 

@@ -159,6 +159,7 @@ class RemoteCheckpoints:
         step = manifest["step"]
         if self.bucket is None:
             raise CheckpointError("upload: this CheckpointStore has no remote_uri")
+        self.check_lease()  # one writer per prefix (`infra.lease`)
         files = dict(manifest["files"])
         files[MANIFEST] = {"size": (path / MANIFEST).stat().st_size, "sha256": sha256_file(path / MANIFEST)}
         data_files = sorted(n for n in files if n != MANIFEST)
@@ -290,6 +291,7 @@ class RemoteCheckpoints:
         """
         if self.bucket is None:
             return 0
+        self.check_lease()
         doomed = [k for keys in self._list_remote_keys().values() for k in keys]
         doomed.sort(key=lambda k: not k.endswith("/" + MANIFEST))
         for batch in chunks(doomed, 1000):
@@ -298,6 +300,7 @@ class RemoteCheckpoints:
         return len(doomed)
 
     def _prune_remote(self) -> None:
+        self.check_lease()
         by_step = self._list_remote_keys()
         complete = sorted(s for s, keys in by_step.items() if self._key(s, MANIFEST) in keys)
         if len(complete) <= self.keep:

@@ -35,6 +35,7 @@ class RemoteFiles:
         path = Path(path)
         if self.bucket is None:
             raise CheckpointError("upload_dir: this CheckpointStore has no remote_uri")
+        self.check_lease()  # one writer per prefix (`infra.lease`)
         files = {f.relative_to(path).as_posix(): {"size": f.stat().st_size, "sha256": sha256_file(f)}
                  for f in sorted(path.rglob("*")) if f.is_file()}
         base = "/".join(x for x in (self.prefix, name) if x)
@@ -133,6 +134,7 @@ class RemoteFiles:
         return data if isinstance(data, dict) else None
 
     def write_remote_json(self, name: str, data: Mapping[str, Any]) -> None:
+        self.check_lease()
         key = "/".join(x for x in (self.prefix, name) if x)
         body = json.dumps(data, indent=1, sort_keys=True).encode()
         try:

@@ -160,6 +160,7 @@ class RunLock:
     def __init__(self, cfg: PosttrainConfig):
         self.path = Path(cfg.job.out_dir) / f".{cfg.job.name}.lock"
         self._fh = None
+        self.previous = ""  # what the lock file said before this process took it (a dead holder's S3 lease, say)
 
     def acquire(self) -> RunLock:
         import errno
@@ -194,16 +195,25 @@ class RunLock:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().strip() or "another process"
+            holder = (fh.read().strip().splitlines() or ["another process"])[0]  # its first line: pid and host
             fh.close()
             raise RunLocked(f"run directory {self.path.parent / self.path.name[1:-5]} is in use by {holder} "
                             f"(lock {self.path}); wait for it to finish, or pick another job.name") from None
+        fh.seek(0)
+        self.previous = fh.read(4096)
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         fh.flush()
         self._fh = fh
         return self
+
+    def note(self, text: str) -> None:
+        """Add a line to the held lock file (the S3 lease this run holds: a later holder of the lock knows it is
+        free, `infra.lease.S3Lease.acquire`)."""
+        if self._fh is not None:
+            self._fh.write(text.rstrip("\n") + "\n")
+            self._fh.flush()
 
     def release(self) -> None:
         if self._fh is not None:

@@ -141,6 +141,12 @@ class CheckpointStore(RemoteFiles, RemoteCheckpoints):
         self._upload_error: CheckpointUploadError | None = None
         self._uploader: threading.Thread | None = None
         self._parts: dict[Path, list[str]] = {}  # per temporary directory: its parts, in the order written
+        self.lease: Any = None  # the run's lease on the S3 prefix (`infra.lease.S3Lease`): checked before each write
+
+    def check_lease(self) -> None:
+        """Raise `infra.lease.LeaseLost` when the run's lease on the S3 prefix was taken over (no lease: nothing)."""
+        if self.lease is not None:
+            self.lease.check()
 
     # ------------------------------------------------------------------------------------- local
 

@@ -16,6 +16,7 @@ RNG states all have to be restored exactly for the trajectories to agree.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -520,6 +521,89 @@ def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_
     shutil.rmtree(tmp_path / "a")
     with TrainingRun.prepare(a, recipe("arithmetic"), [], print) as again:
         assert again.store.remote_uri == first_prefix and checkpoint_step(again.plan.checkpoint) == 200
+
+
+@pytest.mark.e2e
+def test_one_s3_prefix_has_one_writer_leased_renewed_released_and_taken_over_when_stale(bucket, tmp_path, monkeypatch):
+    """The audit's collision across hosts: another host with the same checkout path recorded its run on S3 (run.json
+    names this very run directory) and holds it. A run here with no run_state.json adopts that run id, and is
+    refused by the prefix's lease, naming the holder, before anything of it is written there. A stale lease is taken
+    over with a warning, renewed while the run lives and released at its end; a run whose lease another host took
+    over writes nothing more there; a holder that held this machine's run lock (killed, its lock free) is taken over
+    at once."""
+    import logging
+    import time
+
+    import boto3
+
+    from flows.runner import TrainingRun
+    from infra.lease import LeaseHeld, LeaseLost
+    from infra.resume import checkpoint_prefix
+    from infra.storage import CheckpointError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("infra.lease.RENEW_S", 0.2)
+    s3 = boto3.client("s3")
+    cfg = small_config(f"tracking.checkpoint_uri=s3://{bucket}/team", "job.name=shared")
+    run_id = "00c0ffee00c0ffee"
+    prefix = checkpoint_prefix(cfg, run_id).removeprefix(f"s3://{bucket}/")
+    here = str(Path(cfg.run_dir).resolve())
+    recorded = {"run_id": run_id, "run_dir": here, "job_name": "shared", "host": "builder-2"}
+
+    def plant(key: str, data: dict) -> None:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=json.dumps(data).encode())
+
+    def stored(key: str) -> dict | None:
+        try:
+            return json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read())
+        except s3.exceptions.NoSuchKey:
+            return None
+
+    plant("run.json", recorded)
+    theirs = {"owner": "f" * 32, "host": "builder-2", "pid": 4242, "run_dir": here, "since": "2026-01-01T00:00:00+00:00",
+              "renewed": "2026-01-01T00:05:00+00:00", "expires": time.time() + 300}
+    plant("lease.json", theirs)
+    with pytest.raises(LeaseHeld, match=r"leased to another run: pid 4242 on host builder-2 \(run directory "):
+        TrainingRun.prepare(cfg, recipe("arithmetic"), [], print)
+    assert stored("run.json") == recorded and stored("lease.json") == theirs  # nothing of this run written there
+
+    plant("lease.json", {**theirs, "expires": time.time() - 1})  # builder-2 died: its lease ran out
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())  # Prefect's logging setup replaced caplog's
+    logging.getLogger("posttrain.storage").addHandler(catch)
+    try:
+        with TrainingRun.prepare(cfg, recipe("arithmetic"), [], print) as run:
+            assert run.store.remote_uri == f"s3://{bucket}/{prefix}"  # the recorded run, continued here
+    finally:
+        logging.getLogger("posttrain.storage").removeHandler(catch)
+    assert any("taking over the lease" in w and "pid 4242 on host builder-2" in w for w in warned), warned
+
+    with TrainingRun.prepare(cfg, recipe("arithmetic"), [], print) as run:
+        mine = stored("lease.json")
+        assert mine["pid"] == os.getpid() and mine["owner"] == run.store.lease.owner
+        time.sleep(1.0)
+        assert stored("lease.json")["expires"] > mine["expires"]  # renewed while the run lives
+        save_checkpoint(run.store, cfg, 1)
+        run.store.flush()
+    assert stored("lease.json") is None and run.store.list_remote() == [1]  # released at the end
+
+    with TrainingRun.prepare(cfg, recipe("arithmetic"), [], print) as run:
+        plant("lease.json", {**theirs, "expires": time.time() + 300})  # it stalled; builder-2 took the prefix over
+        deadline = time.time() + 10
+        while run.store.lease.held and time.time() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(LeaseLost, match="taken over by pid 4242 on host builder-2"):
+            run.store.write_remote_json("run.json", recorded)
+        save_checkpoint(run.store, cfg, 2)  # kept locally; its upload refused
+        with pytest.raises(CheckpointError, match="LeaseLost: this run's lease .* taken over by pid 4242"):
+            run.store.flush()
+    assert run.store.list_remote() == [1] and stored("lease.json")["owner"] == theirs["owner"]
+
+    # a holder killed on this machine: its lock file names its lease, and its lock is free now
+    (tmp_path / "runs" / ".shared.lock").write_text(f"pid 4242 on {os.uname().nodename}\nlease {theirs['owner']}\n")
+    with TrainingRun.prepare(cfg, recipe("arithmetic"), [], print) as run:
+        assert stored("lease.json")["owner"] == run.store.lease.owner
 
 
 @pytest.mark.e2e
