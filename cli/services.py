@@ -48,12 +48,31 @@ def deploy_all(services: Services, *, names: list[str] | None = None) -> subproc
                           check=False)
 
 
+def deployment_pools(names: list[str] | None = None) -> list[str]:
+    """The work pools prefect.yaml's deployments (those of `names`, `flow/deployment`, else all) go to."""
+    import yaml
+
+    spec = yaml.safe_load((project_dir() / "prefect.yaml").read_text())
+    pools = {d["work_pool"]["name"] for d in spec.get("deployments") or []
+             if (d.get("work_pool") or {}).get("name") and (not names or any(
+                 n == d.get("name") or n.endswith("/" + str(d.get("name"))) for n in names))}
+    return sorted(pools)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
+    from infra.work_pools import pool_warnings
+
+    services = Services.at(args.state_dir)
     try:
-        out = deploy_all(Services.at(args.state_dir), names=args.name or None)
+        out = deploy_all(services, names=args.name or None)
+        variables = services.env()
     except ServicesError as exc:
         print(f"posttrain deploy: {exc}", file=sys.stderr)
         return 1
+    # a pool made with Prefect's default template lets any caller of the API choose the command a run executes
+    for warning in pool_warnings(variables["PREFECT_API_URL"], variables.get("PREFECT_API_AUTH_STRING"),
+                                 deployment_pools(args.name)):
+        print(f"posttrain deploy: warning: {warning}", file=sys.stderr)
     sys.stdout.write(out.stdout)
     sys.stderr.write(out.stderr)
     if out.returncode != 0:

@@ -358,6 +358,29 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_pool_with_prefects_default_template_is_named_by_deploy(services, deployed):
+    """`posttrain deploy` into the pool `services up` made warns about nothing; a pool made with a plain `prefect
+    work-pool create` (Prefect's default process template) and a missing pool are named, with the fix."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    from infra.work_pools import pool_warnings
+
+    assert "warning" not in deployed.stderr, deployed.stderr[-2000:]
+    url, auth = services[1]["PREFECT_API_URL"], services[1]["PREFECT_API_AUTH_STRING"]
+    api(url, lambda c: c.create_work_pool(WorkPoolCreate(
+        name="plain-pool", type="process", base_job_template=ProcessWorker.get_default_base_job_template())))
+    warnings = pool_warnings(url, auth, [WORK_POOL, "plain-pool", "no-such-pool"])
+    assert not [w for w in warnings if WORK_POOL in w]
+    plain = [w for w in warnings if "'plain-pool'" in w]
+    assert any("'command' lets a flow run or deployment set the run's command" in w for w in plain), warnings
+    assert any("'env'" in w for w in plain) and all("prefect work-pool create plain-pool --overwrite" in w
+                                                   for w in plain)
+    assert any("'no-such-pool' does not exist" in w for w in warnings)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_nightly_regression_schedule_produces_scheduled_runs(services, deployed):
     from prefect.client.schemas.filters import (
         DeploymentFilter,
@@ -776,6 +799,28 @@ def test_the_regression_flows_own_parameters_are_checked():
     assert [p.split(":")[0].split("=")[0] for p in problems] == ["thresholds", "reference", "out_dir", "mlflow_uri",
                                                                  "override model.name_or_path"]
     assert len(regression_problems(bad, project=REPO, allow_unsafe=True)) == 2  # paths under regression/ only
+
+
+def test_pool_templates_that_let_a_run_choose_its_command_are_named():
+    from prefect.workers.process import ProcessWorker
+
+    from cli.services import deployment_pools
+    from infra.services import process_pool_template
+    from infra.work_pools import gpu_pool_template, template_problems
+
+    problems = template_problems(ProcessWorker.get_default_base_job_template())
+    for field in ("command", "env", "working_dir"):
+        assert any(f"job variable {field!r}" in p for p in problems), problems
+    assert any("additionalProperties" in p for p in problems)
+    assert template_problems(process_pool_template()) == []
+    assert template_problems(gpu_pool_template()) == []
+    loose = process_pool_template()
+    loose["variables"]["additionalProperties"] = True
+    assert template_problems(loose) == [
+        "it accepts job variables it does not declare (variables.additionalProperties is not false)"]
+    # the pools prefect.yaml's deployments go to (all of them, or those named)
+    assert deployment_pools() == [WORK_POOL] == deployment_pools(["grpo/arithmetic"])
+    assert deployment_pools(["grpo/no-such-deployment"]) == []
 
 
 @pytest.mark.e2e  # a Prefect API server
