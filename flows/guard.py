@@ -13,7 +13,7 @@ subflows that a checked flow starts itself:
   (the worker's credentials go to them), output paths and names, pruning. The typed `knobs`
   (flows/params.py) are overrides by the time they are judged, the same way. The one allowed key
   that names a place, `tracking.experiment`, cannot move the run's artifacts: the tracker refuses an
-  experiment whose artifact location is not the store's own (`infra.tracking.check_artifact_location`).
+  experiment whose artifact location is not the store's own (`infra.experiments.check_artifact_location`).
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
   directory and MLflow store from the operator only, its overrides under the same allowlist.
 

@@ -14,6 +14,8 @@ prefix and prune each other's steps. The lease makes the prefix one run's:
 - **taken over** when it has expired, with a warning naming the holder (a conditional put on that lease's ETag: of
   two takers, one wins), or at once when its holder held the run lock that this process now holds (the lock file
   names the lease; a `kill -9` of the holder freed the lock, so a restart on that machine does not wait);
+- **written again** when a renewal finds it gone and no other run holds it (S3 lost it, or someone deleted it): a
+  conditional put as at the start, with a warning;
 - **lost** when a renewal finds it is another run's (this run stalled, or S3 was out of reach, past `lease_s`, and
   another host took it over): this run's next upload, prune or record on S3 fails with `LeaseLost` naming the new
   holder (`check`, called by the store before each), so it writes nothing more there.
@@ -177,11 +179,28 @@ class S3Lease:
                 current, _ = self.read()
             except CheckpointUnavailable:
                 current = None
+            if current is None and self._recreate():
+                continue
             self._lost = (f"this run's lease on {self.store.remote_uri} was taken over by "
                           f"{holder(current) if current else 'another run (it is gone again)'}: this run stalled or "
                           f"could not reach S3 for longer than {self.lease_s:g} s; it writes nothing more there")
             log.error("%s", self._lost)
             return
+
+    def _recreate(self) -> bool:
+        """The lease is gone (S3 lost it, or someone deleted it) and nobody took it: write it again, as a new lease
+        (`If-None-Match`, so a run that took the prefix meanwhile keeps it). Whether this run holds it again."""
+        try:
+            etag = self._put(IfNoneMatch="*")
+            current, current_etag = self.read()
+        except CheckpointUnavailable:
+            return False
+        if etag is None or current is None or current.get("owner") != self.owner:
+            return False
+        self._etag = current_etag or etag
+        log.warning("the lease %s was gone (S3 lost it, or it was deleted) and no other run held the prefix: this "
+                    "run wrote it again", self.uri)
+        return True
 
     def check(self) -> None:
         """Raise LeaseLost when this run's lease was taken over (see the module notes)."""

@@ -114,10 +114,10 @@ def write_report(report_dir: Path, checks: list[Check], summary: dict, records: 
 
 def regression_experiment(tracking_uri: str) -> tuple[Any, str]:
     """(MlflowClient, id of experiment `posttrain-regression`), creating the experiment if needed; refused when it
-    keeps its artifacts outside the store's artifact root (`infra.tracking.experiment_in_root`)."""
+    keeps its artifacts outside the store's artifact root (`infra.experiments.experiment_in_root`)."""
     from mlflow import MlflowClient
 
-    from infra.tracking import experiment_in_root
+    from infra.experiments import experiment_in_root
 
     client = MlflowClient(tracking_uri=tracking_uri)
     return client, experiment_in_root(client, tracking_uri, EXPERIMENT)

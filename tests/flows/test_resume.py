@@ -584,6 +584,11 @@ def test_one_s3_prefix_has_one_writer_leased_renewed_released_and_taken_over_whe
         assert mine["pid"] == os.getpid() and mine["owner"] == run.store.lease.owner
         time.sleep(1.0)
         assert stored("lease.json")["expires"] > mine["expires"]  # renewed while the run lives
+        s3.delete_object(Bucket=bucket, Key=f"{prefix}/lease.json")  # S3 lost it (a store restarted empty)
+        deadline = time.time() + 10
+        while stored("lease.json") is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert stored("lease.json")["owner"] == run.store.lease.owner and run.store.lease.held  # written again
         save_checkpoint(run.store, cfg, 1)
         run.store.flush()
     assert stored("lease.json") is None and run.store.list_remote() == [1]  # released at the end
