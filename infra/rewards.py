@@ -106,6 +106,10 @@ class RewardPool(HelperPool):
         for ref, (f, s, _) in calls.items():
             start, stop = shares[s][1], shares[s][2]
             failure = self._result(ref, self.functions[f], start, stop, inputs)
+            if failure is _DIED:  # which of the worker's calls did not come back: one of them ended its process
+                lost = [self.functions[g] for r, (g, t, _) in calls.items() if t == s and _lost(r)]
+                self._kill()
+                failure = _died(lost, start, stop, inputs)
             if isinstance(failure, RewardError):
                 # raised here, outside the except block that caught Ray's error: the RewardError carries neither
                 # Ray's error (its remote traceback) nor a dead actor's error as its context, so a dead reward
@@ -124,13 +128,31 @@ class RewardPool(HelperPool):
             if isinstance(cause, RewardError):  # `call_reward`'s own error, already described and redacted
                 return RewardError(str(cause))
             return RewardError(f"reward {fn.name!r} ({fn.key}) failed in its reward worker: {user_error(cause or exc)}")
-        except ray.exceptions.RayActorError as exc:
-            self._kill()
-            return RewardError(
-                f"reward {fn.name!r} ({fn.key}) was running when its reward worker's process ended, scoring "
-                f"completions {start}..{stop - 1} (the first from {inputs.rows[start]}; {type(exc).__name__}): the "
-                "function crashed or exited its process (a segfault, os._exit, sys.exit, out of memory); fix the "
-                "function (a retry of the reward phase, job.task_retries, starts on fresh workers)")
+        except ray.exceptions.RayActorError:
+            return _DIED
+
+
+_DIED = object()  # `_result`: the call's reward worker died
+
+
+def _lost(ref: Any) -> bool:
+    """Whether the result of `ref` (a call on a worker that died) is gone."""
+    try:
+        ray.get(ref, timeout=1)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return True
+    except ray.exceptions.RayTaskError:
+        return False
+    return False
+
+
+def _died(lost: list[RewardFunction], start: int, stop: int, inputs: RewardInputs) -> RewardError:
+    names = ", ".join(f"{fn.name!r} ({fn.key})" for fn in lost) or "(none)"
+    return RewardError(
+        f"a reward worker's process ended while scoring completions {start}..{stop - 1} (the first from "
+        f"{inputs.rows[start]}), before reward {names} returned: one of them crashed or exited its process (a "
+        "segfault, os._exit, sys.exit, out of memory); fix the function (a retry of the reward phase, "
+        "job.task_retries, starts on fresh workers)")
 
 
 __all__ = ["RewardPool", "RewardWorker"]

@@ -344,8 +344,8 @@ def test_a_reward_whose_worker_died_fails_as_a_reward_error_and_never_restarts_t
         try:
             raise ActorDiedError()
         except ActorDiedError:
-            raise RewardError("reward 'units' (data.rewards[1]) was running when its reward worker's process "
-                              "ended") from None
+            raise RewardError("a reward worker's process ended before reward 'units' (data.rewards[1]) "
+                              "returned") from None
 
     def trainer_died_in_a_task():
         try:
