@@ -105,7 +105,7 @@ class RewardPool(HelperPool):
         per_function: list[list[float | None]] = [[None] * n for _ in self.functions]
         for ref, (f, s, _) in calls.items():
             start, stop = shares[s][1], shares[s][2]
-            failure = self._result(ref, self.functions[f], start, stop, inputs)
+            failure = self._result(ref, self.functions[f])
             if failure is _DIED:  # which of the worker's calls did not come back: one of them ended its process
                 lost = [self.functions[g] for r, (g, t, _) in calls.items() if t == s and _lost(r)]
                 self._kill()
@@ -118,9 +118,8 @@ class RewardPool(HelperPool):
             per_function[f][start:start + len(failure)] = failure
         return per_function
 
-    def _result(self, ref: Any, fn: RewardFunction, start: int, stop: int,
-                inputs: RewardInputs) -> list[float | None] | RewardError:
-        """The values of one call, or the RewardError (not raised) that says why there are none."""
+    def _result(self, ref: Any, fn: RewardFunction) -> list[float | None] | RewardError | object:
+        """The values of one call, the RewardError (not raised) that says why there are none, or `_DIED`."""
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
@@ -141,13 +140,13 @@ def _lost(ref: Any) -> bool:
         ray.get(ref, timeout=1)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return True
-    except ray.exceptions.RayTaskError:
-        return False
+    except ray.exceptions.RayTaskError:  # it came back, as the function's own error
+        pass
     return False
 
 
 def _died(lost: list[RewardFunction], start: int, stop: int, inputs: RewardInputs) -> RewardError:
-    names = ", ".join(f"{fn.name!r} ({fn.key})" for fn in lost) or "(none)"
+    names = ", ".join(f"{fn.name!r} ({fn.key})" for fn in lost)  # the call that found the worker dead, at least
     return RewardError(
         f"a reward worker's process ended while scoring completions {start}..{stop - 1} (the first from "
         f"{inputs.rows[start]}), before reward {names} returned: one of them crashed or exited its process (a "
