@@ -64,6 +64,7 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
     import yaml
 
     from rl_core.config import ConfigError, load_config
+    from rl_core.config.data_check import check_data
     from rl_core.config.loader import config_dict, config_hash
     from rl_core.config.preflight import preflight
     from rl_core.redact import redact, redact_message
@@ -82,8 +83,10 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
     print(yaml.safe_dump(redact(config_dict(cfg)), sort_keys=False, default_flow_style=False), end="")
     print(f"# config hash: {config_hash(cfg)}")
     print(redact_message(report.render()), file=sys.stderr if report.errors else sys.stdout)
+    data = check_data(cfg, read_hub=not no_env)  # the rows `run` reads, every bad one (a hub id: not with --no-env)
+    print(redact_message(data.render()), file=sys.stderr if data.errors else sys.stdout)
     memory_ok = print_memory_plan(cfg, reported=report.errors)
-    return 0 if report.ok and memory_ok else 1
+    return 0 if report.ok and data.ok and memory_ok else 1
 
 
 def print_memory_plan(cfg, reported: list[str] = ()) -> bool:
@@ -129,12 +132,16 @@ PRIVATE_UMASK = 0o077
 
 
 def summary_line(result: dict) -> str:
-    """One line a person reads at the end of a run: held-out accuracy first -> last, and where things are."""
+    """One line a person reads at the end of a run: held-out accuracy first -> last (and the reward whose full marks
+    it counts, `data.success_reward`), and where things are."""
     from infra.tracking import MetricsLog
+    from rl_core.rewards import SUCCESS_VALUE
 
     records = MetricsLog(result["metrics"]).read()
     acc = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
-    trend = f"held-out accuracy {acc[0][1]:.3f} (step {acc[0][0]}) -> {acc[-1][1]:.3f} (step {acc[-1][0]}); " if acc else ""
+    counts = f" ({result['success_reward']} >= {SUCCESS_VALUE:g})" if result.get("success_reward") else ""
+    trend = (f"held-out accuracy{counts} {acc[0][1]:.3f} (step {acc[0][0]}) -> {acc[-1][1]:.3f} (step {acc[-1][0]}); "
+             if acc else "")
     return (f"{trend}metrics: {result['metrics']}; run directory: {result['run_dir']}; "
             f"MLflow run: {result.get('mlflow_url') or result.get('mlflow_run_id')}")
 
@@ -150,15 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="print the resolved config, the preflight report and the memory plan "
                                       "(exit 1 on errors or when a GPU role does not fit its GPU)",
                        description="Check a recipe as `posttrain run` does before it starts anything: the config, "
-                                   "the rules across fields, this machine (GPUs, vLLM, the model, the data) and "
-                                   "the memory plan.",
+                                   "the rules across fields, this machine (GPUs, vLLM, the model, the data), "
+                                   "the memory plan, and every row of the data splits (each bad one listed).",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=OVERRIDE_EXAMPLES.format(cmd="validate"))
     p.add_argument("recipe", nargs="+", help="recipes/<name>.py or a config_resolved.yaml; several are checked in "
                                              "turn, each with the same overrides")
     p.add_argument("--no-env", action="store_true",
                    help="check the config alone: skip the checks of this machine (GPUs, vLLM, model and data "
-                        "paths), e.g. to validate a GPU recipe on a laptop")
+                        "paths), e.g. to validate a GPU recipe on a laptop; local data files are still read, a hub "
+                        "dataset is not fetched")
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser("run", help="run a recipe's flow", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=OVERRIDE_EXAMPLES.format(cmd="run"))

@@ -8,9 +8,9 @@ written by `make_rows` (`posttrain`'s DVC stage `own_data` runs `python -m examp
 data/own-data`). Every column but `messages` reaches the reward functions as a keyword argument.
 
 The rewards, TRL-style: `answer_digits` reads the `answer` column (partial credit per digit in place),
-`within_length` the `max_chars` column; the recipe weighs them 0.8 and 0.2, so a reward of 1.0 is a
-completion that is exactly the answer (the held-out `val/accuracy`). `exact_answer` is the all-or-nothing
-version. `verl_style` shows a verl `compute_score` wrapped in one line.
+`within_length` the `max_chars` column; the recipe weighs them 0.8 and 0.2. `answer_digits` comes first, so it is
+the success reward: the held-out `val/accuracy` counts completions it gives 1.0, those exactly the answer.
+`exact_answer` is the all-or-nothing version. `verl_style` shows a verl `compute_score` wrapped in one line.
 """
 
 from __future__ import annotations

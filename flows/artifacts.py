@@ -4,11 +4,12 @@
   file store has no page to link to: the summary names the store and the run id instead);
 - a progress artifact (`<job>-progress`), set at the start (a resumed run starts at its checkpoint's step) and
   updated at every step;
-- a markdown summary at the end (`<job>-summary`): steps, final reward, held-out accuracy, the run directory,
-  the newest checkpoint and the final model, the MLflow run;
+- a markdown summary at the end (`<job>-summary`): steps, final reward, held-out accuracy and the reward that
+  decides it (`data.success_reward`), the run directory, the newest checkpoint and the final model, the MLflow run;
 - sample completions (`<job>-completions`), at the steps that log them to MLflow (`tracking.sample_completions_every`
   and the last): prompt, completion (an agent's whole conversation after its opening messages, tool calls and
-  results included), reward, finish reason; the newest version is the latest step's.
+  results included), reward, finish reason, the row's data columns and each reward function's value; the newest
+  version is the latest step's.
 
 The keys carry `job.name`, so the UI's Artifacts page keeps the newest of each per job. An artifact is for
 people: when the API refuses or cannot be reached, a warning is logged, no further artifact is tried in this
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.redact import redact_text
+from rl_core.rewards import SUCCESS_VALUE
 
 log = logging.getLogger("posttrain")
 
@@ -83,13 +85,15 @@ class RunArtifacts:
                        description=self._steps(step))
 
     def summary(self, records: list[dict], *, step: int, run_dir: Path, checkpoint: Path | None, model_dir: str | None,
-                mlflow_run_id: str | None, tracking_uri: str | None) -> None:
-        """The markdown summary of the finished run (`records`: its metrics.jsonl lines)."""
+                mlflow_run_id: str | None, tracking_uri: str | None, success_reward: str | None = None) -> None:
+        """The markdown summary of the finished run (`records`: its metrics.jsonl lines; `success_reward`: the reward
+        whose full marks `val/accuracy` counts)."""
         from prefect.artifacts import create_markdown_artifact
 
         markdown = summary_markdown(self.job_name, records, step=step, total=self.total, run_dir=run_dir,
                                     checkpoint=checkpoint, model_dir=model_dir, mlflow_run_id=mlflow_run_id,
-                                    mlflow_url=self.mlflow_url, tracking_uri=tracking_uri)
+                                    mlflow_url=self.mlflow_url, tracking_uri=tracking_uri,
+                                    success_reward=success_reward)
         self._call("create_markdown_artifact", create_markdown_artifact, markdown, key=f"{self.key}-summary",
                    description=f"{self.job_name}: the finished run")
 
@@ -109,8 +113,9 @@ class RunArtifacts:
 
 def summary_markdown(job_name: str, records: list[dict], *, step: int, total: int, run_dir: Path,
                      checkpoint: Path | None, model_dir: str | None, mlflow_run_id: str | None,
-                     mlflow_url: str | None, tracking_uri: str | None) -> str:
-    """The summary's text: a table of what a person looks for first."""
+                     mlflow_url: str | None, tracking_uri: str | None, success_reward: str | None = None) -> str:
+    """The summary's text: a table of what a person looks for first; `success_reward` (the reward whose full marks
+    `val/accuracy` counts, `rl_core.rewards.success_reward`) is named under the held-out accuracy."""
     rows = [("steps", f"{step} of {total}")]
     for key, label in REWARD_KEYS:
         last = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -122,6 +127,8 @@ def summary_markdown(job_name: str, records: list[dict], *, step: int, total: in
         (first_step, first), (last_step, last) = accuracy[0], accuracy[-1]
         rows.append(("held-out accuracy (val/accuracy)", f"{last:.4f} (step {last_step})" if first_step == last_step
                      else f"{first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"))
+        if success_reward:
+            rows.append(("correct when", f"reward `{success_reward}` ≥ {SUCCESS_VALUE:g} (data.success_reward)"))
     rows.append(("run directory", f"`{Path(run_dir).resolve()}`"))
     rows.append(("newest checkpoint", f"`{Path(checkpoint).resolve()}`" if checkpoint else "none (rl.save_every=0)"))
     if model_dir:
@@ -144,8 +151,12 @@ def _fenced(text: str) -> str:
     return f"{fence}\n{text}\n{fence}"
 
 
+SAMPLE_FIELDS = ("step", "attempt", "prompt", "completion", "reward", "finish_reason")  # shown in their own places
+
+
 def completions_markdown(step: int, rows: list[dict]) -> str:
-    """The sample completions of one step, one section each: prompt, answer, reward, finish reason, and the
+    """The sample completions of one step, one section each: reward, finish reason, prompt, the table's other
+    columns (the row's data columns such as the reference answer, each reward function's value) and the
     completion (cut at `COMPLETION_CHARS`) as a code block. Secrets that look like credentials are redacted."""
     parts = [f"# Sample completions, step {step}"]
     for i, row in enumerate(rows, 1):
@@ -153,7 +164,9 @@ def completions_markdown(step: int, rows: list[dict]) -> str:
         if len(text) > COMPLETION_CHARS:
             text = text[:COMPLETION_CHARS] + f"\n... ({len(text) - COMPLETION_CHARS} more characters)"
         reward = "none" if row.get("reward") is None else f"{float(row['reward']):.4f}"
+        fields = "".join(f"**{name}** {redact_text(str(value))[:200]}\n\n" for name, value in row.items()
+                         if name not in SAMPLE_FIELDS)
         parts.append(f"## {i}. reward {reward}, finish reason {row.get('finish_reason') or 'n/a'}\n\n"
                      f"**prompt** {redact_text(str(row['prompt']))[:COMPLETION_CHARS]}\n\n"
-                     f"**answer** {redact_text(str(row['answer']))[:200]}\n\n{_fenced(redact_text(text))}")
+                     f"{fields}{_fenced(redact_text(text))}")
     return "\n\n".join(parts) + "\n"

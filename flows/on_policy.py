@@ -129,9 +129,10 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 with timer.phase("reward"):
                     examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                     texts = display_texts(completions, role.tokenizer)
-                    rewards, reward_means = reward(quote(rewards_pool), quote(examples), quote(texts),
-                                                   quote(completions.episodes), step=step)
-                run.sample(step, examples, texts, rewards, completions.finish_reason)
+                    scores = reward(quote(rewards_pool), quote(examples), quote(texts), quote(completions.episodes),
+                                    step=step)
+                    rewards, reward_means = scores.rewards, scores.means
+                run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
                                               (step - 1) * len(rewards), step=step)

@@ -48,6 +48,8 @@ from infra.tracking import MetricsLog, RunTracker, ui_command
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
 from rl_core.registry import build_objective
+from rl_core.rewards import success_reward
+from rl_core.rewards.configured import reward_names
 from tasks.checkpoint import commit_checkpoint_task, save_model_task, start_checkpoint_task
 from tasks.rollout import prune_rollout_cache
 
@@ -311,13 +313,16 @@ class TrainingRun:
         self.metrics_log.append(record)
         self.tracker.log_metrics(record, step=record["step"])
 
-    def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str]) -> None:
+    def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str],
+               reward_values: dict[str, list] | None = None) -> None:
         """Every `tracking.sample_completions_every` steps (and at the last): some of the step's completions with
-        their rewards to the MLflow run's completions table, and to the flow run's completions artifact."""
+        their rewards (`reward_values`: each function's own, by name) to the MLflow run's completions table, and to
+        the flow run's completions artifact."""
         every = self.cfg.tracking.sample_completions_every
         if every and self.due(every, step):  # 0: never, not even at the last step
             frame = self.tracker.log_completions(step, examples, texts, rewards,
-                                                 count=self.cfg.tracking.sample_completions, finish_reasons=finish_reasons)
+                                                 count=self.cfg.tracking.sample_completions, finish_reasons=finish_reasons,
+                                                 reward_values=reward_values)
             if self.artifacts is not None:
                 self.artifacts.completions(step, frame.to_dict("records"))
 
@@ -421,10 +426,12 @@ class TrainingRun:
         url, ui = self.tracker.url, ui_command(self.tracker.tracking_uri)
         announce("run finished: %s (metrics: %s)", self.run_dir, self.metrics_log.path)
         announce("MLflow run: %s%s", url, f" (serve the store with: {ui})" if ui else "")
+        decider = success_reward(self.cfg.data.success_reward, reward_names(self.cfg.data))  # what val/accuracy counts
         if self.artifacts is not None:
             valid = self.store.list_valid()
             self.artifacts.summary(self.metrics_log.read(), step=step, run_dir=self.run_dir,
                                    checkpoint=valid[-1] if valid else None, model_dir=model_dir,
-                                   mlflow_run_id=self.run_id, tracking_uri=self.tracker.tracking_uri)
+                                   mlflow_run_id=self.run_id, tracking_uri=self.tracker.tracking_uri,
+                                   success_reward=decider)
         return {"run_dir": str(self.run_dir), "metrics": str(self.metrics_log.path), "mlflow_run_id": self.run_id,
-                "mlflow_url": url, "step": step}
+                "mlflow_url": url, "step": step, "success_reward": decider}

@@ -22,7 +22,7 @@ import ray
 from infra.actor import HelperPool
 from infra.processes import use_threads
 from rl_core.config import PosttrainConfig
-from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, combine, function_means
+from rl_core.rewards import RewardError, RewardFunction, RewardInputs, Scores, call_reward, scored
 from rl_core.rewards.configured import reward_functions as configured_functions
 from rl_core.user_code import user_error
 
@@ -59,7 +59,8 @@ class RewardWorker:
 
 
 class RewardPool(HelperPool):
-    """`score(inputs) -> (rewards, per-function means)` on `data.reward_workers` actors (or in this process)."""
+    """`scores(inputs) -> Scores` (`score(inputs) -> (rewards, per-function means)`) on `data.reward_workers` actors
+    (or in this process)."""
 
     role, worker, what = "rewards", RewardWorker, "reward workers (data.reward_workers)"
     failure, failed = RewardError, "a reward worker failed to start (importing data.rewards / data.task)"
@@ -73,12 +74,17 @@ class RewardPool(HelperPool):
 
         return (worker_config(self.cfg),)
 
-    def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
+    def scores(self, inputs: RewardInputs) -> Scores:
+        """The batch scored: each completion's reward, each function's mean and each function's own values."""
         if self.cfg.data.reward_workers == 0:
             per_function = [call_reward(f, inputs) for f in self.functions]
         else:
             per_function = self._score_on_actors(inputs)
-        return combine(self.functions, per_function, inputs.rows), function_means(self.functions, per_function)
+        return scored(self.functions, per_function, inputs.rows)
+
+    def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
+        out = self.scores(inputs)
+        return out.rewards, out.means
 
     def _score_on_actors(self, inputs: RewardInputs) -> list[list[float | None]]:
         self._place()  # again after a timeout or a failure killed the pool

@@ -355,13 +355,13 @@ class RunTracker:
                        tags_list=[None, None])
 
     def log_completions(self, step: int, examples: Any, texts: Any, rewards: Any, *, count: int,
-                        finish_reasons: Any = None) -> Any:
-        """Append `count` of a step's completions (spread over its batch) with prompt, answer, reward and finish
-        reason, plus this attempt's number, to the run's `completions.json` table (`mlflow.load_table`); the rows
-        appended (a pandas DataFrame)."""
+                        finish_reasons: Any = None, reward_values: Any = None) -> Any:
+        """Append `count` of a step's completions (spread over its batch) with prompt, the row's data columns,
+        reward, each reward function's value (`reward_values`, by name) and finish reason, plus this attempt's
+        number, to the run's `completions.json` table (`completions_frame`); the rows appended (a pandas DataFrame)."""
         from infra.tracking_items import COMPLETIONS_TABLE, completions_frame
 
-        frame = completions_frame(step, self.attempt, examples, texts, rewards, count, finish_reasons)
+        frame = completions_frame(step, self.attempt, examples, texts, rewards, count, finish_reasons, reward_values)
         self._call("log_table", self.client.log_table, self.run_id, frame, COMPLETIONS_TABLE)
         return frame
 

@@ -115,20 +115,38 @@ def spread(total: int, count: int) -> list[int]:
     return sorted({round(i * (total - 1) / (count - 1)) for i in range(count)})
 
 
+FRAME_COLUMNS = ("step", "attempt", "prompt", "completion", "reward", "finish_reason")  # every table row has these
+
+
 def completions_frame(step: int, attempt: int | None, examples: Sequence[Any], texts: Sequence[str],
-                      rewards: Sequence[float | None], count: int, finish_reasons: Sequence[str] | None = None):
+                      rewards: Sequence[float | None], count: int, finish_reasons: Sequence[str] | None = None,
+                      reward_values: dict[str, Sequence[float | None]] | None = None):
     """Rows of the completions table for one step: `count` completions spread over the batch, each with its
-    prompt, reference answer, reward and finish reason ('length': truncated at rollout.max_tokens)."""
+    prompt, the row's data columns under their own names (what the reward functions receive: `answer`, `solution`,
+    ...; nested values as JSON text), completion, reward, each reward function's own value (`reward_values`: the
+    functions' names, in order, to one value or None per completion) and finish reason ('length': truncated at
+    rollout.max_tokens). A data column or reward whose name is already taken is `data:<name>` / `reward:<name>`."""
     import pandas as pd
 
+    picked = spread(len(texts), count)
+    data: dict[str, str] = {}  # data column -> table column, in first-seen order
+    for i in picked:
+        for name in examples[i].reward_columns():
+            data.setdefault(name, name if name not in FRAME_COLUMNS else f"data:{name}")
+    taken = set(FRAME_COLUMNS) | set(data.values())
+    scores = {name: name if name not in taken else f"reward:{name}" for name in (reward_values or {})}
     rows = []
-    for i in spread(len(texts), count):
-        rows.append({"step": int(step), "attempt": attempt, "prompt": examples[i].prompt,
-                     "answer": examples[i].answer, "completion": texts[i],
-                     "reward": None if rewards[i] is None else float(rewards[i]),
-                     "finish_reason": finish_reasons[i] if finish_reasons is not None else None})
-    return pd.DataFrame.from_records(rows, columns=["step", "attempt", "prompt", "answer", "completion", "reward",
-                                                    "finish_reason"])
+    for i in picked:
+        values = examples[i].reward_columns()
+        row = {"step": int(step), "attempt": attempt, "prompt": examples[i].prompt}
+        row.update({column: _plain(values.get(name)) for name, column in data.items()})
+        row.update({"completion": texts[i], "reward": None if rewards[i] is None else float(rewards[i])})
+        row.update({column: None if reward_values[name][i] is None else float(reward_values[name][i])
+                    for name, column in scores.items()})
+        row["finish_reason"] = finish_reasons[i] if finish_reasons is not None else None
+        rows.append(row)
+    columns = ["step", "attempt", "prompt", *data.values(), "completion", "reward", *scores.values(), "finish_reason"]
+    return pd.DataFrame.from_records(rows, columns=columns)
 
 
 # -------------------------------------------------------------------------------------------- model

@@ -1,7 +1,9 @@
-"""Held-out evaluation: greedy completions scored by the task's reward (exact match).
+"""Held-out evaluation: greedy completions scored by the configured rewards.
 
-`accuracy` is the fraction of examples whose reward is 1.0; `mean_reward` the mean reward (the
-same number for 0/1 rewards, kept apart for graded rewards).
+`accuracy` is the fraction of examples the success reward (`data.success_reward`, default the first reward,
+`rl_core.rewards.success_reward`) gives full marks by its own value (at least `SUCCESS_VALUE`, 1.0), whatever
+the weights of the others; `mean_reward` the mean weighted reward. With the task's own 0/1 reward the two are
+the same number.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rl_core.agents.rollout import display_texts, rollout_episodes
-from rl_core.rewards import RewardInputs, reward_inputs, score
+from rl_core.rewards import RewardInputs, Scores, reward_inputs, score_batch, success_reward, successes
 from rl_core.rewards.configured import reward_functions
 from rl_core.rollout.base import SamplingParams
 from rl_core.tasks import Example, Task, encode_prompts, get_task
 
-Scorer = Callable[[RewardInputs], tuple[list[float], dict[str, float]]]
+Scorer = Callable[[RewardInputs], Scores]
 
 
 def evaluate_accuracy(
@@ -36,15 +38,16 @@ def evaluate_accuracy(
 ) -> dict:
     """Greedy-decode every example (batched) and score it.
 
-    `data` (the `data` config section) gives the task, template, system prompt and instruction in place of
-    `task` / `prompt_template`. `scorer(RewardInputs) -> (rewards, per-function means)` defaults to the
+    `data` (the `data` config section) gives the task, template, system prompt, instruction and success reward in
+    place of `task` / `prompt_template` / the first reward. `scorer(RewardInputs) -> Scores` defaults to the
     configured rewards run here (`data.rewards`, or the task's own); the flows pass the reward pool's.
     `engine` (a `RolloutEngine`) replaces the default HF engine over `model`, e.g. vLLM on GPU.
     An agent task (an environment in `data.task`) plays one greedy episode per example, `max_tokens` per turn, at
     most `max_turns` turns and `max_episode_tokens` tokens, scored over the whole conversation; its environments
     live in `environments` (a host, `rl_core.agents.host`; None: this process).
-    Returns `{"accuracy", "mean_reward", "n", "samples"}`; `samples` holds the first `num_samples`
-    `{"prompt", "completion", "answer", "reward"}` rows.
+    Returns `{"accuracy", "mean_reward", "n", "success_reward", "samples"}` (`success_reward`: the name of the
+    reward that decided `accuracy`); `samples` holds the first `num_samples` `{"prompt", "completion", "answer",
+    "reward", "correct"}` rows.
     """
     from rl_core.rollout.hf import HFEngine
 
@@ -61,7 +64,7 @@ def evaluate_accuracy(
         functions = reward_functions(data if data is not None else DataConfig(task=task))
 
         def scorer(inputs):
-            return score(functions, inputs)
+            return score_batch(functions, inputs)
 
     if engine is None:
         engine = HFEngine(model, tokenizer)
@@ -70,6 +73,8 @@ def evaluate_accuracy(
         raise ValueError("evaluate_accuracy: an agent task needs max_episode_tokens (the episode's token budget)")
     greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
     rewards: list[float] = []
+    correct: list[bool] = []
+    decider: str | None = None
     samples: list[dict] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -79,15 +84,20 @@ def evaluate_accuracy(
         else:
             completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
         texts = display_texts(completions, tokenizer)
-        chunk_rewards, _ = scorer(reward_inputs(chunk, texts, completions.episodes))
-        for ex, text, r in zip(chunk, texts, chunk_rewards, strict=True):
+        scores = scorer(reward_inputs(chunk, texts, completions.episodes))
+        if decider is None:
+            decider = success_reward(data.success_reward if data is not None else None, list(scores.values))
+        for ex, text, r, ok in zip(chunk, texts, scores.rewards, successes(scores, decider), strict=True):
             rewards.append(float(r))
+            correct.append(ok)
             if len(samples) < num_samples:
-                samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": float(r)})
+                samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "reward": float(r),
+                                "correct": ok})
     n = len(rewards)
     return {
-        "accuracy": sum(1.0 for r in rewards if r == 1.0) / n,
+        "accuracy": sum(correct) / n,
         "mean_reward": sum(rewards) / n,
         "n": n,
+        "success_reward": decider,
         "samples": samples,
     }

@@ -17,6 +17,6 @@ def evaluate_task(engine: Any, tokenizer: Any, examples: list, data_cfg: Any, ma
     """`max_turns` / `max_episode_tokens`: an agent task's episode limits (`rollout.*`); `environments`: where its
     environments live (`infra.environments.EnvironmentPool`)."""
     result = evaluate_accuracy(None, tokenizer, examples, data=data_cfg, max_tokens=max_tokens, engine=engine,
-                               scorer=rewards.score if rewards is not None else None, max_turns=max_turns,
+                               scorer=rewards.scores if rewards is not None else None, max_turns=max_turns,
                                max_episode_tokens=max_episode_tokens, environments=environments)
     return {"val/accuracy": result["accuracy"], "val/mean_reward": result["mean_reward"], "val/n": result["n"]}

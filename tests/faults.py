@@ -51,15 +51,15 @@ def faulty_reward_task(fail: int = 0, nan: int = 0):
 
     @task(name="reward", task_run_name="reward step {step}", cache_policy=NO_CACHE)
     def reward(rewards: Any, examples: list, texts: list[str], episodes: list[dict] | None = None, *,
-               step: int) -> tuple[list[float], dict[str, float]]:
+               step: int) -> Any:
         seen["calls"] += 1
         if seen["calls"] <= fail:
             raise InjectedFault(f"injected fault at 'reward' (call {seen['calls']})")
-        values, means = reward_task.fn(rewards, examples, texts, episodes, step=step)
+        scores = reward_task.fn(rewards, examples, texts, episodes, step=step)
         seen["nan"] += 1
         if seen["nan"] <= nan:
-            values[0] = math.nan
-        return values, means
+            scores.rewards[0] = math.nan
+        return scores
 
     return reward
 

@@ -163,7 +163,8 @@ def emit_warnings(report: PreflightReport) -> None:
 
 
 def check(cfg: PosttrainConfig) -> PreflightReport:
-    """Run preflight; raise ConfigError listing every error, else emit warnings and return the report."""
+    """Run preflight; raise ConfigError listing every error, else check the data's rows (DataError listing every bad
+    one, `rl_core.config.data_check`), emit warnings and return the report."""
     from rl_core.config.loader import ConfigError
 
     report = preflight(cfg)
@@ -173,6 +174,9 @@ def check(cfg: PosttrainConfig) -> PreflightReport:
         report.errors.extend(environment_problems(cfg))
     if report.errors:
         raise ConfigError(report.errors, "preflight")
+    from rl_core.config.data_check import check_data
+
+    check_data(cfg).raise_errors()  # the rows the run would stop at, all of them, before anything starts
     emit_warnings(report)
     return report
 
@@ -201,7 +205,10 @@ def load_checked(recipe: str, overrides: list[str] | tuple[str, ...] = (), *, ha
 
 
 def data_problems(cfg: PosttrainConfig) -> list[str]:
-    """Keys of the data section that the task or the rewards never read, and reward names that collide."""
+    """Keys of the data section that the task or the rewards never read, reward names that collide, and a success
+    reward that is none of them."""
+    from rl_core.rewards import success_reward
+    from rl_core.rewards.configured import entry_name, reward_names
     from rl_core.tasks import get_task
 
     d, out = cfg.data, []
@@ -214,9 +221,9 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
             if getattr(cfg.rollout, key) != default:
                 out.append(f"rollout.{key}={getattr(cfg.rollout, key)}: read only by agent tasks (an environment in "
                            f"data.task), not by data.task={d.task!r}; remove it")
-    elif d.prompt_template != "chat":
+    elif d.prompt_template == "plain":
         out.append(f"data.prompt_template={d.prompt_template!r}: an environment's episode is a chat (its turns are the "
-                   f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat")
+                   f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat or auto (the default)")
     if d.reward_mode != "strict" and ("reward_mode" not in task.reads or d.rewards):
         reader = "data.rewards replaces the task's reward" if d.rewards else f"data.task={d.task!r} does not read it"
         out.append(f"data.reward_mode={d.reward_mode!r}: only the GSM8K task's own reward reads it ({reader})")
@@ -226,12 +233,23 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
         except ValueError as exc:
             out.append(str(exc))
     fixed = [name for name, _ in task.fixed_rewards(d)]  # an environment's own reward
-    names = [e.name or e.path.rpartition(":")[2].rpartition(".")[2] for e in d.rewards]
+    names = [entry_name(e) for e in d.rewards]
     for i, name in enumerate(names):
         if name in fixed or name in names[:i]:
             out.append(f"data.rewards[{i}]: a second reward named {name!r} (their metrics would mix); give it a "
                        "name (data.rewards[i].name)")
     if d.rewards and not fixed and not any(e.weight for e in d.rewards):
         out.append("data.rewards: every weight is 0, so every reward would be 0; give one a weight")
+    if d.success_reward is not None:
+        try:
+            known = reward_names(d, task)
+        except ValueError:  # a task without rewards of its own and no data.rewards: reported above
+            known = None
+        if known is not None:
+            try:
+                success_reward(d.success_reward, known)
+            except ValueError as exc:
+                out.append(f"{exc}: name one of them (the metrics' rollout/rewards/<name>/mean), or unset it for the "
+                           "first")
     return out
 

@@ -16,7 +16,7 @@ from rl_core.algorithms.grpo import GRPO
 from rl_core.config.legacy import translate, translate_rl
 from rl_core.redact import has_userinfo
 from rl_core.registry import ObjectiveSpec
-from rl_core.user_code import IMPORT_PATH
+from rl_core.user_code import IMPORT_PATH, ImportPathError, import_path_of
 
 # The most seconds any timeout or delay may be (a week): every `*_s` field is bounded by it, so a value reaches
 # Ray's, Prefect's and botocore's timeouts as a number they can hold (1e300 s overflows their conversions to
@@ -123,17 +123,35 @@ class RewardEntry(_Section):
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function in the completion's reward (sum of weight x value over the functions that apply).")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in the metrics (rollout/rewards/<name>/mean); None: the function's name.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _function_as_entry(cls, data):
+        """A function object in place of an entry (TRL's `reward_funcs=[fn]`) is the entry `{path: fn}`."""
+        return {"path": data} if callable(data) and not isinstance(data, type) else data
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _function_as_path(cls, value):
+        """A function object is recorded by its import path (provenance, Ray workers); one without is refused."""
+        if not callable(value):
+            return value
+        try:
+            return import_path_of(value)
+        except ImportPathError as exc:
+            raise PydanticCustomError("reward_function", "{why}", {"why": str(exc)}) from None
+
 
 class DataConfig(_Section):
     task: str = Field("arithmetic", pattern=r"^[A-Za-z_]\w*$|" + IMPORT_PATH[1:], description="The task: how data is loaded, prompts formatted and scored. Built in: arithmetic, gsm8k, prompts (your JSONL/Parquet/datasets prompts); or yours by import path 'package.module:TASK' (docs/data.md).")
     train: str = Field("data/arithmetic/train.jsonl", min_length=1, description="Train split: a local file or directory, or a hub dataset id with an optional ':split'.")
     val: str = Field("data/arithmetic/val.jsonl", min_length=1, description="Held-out split: a local file or directory, or a hub dataset id with an optional ':split'.")
     dataset_config: str | None = Field(None, min_length=1, description="The `datasets` configuration name of a hub dataset (None: the dataset's default; GSM8K: 'main').")
-    prompt_template: Literal["plain", "chat"] = Field("plain", description="plain for base models; chat applies the tokenizer's chat template.")
+    prompt_template: Literal["auto", "plain", "chat"] = Field("auto", description="How prompts are rendered. auto: a row whose prompt is a list of chat messages (TRL's conversational format), and an environment's episode, with the tokenizer's chat template; a text prompt as it is. plain: the text as it is (base models; chat rows are refused). chat: the chat template for every row, a text prompt as the user's turn.")
     system_prompt: str | None = Field(None, min_length=1, description="A system message before every prompt (chat: a system turn; plain: a first line).")
     instruction: str | None = Field(None, min_length=1, description="Text appended to every user prompt; None: the task's own (GSM8K's asks for a final '#### <number>' line in chat).")
     reward_mode: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction: last '#### N' (strict) or last number (flexible).")
     rewards: list[RewardEntry] = Field(default_factory=list, description="Your reward functions with weights, TRL-style ({path, weight, name}); empty: the task's own reward (docs/data.md).")
+    success_reward: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="The reward (its name, as in rollout/rewards/<name>/mean) whose own value decides a held-out answer's correctness: val/accuracy is the share of held-out completions it scores at least 1.0, whatever the weights. None: the first reward (an environment's own, else data.rewards[0], else the task's).")
     reward_workers: int = Field(1, ge=0, description="Ray actors that run the reward functions, each scoring a share of the batch; 0 runs them in the driver process, without the timeout.")
     reward_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it (at most a week, 604800).")
     env_workers: int = Field(1, ge=0, description="An agent task's Ray actors that keep its environments (and run their tools), each a share of a rollout's episodes; 0 keeps them in the driver process, without the timeout.")

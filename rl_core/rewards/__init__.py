@@ -169,11 +169,57 @@ def function_means(functions: Sequence[RewardFunction],
     return out
 
 
+@dataclass
+class Scores:
+    """A scored batch: `rewards[i]` completion i's reward (`combine`), `means` each function's mean
+    (`function_means`) and `values[name][i]` function `name`'s own value for completion i (None: it did not apply),
+    the functions in their configured order."""
+
+    rewards: list[float]
+    means: dict[str, float]
+    values: dict[str, list[float | None]]
+
+
+def scored(functions: Sequence[RewardFunction], per_function: Sequence[Sequence[float | None]],
+           rows: Sequence[str]) -> Scores:
+    """The `Scores` of a batch from each function's values (`per_function[j]`: function j's, one per completion)."""
+    return Scores(combine(functions, per_function, rows), function_means(functions, per_function),
+                  {f.name: list(values) for f, values in zip(functions, per_function, strict=True)})
+
+
+def score_batch(functions: Sequence[RewardFunction], inputs: RewardInputs) -> Scores:
+    """Every function on the whole batch in this process."""
+    return scored(functions, [call_reward(f, inputs) for f in functions], inputs.rows)
+
+
+SUCCESS_VALUE = 1.0  # full marks: a held-out completion is correct when the success reward gives it at least this
+
+
+def success_reward(chosen: str | None, names: Sequence[str]) -> str:
+    """The reward whose own value decides a held-out completion's correctness: `chosen` (`data.success_reward`),
+    else the first of the configured rewards' `names` (in order: an environment's own, then `data.rewards`, or the
+    task's own)."""
+    if chosen is not None:
+        if chosen not in names:
+            raise ValueError(f"data.success_reward={chosen!r}: no reward of that name; the rewards are "
+                             f"{', '.join(map(repr, names)) or 'none'}")
+        return chosen
+    if not names:
+        raise ValueError("no reward functions: nothing decides correctness (data.rewards is empty and the task has none)")
+    return names[0]
+
+
+def successes(scores: Scores, name: str) -> list[bool]:
+    """Whether each completion is correct: reward `name`'s own value is at least `SUCCESS_VALUE` (None: not)."""
+    return [v is not None and v >= SUCCESS_VALUE for v in scores.values[name]]
+
+
 def score(functions: Sequence[RewardFunction], inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
     """Every function on the whole batch in this process: `(rewards, per-function means)`."""
-    per_function = [call_reward(f, inputs) for f in functions]
-    return combine(functions, per_function, inputs.rows), function_means(functions, per_function)
+    out = score_batch(functions, inputs)
+    return out.rewards, out.means
 
 
-__all__ = ["RewardError", "RewardFn", "RewardFunction", "RewardInputs", "call_reward", "combine",
-           "function_means", "per_completion", "reward_inputs", "score"]
+__all__ = ["SUCCESS_VALUE", "RewardError", "RewardFn", "RewardFunction", "RewardInputs", "Scores", "call_reward",
+           "combine", "function_means", "per_completion", "reward_inputs", "score", "score_batch", "scored",
+           "success_reward", "successes"]

@@ -10,6 +10,19 @@ from rl_core.tasks import get_task
 from rl_core.user_code import REWARD_PARAMS, load_callable
 
 
+def entry_name(entry: Any) -> str:
+    """A `data.rewards` entry's name: its `name`, else its function's (the last part of its import path)."""
+    return entry.name or entry.path.rpartition(":")[2].rpartition(".")[2]
+
+
+def reward_names(data: Any, task: Any = None) -> list[str]:
+    """The names of `reward_functions(data)`, in order, without importing `data.rewards`."""
+    if task is None:
+        task = get_task(data.task)
+    own = [entry_name(e) for e in data.rewards] if data.rewards else [name for name, _ in task.default_rewards(data)]
+    return [name for name, _ in task.fixed_rewards(data)] + own
+
+
 def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
     """The task's fixed rewards (an environment's), then `data.rewards` (imported and checked), or the task's own
     rewards when it is empty."""
@@ -21,6 +34,6 @@ def reward_functions(data: Any, task: Any = None) -> list[RewardFunction]:
     for i, entry in enumerate(data.rewards):
         key = f"data.rewards[{i}]"
         fn = load_callable(entry.path, f"{key}.path", REWARD_PARAMS, by_keyword=True)
-        name = entry.name or entry.path.rpartition(":")[2].rpartition(".")[2]
+        name = entry_name(entry)
         out.append(RewardFunction(name, fn, float(entry.weight), key))
     return out

@@ -32,6 +32,23 @@ def test_own_data_trains_lora_with_weighted_rewards_and_a_bad_row_loses_nothing(
         digits, length = r["rollout/rewards/answer_digits/mean"], r["rollout/rewards/within_length/mean"]
         assert 0 <= digits <= 1 and 0 <= length <= 1
         assert r["rollout/reward_mean"] == pytest.approx(0.8 * digits + 0.2 * length, abs=1e-6)  # float32 batch
+    # the completions table of the last step: the rows' data columns by name, each reward's own value beside the total
+    import mlflow
+
+    from infra.tracking import resolve_experiment, resolve_tracking_uri
+    from rl_core.config import load_config
+
+    cfg = load_config(recipe("own_data_lora"), SHORT)
+    client = mlflow.MlflowClient(resolve_tracking_uri(cfg))
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name(resolve_experiment(cfg)).experiment_id],
+                                       filter_string="attributes.run_name = 'own'")
+    table = client.load_table(mlflow_run.info.experiment_id, "completions.json", run_ids=[mlflow_run.info.run_id])
+    assert list(table.columns) == ["step", "attempt", "prompt", "answer", "max_chars", "completion", "reward",
+                                   "answer_digits", "within_length", "finish_reason"]
+    assert set(table["step"]) == {2} and len(table) == 8  # tracking.sample_completions of the last step's 16
+    for _, row in table.iterrows():
+        assert 0 <= row["answer_digits"] <= 1 and row["within_length"] in (0.0, 1.0)
+        assert row["reward"] == pytest.approx(0.8 * row["answer_digits"] + 0.2 * row["within_length"], abs=1e-6)
     adapter = json.loads((run / "final_model" / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 16 and adapter["lora_alpha"] == 32
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())

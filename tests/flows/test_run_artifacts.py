@@ -51,6 +51,43 @@ def test_the_summary_names_steps_reward_accuracy_and_where_things_are(tmp_path):
     assert "| newest checkpoint | none (rl.save_every=0) |" in dpo and "| MLflow run | [r2](http://h/#/x) |" in dpo
 
 
+def test_the_summary_and_the_end_of_run_line_name_the_reward_that_decides_accuracy(tmp_path):
+    from cli.main import summary_line
+    from flows.artifacts import summary_markdown
+    from infra.tracking import MetricsLog
+
+    records = [{"step": 0, "val/accuracy": 0.05, "val/mean_reward": 0.3},
+               {"step": 4, "rollout/reward_mean": 0.9, "val/accuracy": 0.5, "val/mean_reward": 0.7}]
+    text = summary_markdown("trl", records, step=4, total=4, run_dir=tmp_path, checkpoint=None, model_dir=None,
+                            mlflow_run_id="r1", mlflow_url=None, tracking_uri="sqlite:////x/mlflow.db",
+                            success_reward="accuracy_reward")
+    rows = [line for line in text.splitlines() if line.startswith(("| held-out", "| correct"))]
+    assert rows == ["| held-out accuracy (val/accuracy) | 0.0500 (step 0) → 0.5000 (step 4) |",
+                    "| correct when | reward `accuracy_reward` ≥ 1 (data.success_reward) |"]
+    without = summary_markdown("trl", [{"step": 4, "rollout/reward_mean": 0.9}], step=4, total=4, run_dir=tmp_path, checkpoint=None,
+                               model_dir=None, mlflow_run_id=None, mlflow_url=None, tracking_uri=None,
+                               success_reward="accuracy_reward")
+    assert "correct when" not in without  # nothing evaluated: nothing to qualify
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for record in records:
+        log.append(record)
+    result = {"metrics": str(log.path), "run_dir": str(tmp_path), "mlflow_run_id": "r1",
+              "success_reward": "accuracy_reward"}
+    assert summary_line(result).startswith("held-out accuracy (accuracy_reward >= 1) 0.050 (step 0) -> 0.500 (step 4); ")
+
+
+def test_the_completions_artifact_shows_the_rows_data_columns_and_each_rewards_value():
+    from flows.artifacts import completions_markdown
+
+    rows = [{"step": 3, "attempt": 1, "prompt": "What is 2+2?", "solution": "4", "difficulty": 1, "completion": "4",
+             "reward": 1.2, "accuracy_reward": 1.0, "format_reward": 1.0, "finish_reason": "stop"}]
+    text = completions_markdown(3, rows)
+    section = text.split("## 1. reward 1.2000, finish reason stop\n\n", 1)[1]
+    assert section == ("**prompt** What is 2+2?\n\n**solution** 4\n\n**difficulty** 1\n\n**accuracy_reward** 1.0\n\n"
+                       "**format_reward** 1.0\n\n```\n4\n```\n")
+
+
 @pytest.mark.filterwarnings("ignore:Artifact creation outside of a flow:FutureWarning")
 def test_an_unreachable_prefect_api_costs_one_warning_and_no_failure(caplog):
     """A real client against a port nothing listens on: the first artifact call fails, is logged, and switches the

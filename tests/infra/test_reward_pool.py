@@ -10,7 +10,7 @@ import traceback
 import pytest
 
 from rl_core.config import load_config
-from rl_core.rewards import RewardError, reward_inputs, score
+from rl_core.rewards import RewardError, reward_inputs, score, score_batch
 from rl_core.rewards.configured import reward_functions
 from rl_core.tasks import Example
 
@@ -25,6 +25,20 @@ def _batch(n: int):
     return reward_inputs(examples, texts)
 
 
+def test_in_process_the_pool_gives_each_functions_values_by_name():
+    from infra.rewards import RewardPool
+
+    cfg = load_config("recipes/arithmetic.py", [REWARDS, "data.reward_workers=0"])
+    scores = RewardPool(cfg).scores(_batch(6))  # no actors: nothing is placed
+    # texts "", "cm x", "xx", "cm xxx", "xxxx", "cm "; a unit ("cm") on rows 0 and 3 only
+    assert list(scores.values) == ["length_reward", "units"]
+    assert scores.values["length_reward"] == pytest.approx([0.0, 0.4, 0.2, 0.6, 0.4, 0.3])
+    assert scores.values["units"] == [0.0, None, None, 1.0, None, None]
+    assert scores.rewards == pytest.approx([0.0, 0.2, 0.1, 0.3 + 2.0, 0.2, 0.15])  # 0.5 · length + 2 · units
+    assert scores.means == pytest.approx({"rollout/rewards/length_reward/mean": 1.9 / 6,
+                                          "rollout/rewards/units/mean": 0.5})
+
+
 @pytest.mark.e2e  # the reward workers are Ray actors
 def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functions():
     from infra.rewards import RewardPool
@@ -34,6 +48,7 @@ def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functi
     with RewardPool(cfg) as pool:
         assert len(pool.actors) == 3
         assert pool.score(inputs) == score(reward_functions(cfg.data), inputs)
+        assert pool.scores(inputs) == score_batch(reward_functions(cfg.data), inputs)  # each function's values too
 
         slow = cfg.model_copy(deep=True)
         slow.data.rewards[1].path = "tests.user_code:sleepy_reward"

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from infra.tracking import RunTracker, TrackingError, redact, redact_text, resolve_tracking_uri
+from infra.tracking_items import using_tracking_uri
 from rl_core.config import config_hash, load_config
 from rl_core.config.loader import config_dict, flatten
 
@@ -545,6 +546,89 @@ def test_completion_rows_are_spread_over_the_batch():
         assert (row["reward"] == rewards[i]) if rewards[i] is not None else math.isnan(row["reward"])
         assert row["finish_reason"] == ("length" if i == 9 else "stop")
     assert len(completions_frame(1, 1, examples[:2], texts[:2], rewards[:2], 8)) == 2
+
+
+def test_completion_rows_carry_the_rows_data_columns_and_each_rewards_value():
+    from infra.tracking_items import completions_frame
+    from rl_core.tasks import Example
+
+    # TRL-style rows: the reference is `solution`, with other columns beside it; one column is named like a fixed one
+    examples = [Example(f"q{i}", "", None, {"solution": str(i * 11), "difficulty": i % 2, "tags": ["sum", i],
+                                            "reward": "from the data"}) for i in range(4)]
+    texts = ["0", "11 ", "x", "33"]
+    values = {"accuracy_reward": [1.0, 1.0, 0.0, 1.0], "format_reward": [1.0, 1.0, None, 1.0],
+              "completion": [0.5, 0.5, 0.5, 0.5]}
+    totals = [1.2 + 0.5, 1.2 + 0.5, 0.5, 1.2 + 0.5]  # 1.0 · accuracy + 0.2 · format (None: not applied) + 0.5 · 1
+    frame = completions_frame(3, 1, examples, texts, totals, 3, ["stop"] * 4, values)
+    assert list(frame.columns) == ["step", "attempt", "prompt", "solution", "difficulty", "tags", "data:reward",
+                                   "completion", "reward", "accuracy_reward", "format_reward", "reward:completion",
+                                   "finish_reason"]
+    assert list(frame["prompt"]) == ["q0", "q2", "q3"]  # 3 of 4 spread: the first, the last and one between
+    assert list(frame["solution"]) == ["0", "22", "33"] and list(frame["difficulty"]) == [0, 0, 1]
+    assert list(frame["tags"]) == ['["sum", 0]', '["sum", 2]', '["sum", 3]']  # nested values as JSON text
+    assert set(frame["data:reward"]) == {"from the data"}
+    assert list(frame["reward"]) == pytest.approx([1.7, 0.5, 1.7])
+    assert list(frame["accuracy_reward"]) == [1.0, 0.0, 1.0]
+    assert frame["format_reward"][0] == 1.0 and math.isnan(frame["format_reward"][1]) and frame["format_reward"][2] == 1.0
+    assert list(frame["reward:completion"]) == [0.5, 0.5, 0.5]
+    # the built-in tasks' rows: the reference column is `answer`; no reward values, no reward columns
+    plain = completions_frame(1, 1, [Example("1+2=", "3")], ["3"], [1.0], 8)
+    assert list(plain.columns) == ["step", "attempt", "prompt", "answer", "completion", "reward", "finish_reason"]
+    assert plain["answer"][0] == "3"
+
+
+def _documented_table_call() -> str:
+    """The python block of docs/tracking.md that reads the completions table back."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "tracking.md").read_text(), re.DOTALL)
+    (block,) = [b for b in blocks if "completions.json" in b]
+    return "\n".join(line.removeprefix("  ") for line in block.splitlines())  # a list item's
+
+
+@pytest.mark.e2e  # RunTracker.start reads the git revision (a subprocess)
+def test_the_documented_call_reads_the_completions_table_back(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import fluent
+
+    from rl_core.tasks import Example
+
+    monkeypatch.chdir(tmp_path)  # the default store: sqlite:///mlflow.db here, as the documented call reads it
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config(ARITH, ["job.name=table-doc", "tracking.system_metrics=false"])
+    examples = [Example(f"{i}+{i}=", "", None, {"solution": str(2 * i)}) for i in range(4)]
+    texts = ["0", "2", "5", "6"]
+    values = {"accuracy_reward": [1.0, 1.0, 0.0, 1.0], "format_reward": [1.0, 1.0, 1.0, 1.0]}
+    totals = [1.2, 1.2, 0.2, 1.2]
+    with RunTracker() as tracker:
+        run_id = tracker.start(cfg, recipe="recipes/arithmetic.py", overrides=[], objective_identity=IDENTITY)
+        for step in (1, 2):
+            tracker.log_completions(step, examples, texts, totals, count=4, reward_values=values)
+    no_fluent_leftovers()
+
+    scope = {"run_id": run_id}
+    exec(_documented_table_call(), scope)  # noqa: S102 - the documentation's own code, as a reader runs it
+    table = scope["table"]
+    assert list(table["step"]) == [1] * 4 + [2] * 4
+    assert [str(v) for v in table["solution"]] == ["0", "2", "4", "6"] * 2  # (read back, "0" comes as a number)
+    assert list(table["accuracy_reward"]) == [1.0, 1.0, 0.0, 1.0] * 2
+    assert list(table["format_reward"]) == [1.0] * 8
+    assert list(table["reward"]) == pytest.approx(totals * 2)
+
+    # the fluent call reads the active experiment only: as the page says, set the run's experiment first
+    docs = (ROOT / "docs" / "tracking.md").read_text()
+    assert 'mlflow.set_experiment("posttrain")' in docs and 'mlflow.load_table("completions.json", run_ids=[run_id])' in docs
+    monkeypatch.setattr(fluent, "_active_experiment_id", None)  # what set_experiment changes, put back afterwards
+    try:
+        with using_tracking_uri("sqlite:///mlflow.db"):
+            with pytest.raises(mlflow.exceptions.MlflowException):  # without it: not in the Default experiment
+                mlflow.load_table("completions.json", run_ids=[run_id])
+            mlflow.set_experiment("posttrain")
+            fluent_table = mlflow.load_table("completions.json", run_ids=[run_id])
+    finally:
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+    assert fluent_table.equals(table)
 
 
 def test_dataset_sources_name_the_file_or_the_hub_dataset(tmp_path):
