@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -95,6 +96,36 @@ def load_callable(path: str, key: str, params: tuple[str, ...], *, by_keyword: b
 
 
 REWARD_PARAMS = ("completions",)  # by keyword, as TRL calls reward_funcs; prompts and columns when it takes them
+RECIPE_MODULE_PREFIX = "posttrain_recipe_"  # the module name a recipe file runs under: loaded by path, not importable
+MAKE_IMPORTABLE = ("define it with def at the top level of a module that imports on the driver and on every Ray worker "
+                   "(e.g. my_rewards.py in the directory you run posttrain from, or an installed package), import it "
+                   "from there, or give its path: {'path': 'my_rewards:accuracy_reward'} (docs/data.md)")
+
+
+def import_path_of(fn: Any) -> str:
+    """The import path `package.module:qualname` of a module-level function (a reward given as a function object, as
+    TRL takes `reward_funcs`): what the config records, so provenance names it and Ray workers import it. ValueError
+    saying why and how to fix it for a function that has no such path: a lambda, one defined inside a function, in the
+    script run as `__main__` or in the recipe file, or a callable that is not a function."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        why = f"a {type(fn).__name__} has no import path"
+    elif "<lambda>" in qualname:
+        why = "a lambda has no import path"
+    elif "<locals>" in qualname:
+        why = f"{qualname.replace('.<locals>', '')} is defined inside a function and has no import path"
+    elif module == "__main__":
+        why = f"{qualname} is defined in the script being run (__main__), which the Ray workers cannot import"
+    elif module.startswith(RECIPE_MODULE_PREFIX):
+        why = f"{qualname} is defined in the recipe file, which is run from its path and cannot be imported"
+    else:
+        obj: Any = sys.modules.get(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if obj is fn:
+            return f"{module}:{qualname}"
+        why = f"{module}:{qualname} does not import as this function"
+    raise ImportPathError(f"{why}; {MAKE_IMPORTABLE}")
 
 
 def user_code_problems(cfg: Any) -> list[str]:

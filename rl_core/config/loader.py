@@ -15,20 +15,23 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from rl_core.config.aliases import ALIASES, alias_hint, alias_key
 from rl_core.config.legacy import FOLDED_KEYS, MOVED_KEYS, folded_key_message, moved_key_message, translate
-from rl_core.config.schema import PosttrainConfig
+from rl_core.config.schema import PosttrainConfig, RewardEntry
 from rl_core.redact import redact_text, redact_uri
 from rl_core.registry import OBJECTIVES
+from rl_core.user_code import RECIPE_MODULE_PREFIX
 
 # Retired keys are unknown keys: nothing is aliased, the error names the replacement.
 RETIRED_KEYS: dict[str, dict[str | None, str]] = {
@@ -113,8 +116,11 @@ def _field_for(dotted: str) -> Any | None:
     return field
 
 
-def closest_keys(dotted: str, n: int = 3) -> list[str]:
-    keys = all_keys()
+def closest_keys(dotted: str, n: int = 3, objective: str | None = None) -> list[str]:
+    """The valid keys nearest `dotted`: first the key its last part goes by elsewhere (TRL's `num_generations` is
+    `rollout.n`, `rl_core.config.aliases`), then the nearest spellings."""
+    keys = all_keys() + [f"data.rewards[i].{name}" for name in RewardEntry.model_fields]
+    dotted = re.sub(r"\[\d+\]", "[i]", dotted)  # an entry of data.rewards: any index
     close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.5)
     if not close:  # fall back to the last component (e.g. `rl.lr` -> `rl.optimizer.lr`)
         leaf = dotted.rsplit(".", 1)[-1]
@@ -122,10 +128,15 @@ def closest_keys(dotted: str, n: int = 3) -> list[str]:
         if not close:
             leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
             close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=n, cutoff=0.6)]
+    alias = alias_key(dotted.rsplit(".", 1)[-1], objective)
+    if alias in keys and alias != dotted:
+        close = [alias, *(k for k in close if k != alias)][:n]
     return close
 
 
-def _unknown_key_message(dotted: str, value: Any) -> str:
+def _unknown_key_message(dotted: str, value: Any, objective: str | None = None, shown: str | None = None) -> str:
+    """The refusal of a key the schema does not have, with what it is now called or the closest keys (`shown`: the
+    value as the message quotes it)."""
     if dotted in MOVED_KEYS:
         return moved_key_message(dotted, value)
     if dotted in FOLDED_KEYS:
@@ -134,9 +145,12 @@ def _unknown_key_message(dotted: str, value: Any) -> str:
         table = RETIRED_KEYS[dotted]
         repl = table.get(str(value) if value is not None else None) or table[None]
         return f"{dotted}={value!s}: retired key; use {repl} instead (retired keys are not aliased)"
-    close = closest_keys(dotted)
+    given = f"{dotted}={shown}" if shown is not None else dotted
+    if hint := alias_hint(dotted.rsplit(".", 1)[-1], value, objective):
+        return f"{given}: unknown key; {hint}"
+    close = closest_keys(dotted, objective=objective)
     hint = f"; closest valid keys: {', '.join(close)}" if close else ""
-    return f"{dotted}: unknown key{hint}"
+    return f"{given}: unknown key{hint}"
 
 
 # -------------------------------------------------------------------------------------- dotlist
@@ -191,24 +205,39 @@ def parse_dotlist(overrides: Iterable[str]) -> list[tuple[str, Any, str]]:
 # ----------------------------------------------------------------------------------- validation
 
 
-def _describe(err: dict) -> str:
-    parts = [str(p) for p in err["loc"]]
+def _dotted(loc: Iterable[Any]) -> str:
+    """`("data", "rewards", 0, "path")` -> `data.rewards[0].path`."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _describe(err: dict, objective: str | None = None) -> str:
+    """One pydantic error as a line naming the dotted key and the value (`objective`: the config's rl.objective.type,
+    for the hints that depend on it)."""
+    parts = list(err["loc"])
     if parts[:2] == ["rl", "objective"] and len(parts) > 2 and parts[2] in OBJECTIVES:
-        del parts[2]  # the union's tag: the key is rl.objective.<field> whatever the type
-    loc = ".".join(parts)
+        objective = parts.pop(2)  # the union's tag: the key is rl.objective.<field> whatever the type
+    loc = _dotted(parts)
     value = err.get("input")
     kind = err["type"]
     ctx = err.get("ctx", {}) or {}
-    shown = redact_uri(repr(value))  # never echo credentials embedded in a URI
+    # never echo credentials embedded in a URI; a function by its name, not its address
+    shown = f"<{'class' if isinstance(value, type) else 'function'} {value.__qualname__}>" \
+        if callable(value) and hasattr(value, "__qualname__") else redact_uri(repr(value))
     if kind == "extra_forbidden" and loc.startswith(OBJECTIVE_KEY + ".") and loc not in MOVED_KEYS:
-        known = objective_keys()
-        owners = [t for t, c in OBJECTIVES.items() if loc.rsplit(".", 1)[-1] in c.model_fields]
-        if loc.rsplit(".", 1)[-1] in known:
-            return (f"{loc}={shown}: not a knob of {err['loc'][2] if len(err['loc']) > 2 else 'this objective'} "
-                    f"(read by rl.objective.type={'|'.join(owners)}); remove it")
-        return _unknown_key_message(loc, value)
+        knob = loc.rsplit(".", 1)[-1]
+        owners = [t for t, c in OBJECTIVES.items() if knob in c.model_fields]
+        if not owners:
+            return _unknown_key_message(loc, value, objective, shown)
+        own = alias_key(knob, objective)
+        if objective in OBJECTIVES and own and own != loc and own.startswith(OBJECTIVE_KEY + ".") \
+                and own.rsplit(".", 1)[-1] in OBJECTIVES[objective].model_fields:  # the knob under this objective's name
+            said = f"TRL's {knob}: " if ALIASES[knob].trl else ""
+            return (f"{loc}={shown}: not a knob of {objective} (read by rl.objective.type={'|'.join(owners)}); "
+                    f"{objective}'s is {own} ({said}{ALIASES[knob].note})")
+        return (f"{loc}={shown}: not a knob of {objective or 'this objective'} "
+                f"(read by rl.objective.type={'|'.join(owners)}); remove it")
     if kind == "extra_forbidden":
-        return _unknown_key_message(loc, value)
+        return _unknown_key_message(loc, value, objective, shown)
     if isinstance(value, bool) and kind in ("int_type", "float_type"):
         return f"{loc}={shown}: a bool is not a number; write a numeric value"
     if kind == "int_type" and isinstance(value, float):
@@ -230,6 +259,9 @@ def _describe(err: dict) -> str:
         op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
         bound = next(iter(ctx.values()), "")
         return f"{loc}={shown}: must be {op} {bound}"
+    alias = ALIASES.get(loc.rsplit(".", 1)[-1])
+    if alias and alias.key == loc and str(value).lower() in alias.values:  # a TRL value of this key: loss_type=dapo
+        return f"{loc}={shown}: {err['msg']}; {alias_hint(loc.rsplit('.', 1)[-1], value)}"
     return f"{loc}={shown}: {err['msg']}"
 
 
@@ -249,9 +281,11 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | No
     """Validate a plain dict (e.g. a parsed config_resolved.yaml) plus overrides, strictly."""
     data = translate(json.loads(json.dumps(data)))  # deep copy, plain types only, in the current shape
     problems: list[str] = []
-    for key, value, raw in parse_dotlist(overrides):
+    parsed = parse_dotlist(overrides)
+    objective = _objective_type(data, parsed)
+    for key, value, raw in parsed:
         if (key in RETIRED_KEYS and key != OBJECTIVE_KEY) or key in MOVED_KEYS or _field_for(key) is None:
-            problems.append(_unknown_key_message(key, raw))
+            problems.append(_unknown_key_message(key, raw, objective))
             continue
         if section_model(_field_for(key).annotation) is not None:
             problems.append(f"{key}: is a section; set one of its keys, e.g. {all_keys(section_model(_field_for(key).annotation), key + '.')[0]}")
@@ -262,11 +296,22 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (), source: str | No
     try:
         cfg = PosttrainConfig.model_validate(data)
     except ValidationError as exc:
-        problems.extend(_describe(e) for e in exc.errors())
+        problems.extend(_describe(e, objective) for e in exc.errors())
         raise ConfigError(problems, source) from None
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def _objective_type(data: dict, overrides: list[tuple[str, Any, str]]) -> str | None:
+    """The rl.objective.type the config will have: the last override that sets it, else the dict's (grpo when the
+    dict leaves the objective out)."""
+    for key, value, _ in reversed(overrides):
+        if key == OBJECTIVE_KEY + ".type" or (key == OBJECTIVE_KEY and isinstance(value, dict)):
+            return str(value.get("type") if isinstance(value, dict) else value)
+    rl = data.get("rl") if isinstance(data.get("rl"), dict) else {}
+    section = rl.get("objective", {})
+    return section.get("type") if isinstance(section, dict) else None
 
 
 def _switch_objective(data: dict, kind: Any) -> None:
@@ -282,31 +327,48 @@ def _switch_objective(data: dict, kind: Any) -> None:
                        and k in before.model_fields and v != before.model_fields[k].default}
 
 
-SECTION_OF = {"JobConfig": "job", "RLConfig": "rl"}
+def _section_paths() -> dict[str, tuple[str, ...]]:
+    """Each class of the config (by name: the title of a ValidationError it raises) -> where it sits in the tree."""
+    paths: dict[str, tuple[str, ...]] = {PosttrainConfig.__name__: ()}
+
+    def walk(model: type[BaseModel], prefix: tuple[str, ...]) -> None:
+        for name, field in model.model_fields.items():
+            if (sub := section_model(field.annotation)) is not None:
+                paths[sub.__name__] = (*prefix, name)
+                walk(sub, (*prefix, name))
+
+    walk(PosttrainConfig, ())
+    paths.update({cls.__name__: (*OBJECTIVE_KEY.split("."), kind) for kind, cls in OBJECTIVES.items()})
+    paths[RewardEntry.__name__] = ("data", "rewards[i]")
+    return paths
 
 
-def _moved_key_in(exc: Exception) -> str | None:
-    """A recipe that sets an old key (`cfg.job.algorithm = ...`) fails inside build_config: name the new key."""
-    if not isinstance(exc, ValidationError):
-        return None
-    for e in exc.errors():
-        dotted = f"{SECTION_OF.get(exc.title, '?')}.{e['loc'][0] if e['loc'] else ''}"
-        if e["type"] == "no_such_attribute" and dotted in MOVED_KEYS:
-            return moved_key_message(dotted, e.get("input"))
-        if e["type"] == "no_such_attribute" and dotted in FOLDED_KEYS:
-            return folded_key_message(dotted, e.get("input"))
-    return None
+def _recipe_call(path: Path, fn: Callable[[], Any]) -> Any:
+    """`fn()` of a recipe file (running it, its build_config); a mistake in it on the config (`cfg.model.lora.rank = 8`,
+    a value of the wrong type, a reward function without an import path) is a ConfigError like an override's: the
+    dotted key, the value, the closest keys or what to do. A ValidationError of a model outside the config propagates."""
+    try:
+        return fn()
+    except ValidationError as exc:
+        prefix = _section_paths().get(exc.title)
+        if prefix is None:
+            raise
+        problems = []
+        for err in exc.errors():
+            kind = "extra_forbidden" if err["type"] == "no_such_attribute" else err["type"]  # assignment to a typo
+            problems.append(_describe({**err, "type": kind, "loc": (*prefix, *err["loc"])}))
+    raise ConfigError(problems, str(path))  # outside the except block: no pydantic traceback attached
 
 
 def load_recipe_module(recipe_path: str | os.PathLike):
     path = Path(recipe_path)
     if not path.is_file():
         raise ConfigError([f"recipe {str(path)!r}: no such file; recipes live in recipes/*.py"])
-    name = f"posttrain_recipe_{path.stem}"
+    name = f"{RECIPE_MODULE_PREFIX}{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    _recipe_call(path, lambda: spec.loader.exec_module(module))
     if not hasattr(module, "build_config"):
         raise ConfigError([f"recipe {str(path)!r}: defines no build_config()"])
     return module
@@ -324,15 +386,12 @@ def load_config(recipe_path: str | os.PathLike, overrides: Iterable[str] = ()) -
             raise ConfigError([f"config {str(path)!r}: no such file"])
         return config_from_dict(yaml.safe_load(path.read_text()) or {}, overrides, str(path))
     module = load_recipe_module(path)
-    try:
-        base = module.build_config()
-    except ValueError as exc:
-        moved = _moved_key_in(exc)
-        if moved is None:
-            raise
-        raise ConfigError([moved], str(path)) from None
+    base = _recipe_call(path, module.build_config)
     if not isinstance(base, PosttrainConfig):
         raise ConfigError([f"recipe {str(path)!r}: build_config() returned {type(base).__name__}, not PosttrainConfig"])
+    # entries appended to data.rewards in place were not validated: assigning the list validates them (a function
+    # object becomes its import path)
+    _recipe_call(path, lambda: setattr(base.data, "rewards", list(base.data.rewards)))
     # Re-validate the recipe's own values too: assignment inside a recipe is validated, but a
     # recipe could construct sections with model_construct.
     return config_from_dict(base.model_dump(mode="json"), overrides, str(path))
