@@ -4,9 +4,11 @@
 manifest, its trainer shards read whole into the base model in this process (any rank count and sharding wrote them,
 `infra.checkpoint_shards`), and writes what `final_model/` holds (`rl_core.models.save_policy`, one writer for
 both): `config.json`, `model.safetensors`, `generation_config.json` when the model has one, and the tokenizer
-files. With LoRA it writes the adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`), or
-with `merged=True` the merged model. A step that is only on S3 (`tracking.checkpoint_uri`) is downloaded and
-verified first, into a temporary directory that is removed afterwards: the run's own checkpoints are not touched.
+files. With LoRA it writes the adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`, the
+model card `README.md`), its base model named by the run's hub id, or by its local path when the run had none (the
+README says how to load it elsewhere: `rl_core.models.name_base_model`), or with `merged=True` the merged model.
+A step that is only on S3 (`tracking.checkpoint_uri`) is downloaded and verified first, into a temporary directory
+that is removed afterwards: the run's own checkpoints are not touched.
 
 What the checkpoint says is data, never permission: `trust_remote_code` comes only from the operator
 (`trust_remote_code=True`, `posttrain export --trust-remote-code`); a checkpoint whose `meta.json` asks for it is
@@ -246,7 +248,8 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
             raise ExportError(f"checkpoint step {step}: {exc}") from None
         form = "model" if not lora.is_lora(model) else "merged" if merged else "adapter"
         with atomic_directory(target) as tmp:
-            save_policy(model, tokenizer, tmp, merged=form != "adapter", adapter_dir="" if form == "adapter" else None)
+            save_policy(model, tokenizer, tmp, merged=form != "adapter", adapter_dir="" if form == "adapter" else None,
+                        base=model_cfg.name_or_path)
             (tmp / "posttrain_export.json").write_text(json.dumps(
                 {"run_dir": str(run_dir.resolve()), "step": step, "form": form,
                  "base_model": model_cfg.name_or_path}, indent=1))

@@ -349,7 +349,7 @@ class PolicyWorker:
         state = self.trainer.exported_model_state() if self.trainer.sharded else None
         if self.rank != 0:
             return None
-        save_policy(self.trainer.model, self.tokenizer, path, state=state)
+        save_policy(self.trainer.model, self.tokenizer, path, state=state, base=self.cfg.model.name_or_path)
         return path
 
     def shutdown(self) -> None:

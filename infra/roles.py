@@ -83,11 +83,14 @@ class RolloutRole:
 
 
 def _split(cfg: PosttrainConfig, task: Task, key: str, source: str) -> list[Example]:
-    """The examples of one data split, or a ConfigError naming the key (bad file or row, no examples)."""
+    """The examples of one data split, or a ConfigError naming the key (bad file or row, no examples): a DataError
+    listing every bad row, as the run's preflight data check does."""
+    from rl_core.config.data_check import DataError
+
     try:
         examples = load_split(task, source, cfg.data)
     except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError([f"{key}={source!r}: {exc}"]) from None
+        raise DataError.of_split(key, source, exc) from None
     if not examples:
         raise ConfigError([f"{key}={source!r}: no examples (the split is empty); point {key} at a split with data"])
     return examples

@@ -35,4 +35,5 @@ def build_config() -> PosttrainConfig:
     cfg.data.task = "arithmetic"
     cfg.data.train = "data/arithmetic/train.jsonl"
     cfg.data.val = "data/arithmetic/val.jsonl"
+    cfg.data.prompt_template = "plain"  # a base model that continues `12+34=`: no chat template
     return cfg

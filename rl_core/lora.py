@@ -10,6 +10,7 @@ trainer's optimizer holds only them. This module is the one place that knows abo
   the adapters with it), what a checkpoint holds; `check_base`: a checkpoint's base model is this one;
 - `ReferenceView`: the frozen initial policy as the base model with the adapter disabled (no second copy);
 - `adapter_state` (PEFT's saved names, what vLLM loads) and `merged_state` (base names, `W + (alpha/r) B A`);
+- `save_adapter`: the adapter in PEFT's format (`rl_core.models.save_policy` names its base model);
 - `adapter_counts`: adapter parameters and tensors from a model's Linear shapes (the memory plan);
 - `lora_problems`: the configurations LoRA refuses.
 
@@ -210,7 +211,8 @@ def merged_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> di
 
 
 def save_adapter(model: torch.nn.Module, path: str) -> None:
-    """The adapter in PEFT's format: `adapter_model.safetensors` + `adapter_config.json`."""
+    """The adapter in PEFT's format: `adapter_model.safetensors` + `adapter_config.json` (and PEFT's model card,
+    `README.md`; `rl_core.models.name_base_model` names its base model)."""
     model.save_pretrained(path, safe_serialization=True)
 
 

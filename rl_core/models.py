@@ -117,14 +117,15 @@ def load_policy(model_cfg, *, device: str | torch.device | None = None, dtype: s
 
 
 def save_policy(model, tokenizer, path: str | Path, *, state: dict[str, torch.Tensor] | None = None,
-                merged: bool = True, adapter_dir: str | None = "adapter") -> Path:
+                merged: bool = True, adapter_dir: str | None = "adapter", base: str | None = None) -> Path:
     """The policy and its tokenizer as a transformers directory (safetensors) at `path`: what `final_model/` and
     `posttrain export` write. `state`: the whole model's tensors when `model` holds only shards of them.
 
     With LoRA (`rl_core.lora`), `merged` writes the merged model at `path` (loadable as any model) and `adapter_dir`
     the adapter in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`) under `path/adapter_dir`
-    (`""`: at `path` itself, loadable with `peft.PeftModel.from_pretrained(base, path)`; None: not written).
-    Without LoRA the model is written whole and both are ignored."""
+    (`""`: at `path` itself, loadable with `peft.PeftModel.from_pretrained(base, path)`; None: not written), its
+    base model named by `base`, the run's `model.name_or_path` (`name_base_model`: the hub id when it is one).
+    Without LoRA the model is written whole and these are ignored."""
     from rl_core import lora
 
     path = Path(path)
@@ -137,8 +138,70 @@ def save_policy(model, tokenizer, path: str | Path, *, state: dict[str, torch.Te
             lora.save_merged(model, str(path))
         if adapter_dir is not None:
             lora.save_adapter(model, str(path / adapter_dir))
+            if base is not None:
+                name_base_model(path / adapter_dir, base)
     tokenizer.save_pretrained(path)
     return path
+
+
+def base_model_name(name_or_path: str) -> tuple[str, bool]:
+    """`(name, is_hub_id)` of a run's base model (`model.name_or_path`) as an adapter names it: a hub id as it is
+    (it loads anywhere); a local directory by its absolute path (it loads only where that path holds the model)."""
+    if not looks_local(name_or_path):
+        return name_or_path, True
+    return str(Path(name_or_path).expanduser().resolve()), False
+
+
+LOCAL_BASE_NOTE = """
+## Base model
+
+This adapter was trained on a local base model with no hub id, so `adapter_config.json` names it by its path on the
+machine that wrote it: `{path}`. On another machine, load your copy of that model and the adapter on it:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("<your copy of the base model>"),
+                                  "<this directory>")
+```
+
+or set `base_model_name_or_path` in `adapter_config.json` to where your copy is.
+"""
+
+HUB_BASE_NOTE = """
+## Base model
+
+`{name}`, the hub id the run trained from (`adapter_config.json`'s `base_model_name_or_path`):
+`peft.AutoPeftModelForCausalLM.from_pretrained("<this directory>")` loads it with this adapter.
+"""
+
+
+def name_base_model(path, name_or_path: str) -> str:
+    """Name the base model of the adapter at `path`, in `adapter_config.json` (`base_model_name_or_path`) and in the
+    model card `README.md`: the run's hub id (`base_model_name`), else the local path, with a note in the card on
+    loading the adapter with a copy of the base elsewhere (and no `base_model` in the card's metadata, which is for
+    hub ids). PEFT itself writes the path the model was loaded from, which for a hub model in a local directory or
+    cache is this machine's. Returns the name written."""
+    import json
+
+    from huggingface_hub import ModelCard, ModelCardData
+
+    name, hub = base_model_name(name_or_path)
+    path = Path(path)
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = name
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    readme = path / "README.md"
+    card = ModelCard.load(readme) if readme.is_file() else ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n")
+    card.data.base_model = name if hub else None
+    tags = [t for t in card.data.tags or [] if not t.startswith("base_model:")]  # PEFT's tag names the loaded path
+    card.data.tags = tags + ([f"base_model:adapter:{name}"] if hub else [])
+    card.text = card.text.rstrip("\n") + "\n" + (HUB_BASE_NOTE.format(name=name) if hub else
+                                                  LOCAL_BASE_NOTE.format(path=name))
+    card.save(readme)
+    return name
 
 
 def build_tiny_tokenizer():

@@ -1,6 +1,6 @@
 """Typed configuration: the schema and loading recipes + dotlists (docs/config.md). The checks of a loaded config
-are `rl_core.config.preflight` (the config alone: `preflight`, `check`, `load_checked`) and
-`rl_core.config.environment` (this machine)."""
+are `rl_core.config.preflight` (the config alone: `preflight`, `check`, `load_checked`),
+`rl_core.config.environment` (this machine) and `rl_core.config.data_check` (the rows of the data splits)."""
 
 from rl_core.config.loader import (
     ConfigError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl_core.data.arithmetic import write_jsonl
-from rl_core.data.jsonl import iter_jsonl, text_field
+from rl_core.data.jsonl import iter_jsonl, raise_row_errors, text_field
 
 SPLITS = ("train", "test")
 GSM8K_INSTRUCTION = (
@@ -26,11 +26,17 @@ def plain_prompt(question: str) -> str:
 def read_gsm8k_jsonl(path: str | Path) -> list[dict]:
     """Records `{"question", "answer"}` of an official-format JSONL file."""
     records = []
-    for lineno, rec in iter_jsonl(path, "a GSM8K record {question, answer}"):
-        if "question" not in rec or "answer" not in rec:
-            raise ValueError(f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys {sorted(rec)}")
-        records.append({"question": text_field(rec, "question", path, lineno),
-                        "answer": text_field(rec, "answer", path, lineno, numbers=True), "row": f"{path}:{lineno}"})
+    errors: list[str] = []  # every bad row, raised together
+    for lineno, rec in iter_jsonl(path, "a GSM8K record {question, answer}", errors):
+        try:
+            if "question" not in rec or "answer" not in rec:
+                raise ValueError(f"{path}:{lineno}: a GSM8K record needs 'question' and 'answer', got keys "
+                                 f"{sorted(rec)}")
+            records.append({"question": text_field(rec, "question", path, lineno),
+                            "answer": text_field(rec, "answer", path, lineno, numbers=True), "row": f"{path}:{lineno}"})
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise_row_errors(errors)
     return records
 
 

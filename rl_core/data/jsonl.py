@@ -1,5 +1,6 @@
 """Reading JSONL data files line by line, with errors that name the file and the line; the same value rules for
-rows of any other source (`value_problem`: Parquet, a `datasets` dataset)."""
+rows of any other source (`value_problem`: Parquet, a `datasets` dataset). A loader that reads on past a bad row
+collects every one and raises `RowErrors` listing them all."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ MAX_NUMBER_CHARS = 100
 # Deeper nesting than this is refused: a data record is an object of strings and numbers; json's parser recurses
 # once per level and raised an uncaught RecursionError at ~100k.
 MAX_NESTING = 64
+
+
+class RowErrors(ValueError):
+    """Every bad row of one data split, each message naming the file and row (`.problems`, in file order); the text
+    is the messages, one a line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def raise_row_errors(problems: list[str]) -> None:
+    """`RowErrors(problems)` when there are any."""
+    if problems:
+        raise RowErrors(problems)
 
 
 class _Bad:
@@ -120,43 +136,57 @@ def value_problem(record: dict) -> tuple[str, str] | None:
     return None
 
 
-def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
+def iter_jsonl(path: str | Path, what: str, errors: list[str] | None = None) -> Iterator[tuple[int, dict]]:
     """`(line number, record)` for every non-blank line of a JSONL file.
 
     A line that is not a JSON object raises ValueError `"<path>:<line>: not a JSON object (...)"`;
     `what` names the records in that message (e.g. "an arithmetic example"). So does a record with a
     duplicate key, NaN or Infinity, a number of more than `MAX_NUMBER_CHARS` characters (naming the
     key), or nesting deeper than `MAX_NESTING`. A directory given as the file is named as one.
+    With `errors`, a bad line's message is appended to it instead and the line skipped: the reader goes on.
     """
     if Path(path).is_dir():
         raise ValueError(f"{path}: is a directory, not a JSONL file; give the file ({what} per line)")
     with open(path, "rb") as fh:  # bytes, decoded line by line: a bad byte is named by its line
         for lineno, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); "
-                                 "re-save the file as UTF-8") from None
-            if not line.strip():
+                record = _parse_line(path, lineno, raw, what)
+            except ValueError as exc:
+                if errors is None:
+                    raise
+                errors.append(str(exc))
                 continue
-            if (depth := _depth(line)) > MAX_NESTING:
-                raise ValueError(f"{path}:{lineno}: nested {depth} levels deep (at most {MAX_NESTING}); each line "
-                                 f"holds {what}")
-            try:
-                record = json.loads(line, object_pairs_hook=_object, parse_constant=_constant, parse_int=_integer,
-                                    parse_float=_real)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg}); each line holds {what}") from None
-            except _Duplicate as dup:
-                raise ValueError(f"{path}:{lineno}: key {dup.key!r} appears twice; keep one") from None
-            if not isinstance(record, dict):  # bad input data: a ValueError, like every data-file error
-                kind = type(record).__name__
-                raise ValueError(f"{path}:{lineno}: not a JSON object (a {kind}); each line holds {what}")  # noqa: TRY004
-            if found := _find_bad(record):
-                key, bad = found
-                raise ValueError(f"{path}:{lineno}: key {key!r}: {bad.why} ({bad.text}); write a finite number of "
-                                 f"at most {MAX_NUMBER_CHARS} characters")
-            yield lineno, record
+            if record is not None:
+                yield lineno, record
+
+
+def _parse_line(path: str | Path, lineno: int, raw: bytes, what: str) -> dict | None:
+    """The record of one line (None: a blank line), or a ValueError naming the file and line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); "
+                         "re-save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    if (depth := _depth(line)) > MAX_NESTING:
+        raise ValueError(f"{path}:{lineno}: nested {depth} levels deep (at most {MAX_NESTING}); each line "
+                         f"holds {what}")
+    try:
+        record = json.loads(line, object_pairs_hook=_object, parse_constant=_constant, parse_int=_integer,
+                            parse_float=_real)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg}); each line holds {what}") from None
+    except _Duplicate as dup:
+        raise ValueError(f"{path}:{lineno}: key {dup.key!r} appears twice; keep one") from None
+    if not isinstance(record, dict):  # bad input data: a ValueError, like every data-file error
+        kind = type(record).__name__
+        raise ValueError(f"{path}:{lineno}: not a JSON object (a {kind}); each line holds {what}")  # noqa: TRY004
+    if found := _find_bad(record):
+        key, bad = found
+        raise ValueError(f"{path}:{lineno}: key {key!r}: {bad.why} ({bad.text}); write a finite number of "
+                         f"at most {MAX_NUMBER_CHARS} characters")
+    return record
 
 
 def text_field(record: dict, key: str, path: str | Path, lineno: int, *, numbers: bool = False) -> str:

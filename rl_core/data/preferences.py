@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from rl_core.atomic import write_text_atomic
-from rl_core.data.jsonl import iter_jsonl
+from rl_core.data.jsonl import iter_jsonl, raise_row_errors
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -104,10 +104,13 @@ def load_preference_pairs(source: str | Path) -> pd.DataFrame:
     path = Path(source)
     if path.is_file() or path.is_dir():  # a directory: refused by iter_jsonl, naming it
         records = []
-        for lineno, rec in iter_jsonl(path, "a preference pair {prompt, chosen, rejected}"):
+        errors: list[str] = []  # every bad line, raised together
+        for lineno, rec in iter_jsonl(path, "a preference pair {prompt, chosen, rejected}", errors):
             if any(k not in rec for k in PAIR_FIELDS):
-                raise ValueError(f"{path}:{lineno}: a preference pair needs {list(PAIR_FIELDS)}, got {sorted(rec)}")
+                errors.append(f"{path}:{lineno}: a preference pair needs {list(PAIR_FIELDS)}, got {sorted(rec)}")
+                continue
             records.append(rec)
+        raise_row_errors(errors)
         if not records:
             raise ValueError(f"{path}: no preference pairs")
         return _as_frame(records)

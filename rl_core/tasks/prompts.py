@@ -4,7 +4,7 @@
 
 - `prompt`: the prompt text (rendered with `data.prompt_template`), or a list of chat messages, or
 - `messages`: a list of `{"role", "content"}` chat messages ending with the user's turn (rendered with
-  the tokenizer's chat template; needs `data.prompt_template=chat`),
+  the tokenizer's chat template: `data.prompt_template=auto`, the default, or `chat`; `plain` refuses them),
 
 and any other columns, which the reward functions receive as keyword arguments (`answer=[...]`,
 `data_source=[...]`, ...), one value per completion. `data.system_prompt` and `data.instruction` are
@@ -15,7 +15,8 @@ added to every prompt. The source (`data.train` / `data.val`) is
   split=...)`; the split follows a colon, `my-org/my-data:validation` (default `train`).
 
 A bad row (no prompt, an empty one, malformed messages, a column other rows have missing) is refused while
-the data is loaded, before anything is placed or trained, naming the file, the row and the column. So is a
+the data is loaded, before anything is placed or trained, naming the file, the row and the column; every bad
+row of the split is named at once (`rl_core.data.jsonl.RowErrors`). So is a
 value that a JSONL line could not hold, whatever the source (`rl_core.data.jsonl.value_problem`): NaN or
 infinity, bytes, a timestamp, a decimal, nesting deeper than 64 levels.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rl_core.data.jsonl import iter_jsonl, value_problem
+from rl_core.data.jsonl import iter_jsonl, raise_row_errors, value_problem
 from rl_core.tasks.base import Example, Task
 
 ROLES = ("system", "user", "assistant")
@@ -37,36 +38,46 @@ class PromptsTask(Task):
     name = "prompts"
 
     def load(self, source: str, data: Any) -> list[Example]:
-        rows = list(_read_rows(str(source), getattr(data, "dataset_config", None)))
-        if not rows:
-            return []
-        first_where, first = rows[0]
-        expected = set(first)
-        examples = []
-        for where, record in rows:
-            if problem := value_problem(record):
-                key, why = problem
-                raise ValueError(f"{where}: column {key!r}: {why}; every value is text, a finite number, true/false, "
-                                 "null, or a list or mapping of them: convert or drop it in the source")
-            if missing := sorted(expected - set(record)):
-                raise ValueError(f"{where}: column {missing[0]!r} is missing (row {first_where} has it); "
-                                 "give every row the same columns")
-            if extra := sorted(set(record) - expected):
-                raise ValueError(f"{where}: column {extra[0]!r} is not in row {first_where}; give every row the "
-                                 "same columns")
-            examples.append(_example(where, record))
-        template = getattr(data, "prompt_template", "chat")
+        """Every row checked: the bad ones all raise together (`RowErrors`, in file order)."""
+        errors: list[str] = []
+        examples: list[Example] = []
+        first_where, expected = "", None
+        for where, record in _read_rows(str(source), getattr(data, "dataset_config", None), errors):
+            if expected is None:
+                first_where, expected = where, set(record)
+            try:
+                _check_row(where, record, first_where, expected)
+                examples.append(_example(where, record))
+            except ValueError as exc:
+                errors.append(str(exc))
+        template = getattr(data, "prompt_template", "auto")
         if template == "plain" and (chat := next((e for e in examples if e.messages is not None), None)):
-            raise ValueError(f"{chat.row}: a chat-format prompt (messages) needs data.prompt_template=chat, which "
-                             "renders it with the tokenizer's chat template")
+            errors.append(f"{chat.row}: a chat-format prompt (messages) under data.prompt_template=plain, which "
+                          "renders text only; set data.prompt_template=auto (the default) or chat, which render "
+                          "it with the tokenizer's chat template")
+        raise_row_errors(errors)
         return examples
 
 
-def _read_rows(source: str, config: str | None):
-    """`(where, record)` for every row of the source, `where` naming the file and row."""
+def _check_row(where: str, record: dict, first_where: str, expected: set[str]) -> None:
+    if problem := value_problem(record):
+        key, why = problem
+        raise ValueError(f"{where}: column {key!r}: {why}; every value is text, a finite number, true/false, "
+                         "null, or a list or mapping of them: convert or drop it in the source")
+    if missing := sorted(expected - set(record)):
+        raise ValueError(f"{where}: column {missing[0]!r} is missing (row {first_where} has it); "
+                         "give every row the same columns")
+    if extra := sorted(set(record) - expected):
+        raise ValueError(f"{where}: column {extra[0]!r} is not in row {first_where}; give every row the "
+                         "same columns")
+
+
+def _read_rows(source: str, config: str | None, errors: list[str] | None = None):
+    """`(where, record)` for every row of the source, `where` naming the file and row; a JSONL line that is no
+    record goes to `errors` (raised when None)."""
     path = Path(source).expanduser()
     if path.is_file() and path.suffix in (".jsonl", ".json"):
-        for lineno, record in iter_jsonl(path, "a prompt row {prompt or messages, ...}"):
+        for lineno, record in iter_jsonl(path, "a prompt row {prompt or messages, ...}", errors):
             yield f"{path}:{lineno}", record
         return
     if path.is_file() and path.suffix == ".parquet":
@@ -113,7 +124,7 @@ def _example(where: str, record: dict) -> Example:
             raise ValueError(f"{where}: column 'messages' must be a list of {{role, content}} messages, got text; "
                              "put plain text in 'prompt'")
         if not value.strip():
-            raise ValueError(f"{where}: column 'prompt' is empty")
+            raise ValueError(f"{where}: column 'prompt' is empty; write the prompt, or drop the row")
         return Example(value, answer, None, columns, where)
     messages = _messages(where, column, value)
     return Example(messages[-1]["content"], answer, messages, columns, where)

@@ -171,6 +171,53 @@ def test_validate_does_not_fail_on_the_quickstart_artifacts_run_builds(capsys, t
     assert "preflight: ok" in out
 
 
+def test_validate_reads_the_data_and_reports_every_bad_row(capsys, tmp_path):
+    """A split with rows missing their prompt: validate exits 1 naming each row (run would stop at them); --no-env
+    reads local files too (no network needed), and a hub id there is said not to be checked."""
+    rows = ['{"prompt": "1+1=", "answer": "2"}', '{"answer": "3"}', '{"prompt": "2+2=", "answer": "4"}',
+            '{"answer": "5"}']
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows) + "\n")
+    for flags in ([], ["--no-env"]):
+        rc, out, err = run(capsys, "validate", *flags, ARITH, "--", "data.task=prompts", f"data.train={bad}",
+                           "data.rewards=[{path: 'examples.own_data:exact_answer'}]")
+        assert rc == 1, err
+        assert f"data.train={str(bad)!r}: 2 bad row(s)" in err and "data.val='data/arithmetic/val.jsonl'" in err
+        for line in (2, 4):
+            assert (f"  error: data.train={str(bad)!r}: {bad}:{line}: column 'prompt' is missing (row {bad}:1 has "
+                    "it); give every row the same columns") in err
+    good = tmp_path / "good.jsonl"
+    good.write_text(rows[0] + "\n")
+    rc, out, err = run(capsys, "validate", "--no-env", ARITH, "--", "data.task=prompts", f"data.train={good}",
+                       "data.val=my-org/sums:test", "data.rewards=[{path: 'examples.own_data:exact_answer'}]")
+    assert rc == 0, err
+    assert f"  data.train={str(good)!r}: 1 rows ok" in out
+    assert "  data.val='my-org/sums:test': not checked: not a local file (a hub dataset id)" in out
+
+
+@pytest.mark.e2e
+def test_run_reports_bad_rows_once_in_one_block_before_anything_starts(tmp_path):
+    """`posttrain run` on data with bad rows: exit 1 within seconds (no Ray, no Prefect), every bad row named once,
+    in one block on stderr, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"answer": "3"}\n{"prompt": "", "answer": "4"}\n')
+    cmd = [sys.executable, "-m", "cli.main", "run", ARITH, "--", "data.task=prompts", f"data.train={bad}",
+           f"data.val={bad}", "data.rewards=[{path: 'examples.own_data:exact_answer'}]"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stdout == ""
+    problems = [f"data.{key}={str(bad)!r}: {bad}:{row}" for key in ("train", "val")
+                for row in ("2: column 'prompt' is missing", "3: column 'prompt' is empty")]
+    lines = done.stderr.splitlines()
+    assert lines[0] == "bad data: 4 problem(s) in the data splits; fix them (`posttrain validate` lists them)"
+    assert len(lines) == 5 and all(sum(p in line for line in lines) == 1 for p in problems), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_validate_a_gpu_recipe_on_a_cpu_machine(capsys, monkeypatch):
     from rl_core.config import environment
 

@@ -159,7 +159,12 @@ def test_a_lora_step_exports_the_adapter_for_peft_and_merged_for_transformers(lo
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
     assert "model.safetensors" not in names
     config = json.loads((adapter.path / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8 and Path(config["base_model_name_or_path"]).is_dir()
+    # the run's base model is a local directory (no hub id): named by its path, and the README says so
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    local = Path(config["base_model_name_or_path"])
+    assert local.is_absolute() and (local / "config.json").is_file()
+    assert f"with no hub id, so `adapter_config.json` names it by its path on the\nmachine that wrote it: `{local}`" \
+        in (adapter.path / "README.md").read_text()
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / BASE), adapter.path)
     assert [s.tolist() for s in greedy_sequences(peft, lora_run["tokenizer"])] == \
         [s.tolist() for s in lora_run["sequences"]]
@@ -173,13 +178,52 @@ def test_a_lora_step_exports_the_adapter_for_peft_and_merged_for_transformers(lo
         [s.tolist() for s in lora_run["sequences"]]
     assert_same(plain_logprobs(model, lora_run["sequences"]), lora_run["logp"], 1e-6)
 
-    # the last step exports what the run's final_model/ holds (merged) and its adapter/, tensor for tensor
+    # the last step exports what the run's final_model/ holds (merged) and its adapter/, tensor for tensor; that
+    # adapter names its base model the same way
     final = lora_run["run_dir"] / "final_model"
+    assert "with no hub id" in (final / "adapter" / "README.md").read_text()
     for form, exported, written in (("adapter", "adapter_model.safetensors", "adapter/adapter_model.safetensors"),
                                     ("merged", "model.safetensors", "model.safetensors")):
         done = export_checkpoint(lora_run["run_dir"], 3, tmp_path / f"last-{form}", merged=form == "merged")
         got, want = load_file(done.path / exported), load_file(final / written)
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), form
+
+
+@pytest.mark.parametrize("hub", [True, False])
+def test_an_adapter_names_its_base_by_the_hub_id_and_by_a_local_path_only_without_one(tmp_path, monkeypatch, hub):
+    """`adapter_config.json`'s `base_model_name_or_path` and the model card: the run's hub id, which loads anywhere,
+    though PEFT writes the path the base was loaded from (a local copy, the hub cache); a local base model by its
+    absolute path, the README saying how to load the adapter on another machine. The adapter still loads."""
+    from huggingface_hub import ModelCard
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rl_core import lora
+    from rl_core.config import LoRAConfig
+    from rl_core.models import build_tiny_model, name_base_model
+
+    monkeypatch.chdir(tmp_path)
+    build_tiny_model(tmp_path / "models" / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "base")
+    name = "my-org/tiny-base" if hub else "models/base"  # the run's model.name_or_path
+    lora.save_adapter(lora.wrap(base, LoRAConfig(r=4, alpha=8.0)), str(tmp_path / "adapter"))  # PEFT's files
+    assert name_base_model(tmp_path / "adapter", name) == (name if hub else str(tmp_path.resolve() / "models/base"))
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    card = ModelCard.load(tmp_path / "adapter" / "README.md")
+    want = name if hub else str(tmp_path.resolve() / "models" / "base")
+    assert config["base_model_name_or_path"] == want and config["r"] == 4
+    assert card.data.to_dict().get("base_model") == (name if hub else None)  # a card's base_model is a hub id
+    assert card.data.to_dict()["library_name"] == "peft"
+    assert [t for t in card.data.tags if t.startswith("base_model:")] == ([f"base_model:adapter:{name}"] if hub else [])
+    if hub:
+        assert f"`{name}`, the hub id the run trained from" in card.text
+    else:
+        assert f"a local base model with no hub id, so `adapter_config.json` names it by its path on the\nmachine " \
+               f"that wrote it: `{want}`" in card.text
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "base"),
+                                       tmp_path / "adapter")
+    assert loaded.peft_config["default"].r == 4
 
 
 def test_what_an_export_refuses_names_the_file_and_what_to_do(full_run, tmp_path):

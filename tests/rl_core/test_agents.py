@@ -420,6 +420,9 @@ def test_preflight_refuses_episode_limits_on_a_prompt_task_and_a_plain_template_
     ok = preflight(load_config(recipe, ["data.task=tests.rl_core.test_agents:Chatter", "data.prompt_template=chat",
                                         "rollout.max_turns=3"]))
     assert not [e for e in ok.errors if "max_turns" in e or "prompt_template" in e], ok.errors
+    auto = preflight(load_config(recipe, ["data.task=tests.rl_core.test_agents:Chatter", "data.prompt_template=auto",
+                                          "rollout.max_turns=3"]))  # auto: an environment's episode is a chat
+    assert not [e for e in auto.errors if "prompt_template" in e], auto.errors
 
 
 def test_the_docs_environment_runs_as_written():

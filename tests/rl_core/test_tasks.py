@@ -167,11 +167,37 @@ def test_value_problem_walks_deep_values_without_recursion():
     assert value_problem({"m": {1: "a"}}) == ("m", "a mapping with a key that is not text (1)")
 
 
-def test_messages_need_the_chat_template(tmp_path):
+def test_chat_rows_are_detected_unless_the_template_is_set(tmp_path):
+    """TRL's conversational rows: under data.prompt_template=auto (the default) a prompt of messages is rendered with
+    the chat template and a text prompt as it is; plain refuses chat rows; chat renders a text prompt as the user's
+    turn; auto refuses a mix, which would render one run's prompts two ways."""
+    tok = build_tiny_tokenizer()
+    assert DataConfig().prompt_template == "auto"
     path = _jsonl(tmp_path / "rows.jsonl", ROWS)
-    with pytest.raises(ValueError, match=r"rows\.jsonl:1: a chat-format prompt \(messages\) needs "
-                                         r"data\.prompt_template=chat"):
-        load_examples(path, "prompts", DataConfig(task="prompts"))
+    auto = DataConfig(task="prompts")
+    rows = load_examples(path, "prompts", auto)
+    as_chat = encode_prompts(tok, rows, "prompts", "chat", auto)
+    assert encode_prompts(tok, rows, "prompts", auto.prompt_template, auto) == as_chat
+    assert format_prompt(rows[0], tok, "prompts", "auto", auto) == format_prompt(rows[0], tok, "prompts", "chat", auto)
+    text = [Example("12+34=", "46", row="t.jsonl:1")]
+    plain = encode_prompts(tok, text, "prompts", "plain")
+    assert encode_prompts(tok, text, "prompts", "auto") == plain != encode_prompts(tok, text, "prompts", "chat")
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: a chat-format prompt \(messages\) under "
+                                         r"data\.prompt_template=plain"):
+        load_examples(path, "prompts", DataConfig(task="prompts", prompt_template="plain"))
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1 has a chat-format prompt \(messages\) and t\.jsonl:1 a "
+                                         r"text prompt: data\.prompt_template=auto renders"):
+        encode_prompts(tok, rows + text, "prompts", "auto", auto)
+    assert encode_prompts(tok, rows + text, "prompts", "chat", auto)[-1:] == encode_prompts(tok, text, "prompts", "chat")
+
+
+def test_auto_renders_an_environments_episodes_as_chat():
+    from rl_core.tasks import row_template
+
+    env = get_task("tests.rl_core.test_agents:Chatter")
+    assert row_template(Example("7"), env, "auto") == "chat"
+    assert row_template(Example("7"), get_task("arithmetic"), "auto") == "plain"
+    assert row_template(Example("7"), env, "plain") == "plain"  # preflight refuses it (tests/rl_core/test_agents.py)
 
 
 def test_preflight_names_a_task_without_rewards_and_unread_keys():
