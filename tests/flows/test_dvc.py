@@ -32,6 +32,7 @@ GSM8K_STAGE = "pipelines/gsm8k/dvc.yaml:gsm8k_data"
 OWN_DATA_STAGE = "pipelines/own_data/dvc.yaml:own_data"
 # The pipelines outside the default target, by the output that shows one was built.
 GUESS_STAGES = ("pipelines/guess_number/dvc.yaml:guess_number", "pipelines/guess_number/dvc.yaml:guess_warm_start")
+CHAT_STAGES = ("pipelines/chat_arithmetic/dvc.yaml:chat_arithmetic", "pipelines/chat_arithmetic/dvc.yaml:chat_warm_start")
 TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
 OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_STAGES[0]: "data/guess-number",
@@ -342,8 +343,9 @@ def test_dvc_exp_run_varies_train_params_reruns_only_train_and_exp_show_compares
 @pytest.mark.slow
 def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, the
-    own-data example's pipeline (its rows load as the example's task reads them), and the two agent examples'
-    (their rows and a two-step warm start on their games)."""
+    own-data example's pipeline (its rows load as the example's task reads them), the two agent examples'
+    (their rows and a two-step warm start on their games) and the chat example's (its rows and a two-step warm start
+    of the quickstart's warm start on its conversations)."""
     root, clone, env, _ = pipeline
     source = root / "gsm8k-source"
     source.mkdir()
@@ -376,11 +378,11 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     assert all(int(e.columns["max_chars"]) == len(e.answer) for e in val)
 
     params = yaml.safe_load(params_path.read_text())
-    for warm in ("guess_warm_start", "tool_warm_start"):
+    for warm in ("guess_warm_start", "tool_warm_start", "chat_warm_start"):
         params[warm]["steps"] = 2  # the stage as it runs, not its full length
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     for example, stages, model in (("guess_number", GUESS_STAGES, "guess-warm"),
-                                   ("tool_arithmetic", TOOL_STAGES, "tool-warm")):
+                                   ("tool_arithmetic", TOOL_STAGES, "tool-warm"), ("chat_arithmetic", CHAT_STAGES, "chat")):
         output = _dvc(clone, env, "repro", f"pipelines/{example}/dvc.yaml")
         assert all(f"Running stage '{stage}'" in output for stage in stages) and "Running stage 'train'" not in output
         assert (clone / "artifacts/tiny-model" / model / "model.safetensors").is_file()
