@@ -37,7 +37,8 @@ TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
 OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_STAGES[0]: "data/guess-number",
             GUESS_STAGES[1]: "artifacts/tiny-model/guess-warm", TOOL_STAGES[0]: "data/tool-arithmetic",
-            TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm"}
+            TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm", CHAT_STAGES[0]: "data/chat-arithmetic",
+            CHAT_STAGES[1]: "artifacts/tiny-model/chat"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
