@@ -19,7 +19,6 @@ What needs the tokenizer is checked by the run as it loads the data, before anyt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rl_core.config.loader import ConfigError
 from rl_core.config.schema import PosttrainConfig
@@ -96,15 +95,13 @@ def split_problems(key: str, source: str, exc: Exception) -> list[str]:
 
 def not_checked_why(source: str, read_hub: bool, build_hint: str | None) -> str | None:
     """Why split `source` is not read here, or None."""
-    from rl_core.config.environment import QUICKSTART_DATA, _same_path
-    from rl_core.models import looks_local
+    from rl_core.config.environment import is_quickstart_data, local_split
 
-    path = Path(source).expanduser()
-    if path.exists():
+    path = local_split(source)
+    if path is not None and path.exists():
         return None
-    stem = Path(source.rpartition(":")[0] if ":" in source else source)
-    if looks_local(source) or stem.suffix in (".jsonl", ".json", ".parquet"):
-        if any(_same_path(source, q) for q in QUICKSTART_DATA):
+    if path is not None:
+        if is_quickstart_data(source):
             return "not built yet: the run builds it first (`posttrain make-data`)"
         return "no such file" + (f"; build it with {build_hint}" if build_hint else "")
     if not read_hub:

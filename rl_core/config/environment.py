@@ -40,6 +40,20 @@ def _same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).resolve()
 
 
+def is_quickstart_data(source: str) -> bool:
+    """A quickstart data split, which the flow builds when missing."""
+    return any(_same_path(source, q) for q in QUICKSTART_DATA)
+
+
+def local_split(source: str) -> Path | None:
+    """The local file or directory a data split names (`path`, or `path:split` when `path:split` itself is not there),
+    None for a hub dataset id (a name that is neither a path nor a data file)."""
+    if Path(source).expanduser().exists():
+        return Path(source).expanduser()
+    path = Path(source.rpartition(":")[0] if ":" in source else source)
+    return path.expanduser() if looks_local(source) or path.suffix in (".jsonl", ".json", ".parquet") else None
+
+
 def _offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
@@ -233,11 +247,10 @@ def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
         task = get_task(cfg.data.task)
     except ValueError:
         return None  # named by preflight's user-code check
-    if any(_same_path(source, q) for q in QUICKSTART_DATA):
+    if is_quickstart_data(source):
         return None  # built by the flow when missing
-    path = Path(source.rpartition(":")[0] if ":" in source and not Path(source).exists() else source)
-    local = looks_local(source) or path.suffix in (".jsonl", ".json", ".parquet")
-    if not local or path.expanduser().exists():
+    path = local_split(source)
+    if path is None or path.exists():
         return None
     build = f"build it with {task.build_hint}, or point {key} at an existing split" if task.build_hint else \
         f"point {key} at an existing file or directory, or a hub dataset id"
