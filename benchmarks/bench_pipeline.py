@@ -77,8 +77,11 @@ def posttrain_command() -> list[str]:
     return [found]
 
 
-def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float, float]:
-    env = {**os.environ, **QUIET_ENV}
+def run(workdir: Path, name: str, overrides: list[str], steps: int,
+        env: dict[str, str] | None = None) -> tuple[list[dict], float, float]:
+    """One quiet `posttrain run` of the arithmetic quickstart in `workdir` (`env`: more variables): its metrics
+    records, the children's peak RSS in MB and the process's wall seconds."""
+    env = {**os.environ, **QUIET_ENV, **(env or {})}
     cmd = [*posttrain_command(), "run", str(REPO / "recipes" / "arithmetic.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
@@ -90,6 +93,16 @@ def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[lis
                .splitlines()]
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return records, peak_mb, wall
+
+
+def scratch_dir() -> Path:
+    """A scratch working directory for the runs, with the checkout's built tiny model and data when present."""
+    workdir = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
+    for sub in ("artifacts", "data"):
+        if (REPO / sub).exists():
+            os.symlink(REPO / sub, workdir / sub)
+    os.symlink(REPO / "params.yaml", workdir / "params.yaml")
+    return workdir
 
 
 def wall_per_step(workdir: Path, run_name: str, records: list[dict]) -> list[float]:
@@ -172,11 +185,7 @@ def main() -> int:
         names = [n for n in names if "vllm" not in n]
         if skipped:
             print(f"(vLLM is not installed: {', '.join(skipped)} not run)")
-    workdir = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
-    for sub in ("artifacts", "data"):
-        if (REPO / sub).exists():
-            os.symlink(REPO / sub, workdir / sub)  # reuse a built tiny model/data when present
-    os.symlink(REPO / "params.yaml", workdir / "params.yaml")
+    workdir = scratch_dir()
     try:
         rows = []
         for name in names:

@@ -111,7 +111,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
 
     step = run.start_step
     with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster, \
-            run.checkpoints_of(cluster), RewardPool(cfg) as rewards:
+            run.checkpoints_of(cluster), RewardPool(cfg, cluster.placement) as rewards:
         t = time.perf_counter()
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))

@@ -74,7 +74,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
         placed.enter_context(run.checkpoints_of(cluster))  # the checkpoint in flight is published however steps end
         teacher = placed.enter_context(TeacherRole(cfg, cluster.trainer_group)) if with_teacher else None
-        rewards_pool = placed.enter_context(RewardPool(cfg))
+        rewards_pool = placed.enter_context(RewardPool(cfg, cluster.placement))
         environments = placed.enter_context(EnvironmentPool(cfg)) if agents else None
         startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines

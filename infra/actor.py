@@ -9,7 +9,7 @@ one does not wait on a model; the model (engine, functions) comes with `setup`.
 another role's bundles: the teachers sit in the trainer ranks'), starts the actors (not waited for), waits for their
 placement, fans out `preload`, `setup` and `info`, and on `close` shuts the actors down, kills them and frees its
 placement group. `infra.placement.Placement` owns the groups of a run's trainer ranks and engines, and the Ray
-they run in. `start_pool` starts the run's helper pools (reward functions, environments): actors that
+they run in. `start_pool` starts the run's helper pools (reward functions, environments; `HelperPool`): actors that
 reserve nothing, each built from the run's config.
 """
 
@@ -149,13 +149,20 @@ class ActorGroup:
         self.actors, self.placement_group, self.placed = [], None, False
 
 
+def pool_group(role: str, cls: type, count: int, args: tuple) -> ActorGroup:
+    """A helper pool's group (not started): `count` actors of `cls`, each built from `args`, never restarted, reserving
+    nothing."""
+    return ActorGroup(role, cls, count, lambda i: args, options={"max_restarts": 0})
+
+
 def start_pool(role: str, cls: type, count: int, args: tuple, *, timeout: float, what: str,
-               failure: type[Exception], failed: str) -> ActorGroup:
+               failure: type[Exception], failed: str, started: ActorGroup | None = None) -> ActorGroup:
     """`count` actors of `cls` (each built from `args`, never restarted) that reserve nothing, started and set up
     within `timeout` seconds (`cluster.placement_timeout_s`): a helper pool of the run (reward functions, environments).
+    `started`: the pool's group already started (`Placement.take_helper`), whose setup is waited for instead.
     PlacementError naming `what` after the timeout; `failure(f"{failed}: <why>")` when an actor fails to start.
     Nothing is left running on an error."""
-    group = ActorGroup(role, cls, count, lambda i: args, options={"max_restarts": 0}).start()
+    group = started if started is not None else pool_group(role, cls, count, args).start()
     try:
         group.wait(group.setup(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -171,8 +178,9 @@ def start_pool(role: str, cls: type, count: int, args: tuple, *, timeout: float,
 class HelperPool(AbstractContextManager):
     """A run's helper pool (`start_pool`) of `count` actors of `worker` built from `worker_args()`: placed when
     entered (and again on the next use after `_kill`), killed on exit; `count=0` places none (the caller then works
-    in its own process). Subclasses name the role (`role`, `what`) and the error of a failed start (`failure`,
-    `failed`)."""
+    in its own process). With the run's `placement` (`infra.placement.Placement`), the first placing takes the
+    pool's actors that `posttrain run` started ahead (`Placement.take_helper`), when their arguments are the same.
+    Subclasses name the role (`role`, `what`) and the error of a failed start (`failure`, `failed`)."""
 
     role: str
     worker: type
@@ -180,8 +188,8 @@ class HelperPool(AbstractContextManager):
     failure: type[Exception]
     failed: str
 
-    def __init__(self, cfg: Any, count: int):
-        self.cfg, self.count = cfg, count
+    def __init__(self, cfg: Any, count: int, placement: Any = None):
+        self.cfg, self.count, self.placement = cfg, count, placement
         self.group: ActorGroup | None = None
 
     @property
@@ -201,9 +209,10 @@ class HelperPool(AbstractContextManager):
     def _place(self) -> None:
         if self.count == 0 or self.actors:
             return
-        self.group = start_pool(self.role, self.worker, self.count, self.worker_args(),
-                                timeout=self.cfg.cluster.placement_timeout_s, what=self.what, failure=self.failure,
-                                failed=self.failed)
+        args = self.worker_args()
+        ahead = self.placement.take_helper(self.role, args, self.count) if self.placement is not None else None
+        self.group = start_pool(self.role, self.worker, self.count, args, timeout=self.cfg.cluster.placement_timeout_s,
+                                what=self.what, failure=self.failure, failed=self.failed, started=ahead)
 
     def _kill(self) -> None:
         """Kill the actors (no `shutdown` call: one may be stuck in a call that timed out)."""

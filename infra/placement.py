@@ -6,8 +6,9 @@ and drives the groups of its `Placement`.
 
 Early start (`posttrain run`, flows/entry.py): the entry creates the run's `Placement` before the flow exists, starts
 the local Ray in it (`start_ray_early`) and the trainer ranks' and separate engines' groups with their `preload`
-(`start_actors_early`), while Prefect's API starts; then it offers the placement (`offered()`) for as long as the
-flow runs. The flow's `Cluster` takes the offered placement over (`take_offered`): it uses those very actors when
+(`start_actors_early`), and the reward workers' actors (`data.reward_workers`), which import the reward functions
+while the flow starts, until the flow's `infra.rewards.RewardPool` takes them (`take_helper`); all while Prefect's API
+starts. Then it offers the placement (`offered()`) for as long as the flow runs. The flow's `Cluster` takes the offered placement over (`take_offered`): it uses those very actors when
 its worker config is the same, and with another config discards them and starts its own, keeping the Ray. Whoever
 holds the placement last closes it: the `Cluster` on its exit, or the entry when the flow failed before placing
 anything.
@@ -22,7 +23,7 @@ from typing import ClassVar
 
 import ray
 
-from infra.actor import ActorGroup, bundle
+from infra.actor import ActorGroup, bundle, pool_group
 from infra.engines import RolloutWorker
 from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray, start_local_ray
@@ -71,6 +72,7 @@ class Placement:
         self.cfg = cfg
         self.worker_cfg = worker_config(cfg)
         self.groups: dict[str, ActorGroup] = {}
+        self.helpers: dict[str, tuple[tuple, ActorGroup]] = {}  # helper pool role -> (its actors' args, its group)
         self.started_ray = False  # this object started the Ray it uses: `close` stops it
 
     # -- early start (posttrain run)
@@ -86,16 +88,34 @@ class Placement:
 
     def start_actors_early(self) -> int:
         """Start the trainer ranks' group, and with `cluster.placement=separate` the engines', and have each actor
-        import what its `setup` needs (`preload`), with Ray up. All or nothing: on a failure, the groups are released
-        before the error is raised. Returns the number of actors started."""
+        import what its `setup` needs (`preload`), with Ray up; and start the reward workers (their constructors import
+        the reward functions). All or nothing: on a failure, the groups are released before the error is raised.
+        Returns the number of actors started."""
+        # the reward role's module, here: needed only for an early start
+        from infra.rewards import RewardWorker
+
         roles = ["trainers"] + (["engines"] if self.cfg.cluster.placement == "separate" else [])
         try:
             for role in roles:
                 self.group(role).preload()
+            if self.cfg.data.reward_workers:
+                args = (self.worker_cfg,)  # infra.rewards.RewardPool.worker_args
+                self.helpers["rewards"] = (args, pool_group("rewards", RewardWorker, self.cfg.data.reward_workers,
+                                                            args).start())
         except BaseException:
             self.discard_groups()
             raise
-        return sum(len(self.groups[role].actors) for role in roles)
+        return sum(len(self.groups[role].actors) for role in roles) + sum(
+            len(group.actors) for _, group in self.helpers.values())
+
+    def take_helper(self, role: str, args: tuple, count: int) -> ActorGroup | None:
+        """The helper pool `role`'s group started ahead (not yet set up), handed over once: the pool then owns it.
+        None when none was started, or when it was started with other arguments or another size (it is killed)."""
+        args_ahead, group = self.helpers.pop(role, (None, None))
+        if group is not None and (args_ahead != args or len(group.actors) != count):
+            group.close(graceful=False)
+            group = None
+        return group
 
     @contextlib.contextmanager
     def offered(self) -> Iterator[Placement]:
@@ -133,17 +153,20 @@ class Placement:
         return self.groups[role]
 
     def discard_groups(self) -> None:
-        """Kill the groups' actors and free their placement groups (actors that were never set up)."""
-        for group in self.groups.values():
+        """Kill the groups' actors (and the helper pools' not taken) and free their placement groups (actors that were
+        never set up)."""
+        for group in [*self.groups.values(), *(group for _, group in self.helpers.values())]:
             group.close(graceful=False)
-        self.groups = {}
+        self.groups, self.helpers = {}, {}
 
     def close(self) -> None:
         """Shut down and kill every group's actors (the last started first), free their placement groups, and stop
         a Ray this object started."""
+        for _, group in self.helpers.values():  # never set up: nothing to shut down
+            group.close(graceful=False)
         for role in reversed(list(self.groups)):
             self.groups[role].close()
-        self.groups = {}
+        self.groups, self.helpers = {}, {}
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         self.started_ray = False

@@ -1,6 +1,7 @@
 """The reward role: the reward functions run in a pool of Ray actors, off the driver process.
 
-`RewardPool` (enter it inside `Cluster`, which joins or starts Ray) places `data.reward_workers` actors;
+`RewardPool` (enter it inside `Cluster`, which joins or starts Ray) places `data.reward_workers` actors (with the
+`Cluster`'s placement: those `posttrain run` started ahead, `infra.placement.Placement.take_helper`);
 each imports the configured functions (`rl_core.rewards.configured.reward_functions`: `data.rewards`, or the task's
 own). A batch is cut into one contiguous share per actor and every function is called once per share,
 all shares at once. Each actor runs its calls in order, so its k-th call must be back within
@@ -65,8 +66,8 @@ class RewardPool(HelperPool):
     role, worker, what = "rewards", RewardWorker, "reward workers (data.reward_workers)"
     failure, failed = RewardError, "a reward worker failed to start (importing data.rewards / data.task)"
 
-    def __init__(self, cfg: PosttrainConfig):
-        super().__init__(cfg, cfg.data.reward_workers)
+    def __init__(self, cfg: PosttrainConfig, placement: Any = None):
+        super().__init__(cfg, cfg.data.reward_workers, placement)
         self.functions: list[RewardFunction] = configured_functions(cfg.data)
 
     def worker_args(self) -> tuple:

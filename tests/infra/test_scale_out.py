@@ -220,39 +220,50 @@ def test_placement_timeout_names_what_could_not_be_placed(in_workdir, warm_model
 
 @pytest.mark.e2e
 def test_actors_started_early_are_taken_by_the_cluster_of_the_same_config_only(in_workdir, warm_model):
-    """`posttrain run` starts the trainer ranks and the separate engines while Prefect's API starts
-    (infra.placement.Placement.start_actors_early) and offers its placement: the flow's Cluster takes those very
-    actors, already past their imports, and they train and sync; a Cluster of another config kills them and places
-    its own; none is left behind."""
+    """`posttrain run` starts the trainer ranks, the separate engines and the reward workers while Prefect's API
+    starts (infra.placement.Placement.start_actors_early) and offers its placement: the flow's Cluster takes those very
+    actors, already past their imports, and they train and sync, and its RewardPool takes the reward workers; a
+    Cluster of another config kills them all and places its own; none is left behind."""
     from infra.cluster import Cluster
     from infra.placement import Placement
     from infra.processes import wait_until
+    from infra.rewards import RewardPool
     from rl_core.config import load_config
+    from rl_core.rewards import reward_inputs
+    from rl_core.tasks import Example
 
     base = [f"model.name_or_path={warm_model[0]}", "cluster.num_workers=2", "cluster.placement=separate",
             "rollout.num_engines=1"]
     cfg = load_config(recipe("arithmetic"), base)
     free_before = ray.available_resources().get("CPU")
     early = Placement(cfg)
-    assert early.start_actors_early() == 3
+    assert cfg.data.reward_workers == 1  # the recipe's default
+    assert early.start_actors_early() == 4  # 2 trainer ranks, 1 engine, 1 reward worker
     trainers, engines = early.groups["trainers"].actors, early.groups["engines"].actors
+    scorers = early.helpers["rewards"][1].actors
     assert len(ray.get([a.preload.remote() for a in trainers + engines])) == 3  # alive, their imports done
-    with early.offered(), Cluster(cfg, max_model_len=32) as cluster:
+    with early.offered(), Cluster(cfg, max_model_len=32) as cluster, RewardPool(cfg, cluster.placement) as rewards:
         assert cluster.placement is early
         assert [w._actor_id for w in cluster.workers] == [w._actor_id for w in trainers]
         assert [e._actor_id for e in cluster.engine_actors] == [e._actor_id for e in engines]
+        assert [a._actor_id for a in rewards.actors] == [a._actor_id for a in scorers]
+        assert early.helpers == {}  # handed over once: the pool owns them
         assert Placement.take_offered(cfg) is None  # handed over once
         synced = cluster.sync_weights(1)  # set up, and joined to rank 0's weight-sync group: the checksums agree
         assert synced["perf/weight_sync_bytes"] > 0
+        # the arithmetic task's exact-answer reward, scored in the early actor: "3" right, "4" wrong
+        inputs = reward_inputs([Example("1+2=", "3", None, {"answer": "3"}, "t:1")] * 2, ["3", "4"])
+        assert rewards.scores(inputs).rewards == [1.0, 0.0]
     assert early.groups == {}
     assert wait_until(lambda: ray.available_resources().get("CPU") == free_before, 10), ray.available_resources()
 
     early = Placement(cfg)
     early.start_actors_early()
-    started = [*early.groups["trainers"].actors, *early.groups["engines"].actors]
+    started = [*early.groups["trainers"].actors, *early.groups["engines"].actors, *early.helpers["rewards"][1].actors]
     other = load_config(recipe("arithmetic"), [*base, "rl.optimizer.lr=3e-4"])
-    with early.offered(), Cluster(other, max_model_len=32) as cluster:
-        assert not {a._actor_id for a in cluster.workers + cluster.engine_actors} & {a._actor_id for a in started}
+    with early.offered(), Cluster(other, max_model_len=32) as cluster, RewardPool(other, cluster.placement) as rewards:
+        placed = cluster.workers + cluster.engine_actors + rewards.actors
+        assert len(rewards.actors) == 1 and not {a._actor_id for a in placed} & {a._actor_id for a in started}
         for actor in started:  # killed: they hold the wrong config
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.info.remote(), timeout=30)
