@@ -15,7 +15,7 @@
   and the rollout engines: gloo on CPU, NCCL on GPU.
 - `WeightStream`: rank 0 sends the weights in buckets of one dtype (one collective per bucket, not
   per tensor), cast to the engines' dtype on the way, packing each bucket as the (gathered) tensors
-  arrive; engines load each bucket as it arrives. Every side computes a checksum of the bytes it
+  arrive and the next while one is in flight; engines load each bucket as it arrives. Every side computes a checksum of the bytes it
   sent or received, which the driver compares.
 """
 
@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -212,8 +213,10 @@ class WeightGroup:
         else:
             raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        self.pg.broadcast(tensor, 0).wait()
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Broadcast `tensor` from group rank 0, in flight: the returned work's `wait()` ends it (NCCL: a side
+        stream; gloo: a background thread), so the next bucket is packed while this one travels."""
+        return self.pg.broadcast(tensor, 0)
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
@@ -288,9 +291,11 @@ class WeightStream:
 
     The sender (trainer rank 0) and a colocated engine pack the pairs `source` yields into one flat bucket at a
     time; with a `group` the bucket is then broadcast (rank 0) or received into (an engine, `source=None`). Each
-    bucket's tensors are yielded as views of it before the next bucket is packed, so a consumer that loads as it
-    iterates (vLLM's `reload_weights`, a copy into the engine's parameters) holds one bucket, never a second full
-    copy of the model; `source` too is read one tensor at a time (a sharded trainer gathers each as it is asked).
+    bucket's tensors are yielded as views of it, so a consumer that loads as it iterates (vLLM's `reload_weights`,
+    a copy into the engine's parameters) holds at most two buckets, never a second full copy of the model: with a
+    group the next bucket is packed, or its receive posted, while one travels (double-buffered: the sender does not
+    wait on each bucket before packing the next); without one, the next bucket is packed after the consumer took
+    this one's tensors. `source` too is read one tensor at a time (a sharded trainer gathers each as it is asked).
     Iterate once, to the end: every broadcast is a collective (`drain` finishes a stream a consumer left early).
     Then `checksum` (of the bytes, as `checksum`/`combine` define it) and `bytes` describe what went through.
     """
@@ -309,7 +314,10 @@ class WeightStream:
         return self._pairs
 
     def _run(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """With a group, pack (or post the receive of) bucket k+1 while bucket k's broadcast is in flight, then wait
+        for bucket k and yield its views: two buckets at a time (double-buffered). Without one, one bucket."""
         source = None if self.source is None else iter(self.source)
+        in_flight = None
         for idx in buckets(self.layout, bucket_bytes):
             dtype = _DTYPES[self.layout[idx[0]].dtype]
             flat = torch.empty(sum(self.layout[i].numel for i in idx), dtype=dtype, device=self.device)
@@ -323,16 +331,28 @@ class WeightStream:
                                          f"{spec.name!r}; the sender and the layout disagree on the model's tensors")
                     flat[offset: offset + spec.numel].copy_(value.detach().reshape(-1))  # cast to the wire dtype
                 offset += spec.numel
-            if self.group is not None:
-                self.group.broadcast(flat)
-            self._sums.append(checksum(flat))
-            self.bytes += flat.numel() * flat.element_size()
-            offset = 0
-            for i in idx:
-                spec = self.layout[i]
-                yield spec.name, flat[offset: offset + spec.numel].view(spec.shape)
-                offset += spec.numel
+            if self.group is None:  # packed for a consumer in this process: nothing travels, one bucket at a time
+                yield from self._arrived(idx, flat, None)
+                continue
+            work = self.group.broadcast(flat)
+            if in_flight is not None:
+                yield from self._arrived(*in_flight)
+            in_flight = (idx, flat, work)
+        if in_flight is not None:
+            yield from self._arrived(*in_flight)
         self._done = True
+
+    def _arrived(self, idx: list[int], flat: torch.Tensor, work: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """One bucket, its broadcast ended: checksummed, then its tensors as views of it."""
+        if work is not None:
+            work.wait()
+        self._sums.append(checksum(flat))
+        self.bytes += flat.numel() * flat.element_size()
+        offset = 0
+        for i in idx:
+            spec = self.layout[i]
+            yield spec.name, flat[offset: offset + spec.numel].view(spec.shape)
+            offset += spec.numel
 
     def drain(self) -> WeightStream:
         """Go through whatever the consumer did not take (the collectives must all run)."""

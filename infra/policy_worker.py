@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from infra.engines import actor_device, build_engine, enable_tf32, engine_dtype, held_weights, node_info
+from infra.engines import (
+    actor_device,
+    build_engine,
+    enable_tf32,
+    engine_dtype,
+    held_weights,
+    matmul_precision_kept,
+    node_info,
+)
 from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
@@ -104,7 +112,8 @@ class PolicyWorker:
             shared = None if self.trainer.sharded else self.trainer.model
             from infra.distributed import outside_default_group
 
-            with outside_default_group():  # in-process vLLM: a world of its own, off the trainers' group
+            # in-process vLLM: a world of its own, off the trainers' group; the trainer's TF32 setting kept
+            with outside_default_group(), matmul_precision_kept():
                 self.engine = build_engine(self.cfg, self.device, model=shared, tokenizer=self.tokenizer,
                                            max_model_len=max_model_len, sleep_mode=True)
             if self.cfg.rollout.backend == "vllm" and self.world_size > 1:
@@ -145,7 +154,7 @@ class PolicyWorker:
             sums = tensor_sums(state)
         else:
             state = self._lora_state(self._wire_dtype())
-            source = self.trainer.iter_full_model_state(self._wire_dtype()) if state is None else state.items()
+            source = self.trainer.iter_full_model_state() if state is None else state.items()
             stream = WeightStream(layout, self.device, source=source)
             sums = {}
             tap = summed(stream, sums)
@@ -227,7 +236,7 @@ class PolicyWorker:
         if state is not None:
             source = state.items()
         elif self.trainer.sharded:
-            source = self.trainer.iter_full_model_state(self._wire_dtype())
+            source = self.trainer.iter_full_model_state()
         else:
             source = self.trainer.model.state_dict().items()
         if self.rank != 0:

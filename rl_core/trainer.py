@@ -178,13 +178,13 @@ class LLMTrainer(TrainerState):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def iter_full_model_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_model_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, full tensor)` one at a time, in `state_dict` order, each gathered (sharded: every rank must
-        iterate to the end, the gathers are collectives) and cast to `dtype` only when asked for: a consumer
-        that drops each tensor holds one at a time."""
+        iterate to the end, the gathers are collectives) in its own dtype: a consumer that drops each tensor holds
+        one at a time, and one that packs it into a wire bucket (`infra.distributed.WeightStream`) casts as it
+        copies, with no cast copy beside the bucket."""
         for name, value in self.model.state_dict().items():
-            full = value.full_tensor() if is_dtensor(value) else value.detach()
-            yield name, (full if dtype is None else full.to(dtype))
+            yield name, (value.full_tensor() if is_dtensor(value) else value.detach())
 
     def train_step(self, batch: Trajectory, micro_batch_size: int | None = None,
                    mini_batch_size: int | None = None, micro_batch_max_tokens: int | None = None) -> dict[str, float]:

@@ -127,14 +127,16 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     elif A and (not colocated or fsdp):
         role.add(f"LoRA merged weights: full state in {cfg.model.compute_dtype}", state_c, (SYNC,),
                  "W + (alpha/r) B A of every adapted weight, sent to the HF engines")
-    bucket = min(WIRE_BUCKET_BYTES, state_c)
+    # infra.distributed.WeightStream: one bucket packed for a colocated engine; two to separate engines (the next
+    # is packed while one is broadcast)
+    bucket = (1 if colocated else 2) * min(WIRE_BUCKET_BYTES, state_c)
+    packed = f"one {cfg.model.compute_dtype} bucket" if colocated else f"two {cfg.model.compute_dtype} buckets"
     if fsdp:  # LLMTrainer.iter_full_model_state: each tensor gathered in float32, cast and packed, then dropped
-        role.add(f"weight sync: one gathered float32 tensor + the {cfg.model.compute_dtype} bucket it is packed into",
+        role.add(f"weight sync: one gathered float32 tensor + the {packed} it is packed into",
                  4 * s.largest + bucket, (SYNC,),
                  "the engine loads each bucket as it arrives" if colocated else "every rank gathers, rank 0 sends")
     elif not colocated or cfg.rollout.backend == "vllm":
-        role.add(f"weight sync: one {cfg.model.compute_dtype} bucket, cast and packed"
-                 + ("" if colocated else " (rank 0)"), bucket, (SYNC,))
+        role.add(f"weight sync: {packed}, cast and packed" + ("" if colocated else " (rank 0)"), bucket, (SYNC,))
 
     # -- the colocated engine
     if colocated:
@@ -200,16 +202,17 @@ def engine_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int
             role.add(f"received weights: LoRA adapters in {cfg.model.compute_dtype}", A * c, (SYNC,),
                      "written as a PEFT adapter directory, loaded as a LoRA request")
         elif tp > 1:
-            role.add("received bucket: copied to host memory as it arrives", min(WIRE_BUCKET_BYTES, s.state * c),
-                     (SYNC,))
+            role.add("received buckets, two in flight: copied to host memory as each arrives",
+                     2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
             role.notes.append(f"tensor parallel ({tp} GPUs per engine): a sync gathers the received weights in host "
                               f"memory ({gib(s.state * c)} GiB) and hands them to the {tp} workers in one call")
         else:
-            role.add("received bucket: loaded by vLLM as it arrives", min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
+            role.add("received buckets, two in flight: loaded by vLLM as each arrives",
+                     2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
     else:
         rows = generation_rows(cfg, count)
         role.add(f"weights: {cfg.model.compute_dtype}", s.n_params * c)
-        role.add("received bucket", min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
+        role.add("received buckets, two in flight", 2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
         role.add(f"HF KV cache: {rows} rows x {seq} tokens", kv_cache_bytes(s, rows, seq, c), (GENERATE,))
         role.add(f"HF prefill: one layer, {rows} rows x {prompt} prompt tokens",
                  nograd_forward_bytes(s, rows, prompt, c, c), (GENERATE,))

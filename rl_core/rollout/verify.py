@@ -36,13 +36,23 @@ def probe_ids(vocab_size: int, max_model_len: int | None = None) -> list[int]:
     return [(7919 * i + 13) % int(vocab_size) for i in range(length)]
 
 
-def tensor_sum(value: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[float, float]:
-    """`(sum, sum of |x|)` in float64 of `value` cast to `dtype` first (the engines' dtype)."""
-    v = value.detach()
-    if dtype is not None:
-        v = v.to(dtype)
-    v = v.to(torch.float64)
-    return float(v.sum()), float(v.abs().sum())
+SUM_CHUNK = 1 << 22  # elements summed at a time: the extra memory of a sum is one chunk in the engines' dtype
+
+
+def tensor_sum(value: torch.Tensor, dtype: torch.dtype | None = None,
+               chunk: int = SUM_CHUNK) -> tuple[float, float]:
+    """`(sum, sum of |x|)` in float64 of `value` cast to `dtype` first (the engines' dtype), accumulated in float64
+    chunk by chunk: no float64 copy of the tensor is made, and at most `chunk` elements of it are cast (or made
+    absolute) at a time, so the sums of a 7B model's embedding need megabytes, not gigabytes, beside it."""
+    flat = value.detach().reshape(-1)  # a view when contiguous
+    total = magnitude = 0.0
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk]
+        if dtype is not None and part.dtype != dtype:
+            part = part.to(dtype)
+        total += float(part.sum(dtype=torch.float64))
+        magnitude += float(part.abs().sum(dtype=torch.float64))
+    return total, magnitude
 
 
 def tensor_sums(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

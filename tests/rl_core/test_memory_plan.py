@@ -247,8 +247,12 @@ def test_opd_teacher_and_separate_engines_are_planned(qwen3b_dir):
                  "cluster.gpus_per_engine=1")
     plan, _ = plan_for_config(cfg, 80 * GIB)
     engine = plan.role("engine")
-    assert engine.processes == 2  # each loads the broadcast one bucket at a time
-    assert engine.item("received bucket").bytes == min(256 * 1024**2, 2 * plan.shape.state_elements)
+    assert engine.processes == 2  # each loads the broadcast one bucket at a time while the next is received
+    bucket = min(256 * 1024**2, 2 * plan.shape.state_elements)
+    assert engine.item("received buckets, two in flight").bytes == 2 * bucket
+    # rank 0 packs the next bf16 bucket while one is broadcast: one gathered float32 tensor and two buckets
+    sender = plan.role("trainer").item("weight sync")
+    assert "two bfloat16 buckets" in sender.name and sender.bytes == 4 * plan.shape.largest_tensor + 2 * bucket
     tp = plan_for_config(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.placement=separate", "rollout.num_engines=1",
                                 "cluster.gpus_per_engine=2"), 80 * GIB)[0].role("engine")
     assert tp.gpus == 2 and tp.vllm_weights == plan.shape.n_params  # bf16 weights split over 2 GPUs

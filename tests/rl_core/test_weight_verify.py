@@ -4,6 +4,8 @@ with the trainer's, the HF engine's own report, a weight loaded wrong, and the t
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from rl_core.rollout.verify import (
     probe_gap,
     probe_ids,
     probe_logprobs,
+    tensor_sum,
     tensor_sums,
 )
 from tests.conftest import recipe
@@ -54,6 +57,36 @@ def test_sums_of_a_fused_tensor_are_checked_against_its_parts():
     assert len(problems) == 2
     assert problems[0].startswith("tensor norm.weight: sum 3.5")  # the worst first
     assert problems[1].startswith(f"tensor {key}:")
+
+
+def test_sums_are_taken_in_chunks_and_equal_the_float64_sums_of_the_values_as_cast():
+    torch.manual_seed(0)
+    x = torch.randn(1001, 7) * 3  # 7007 elements: chunks of 1000 leave a short last one
+    for dtype in (None, torch.bfloat16, torch.float16):
+        cast = x if dtype is None else x.to(dtype)
+        want = (float(cast.double().sum()), float(cast.double().abs().sum()))
+        for chunk in (1000, 7007, 1 << 22):
+            got = tensor_sum(x, dtype, chunk=chunk)
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-9), (dtype, chunk)
+    assert tensor_sum(x.t(), torch.bfloat16, chunk=1000) == pytest.approx(  # not contiguous: a copy, same sums
+        tensor_sum(x, torch.bfloat16), rel=1e-12)
+    assert tensor_sum(torch.empty(0)) == (0.0, 0.0)
+
+
+def test_the_sums_of_a_large_tensor_need_no_float64_copy_of_it():
+    """A 512 MiB float32 tensor summed (cast to bfloat16): the process's peak memory grows by a few chunks, where
+    a float64 copy would add 1 GiB (a fresh process, whose peak is this tensor)."""
+    code = (
+        "import resource, torch\n"
+        "from rl_core.rollout.verify import tensor_sum\n"
+        "x = torch.ones(1 << 27)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "total, magnitude = tensor_sum(x, torch.bfloat16)\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "print(total, magnitude, grew)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) == float(out[1]) == float(1 << 27)
+    assert int(out[2]) < 128 * 1024, f"peak grew by {int(out[2]) // 1024} MiB"  # ru_maxrss is in KiB
 
 
 def test_a_probe_gap_is_named_and_tensors_the_trainer_did_not_send_are_left_to_the_probe():
