@@ -67,8 +67,6 @@ def build(args):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rl_core.annotators.advantage import group_advantages
-    from rl_core.trajectory import Trajectory
 
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(Qwen2Config(
@@ -77,20 +75,31 @@ def build(args):
     ).float()
     model.config._attn_implementation = "sdpa"
     prompt_len, resp_len = lengths(args)
+    return model, random_batch(prompt_len, resp_len, VOCAB, args.n, args.seed)
+
+
+def random_batch(prompt_len: list[int], resp_len: list[int], vocab: int, n: int, seed: int):
+    """A GRPO `Trajectory` of random token ids: row i a left-padded prompt of `prompt_len[i]` tokens and a response
+    of `resp_len[i]` loss tokens, groups of `n` rows, rewards 0 or 1 and their group advantages (benchmarks/gpu_check.py
+    uses it too)."""
+    import torch
+
+    from rl_core.annotators.advantage import group_advantages
+    from rl_core.trajectory import Trajectory
+
     b, p, r = len(resp_len), max(prompt_len), max(resp_len)
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.zeros(b, p + r, dtype=torch.long)
     att = torch.zeros(b, p + r, dtype=torch.long)
     loss = torch.zeros(b, p + r)
     for i, (n_p, n_r) in enumerate(zip(prompt_len, resp_len)):
-        ids[i, p - n_p:p + n_r] = torch.randint(1, VOCAB, (n_p + n_r,), generator=g)
+        ids[i, p - n_p:p + n_r] = torch.randint(1, vocab, (n_p + n_r,), generator=g)
         att[i, p - n_p:p + n_r] = 1
         loss[i, p:p + n_r] = 1
     rewards = torch.randint(0, 2, (b,), generator=g).float()
-    groups = torch.arange(b) // args.n
-    batch = Trajectory(ids, att, loss, torch.zeros(b, p + r), rewards, groups, torch.arange(b), 0,
-                       advantages=group_advantages(rewards, groups))
-    return model, batch
+    groups = torch.arange(b) // n
+    return Trajectory(ids, att, loss, torch.zeros(b, p + r), rewards, groups, torch.arange(b), 0,
+                      advantages=group_advantages(rewards, groups))
 
 
 def rss_bytes() -> int:

@@ -14,11 +14,9 @@ completions do not depend on the number of engines.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -68,24 +66,6 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code,
                        tensor_parallel_size=tensor_parallel_size(cfg))
-
-
-def enable_tf32(device: torch.device) -> None:
-    """On CUDA, float32 matmuls in TF32 (Ampere and later): the float32 paths (master weights, a float32
-    recipe's forward) at tensor-core speed. The log-softmax, ratios and reductions stay float32."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-
-
-@contextlib.contextmanager
-def matmul_precision_kept() -> Iterator[None]:
-    """Put this process's float32 matmul precision back after the block: vLLM's GPU worker sets it to "highest" as
-    it starts, which in a trainer rank with a colocated engine would turn TF32 off for the trainer."""
-    precision = torch.get_float32_matmul_precision()
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
 
 
 def engine_dtype(cfg: PosttrainConfig, on_gpu: bool) -> str:

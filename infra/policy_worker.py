@@ -15,19 +15,11 @@ from typing import Any
 
 import torch
 
-from infra.engines import (
-    actor_device,
-    build_engine,
-    enable_tf32,
-    engine_dtype,
-    held_weights,
-    matmul_precision_kept,
-    node_info,
-)
+from infra.engines import actor_device, build_engine, engine_dtype, held_weights, node_info
 from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
-from rl_core.models import looks_local
+from rl_core.models import enable_tf32, looks_local, matmul_precision_kept
 from rl_core.registry import build_objective
 
 # ------------------------------------------------------------------------------------------ config

@@ -36,8 +36,9 @@ class TeacherWorker:
     """One frozen teacher replica (an `infra.actor.Actor`). Created as a Ray actor by `TeacherRole`."""
 
     def __init__(self, cfg_data: dict, threads: int, gpus: float):
-        from infra.engines import actor_device, enable_tf32
+        from infra.engines import actor_device
         from rl_core.config import config_from_dict
+        from rl_core.models import enable_tf32
 
         use_threads(threads)
         self.cfg = config_from_dict(cfg_data)

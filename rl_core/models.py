@@ -9,6 +9,8 @@ tokenizer class, which drops the spaces of a character-level vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,6 +87,24 @@ def load_tokenizer(model_cfg):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def enable_tf32(device: torch.device) -> None:
+    """On CUDA, float32 matmuls in TF32 (Ampere and later): the float32 paths (master weights, a float32
+    recipe's forward) at tensor-core speed. The log-softmax, ratios and reductions stay float32."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
+@contextlib.contextmanager
+def matmul_precision_kept() -> Iterator[None]:
+    """Put this process's float32 matmul precision back after the block: vLLM's GPU worker sets it to "highest" as
+    it starts, which in a trainer rank with a colocated engine would turn TF32 off for the trainer."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def torch_dtype(name: str) -> torch.dtype:
