@@ -22,8 +22,12 @@ and checks, from each run's own outputs:
 - the sampler-trainer log-prob difference (`rollout/logp_abs_diff`, mean |logp_vLLM - logp_trainer|
   over response tokens) is at most 0.05 nats in bf16 (also enforced by the flow:
   `rollout.max_logp_abs_diff`);
-- colocated: vLLM gave back its memory for the train step (sleep level 2: GPU memory in use once it
-  sleeps is below what it was at rollout by at least half its reservation), and the sync woke it;
+- colocated: vLLM gave back its memory for the train step in every step's sleep/wake/reload cycle (sleep
+  level 2: GPU memory in use once it sleeps is below what it was at rollout by at least half its
+  reservation), the sync woke it, and the memory in use neither asleep nor at rollout grew from the first
+  cycle to the last (by more than `GROWTH_GIB`);
+- every trainer rank trains with TF32 float32 matmuls (`placement.json`: precision "high"), a colocated
+  vLLM's start notwithstanding;
 
 and prints rollout and training tokens/s and the measured GPU memory next to the plan.
 
@@ -51,6 +55,7 @@ from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the pro
 LOGP_DIFF_MAX = 0.05  # nats, mean over response tokens, bf16 sampler vs bf16-autocast trainer
 UTILIZATION = 0.3  # rollout.gpu_memory_utilization of every run
 PROMPTS, N = 8, 4
+GROWTH_GIB = 0.25  # the most the GPU memory in use, asleep or at rollout, may grow from the first cycle to the last
 
 
 def write_gsm8k_shaped(out: Path, n_train: int = 64, n_test: int = 16) -> None:
@@ -109,6 +114,9 @@ def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float)
     devices = [role["device"] for group in placement.values() for role in group]
     if not devices or not all(d.startswith("cuda") for d in devices):
         failures.append(f"not every role ran on a GPU: {devices}")
+    precision = [rank.get("float32_matmul_precision") for rank in placement.get("trainers", [])]
+    if not precision or any(p != "high" for p in precision):
+        failures.append(f"trainer ranks' float32 matmul precision {precision}: TF32 (\"high\") expected")
     if [r["step"] for r in steps] != list(range(1, steps_wanted + 1)):
         failures.append(f"steps logged {[r['step'] for r in steps]}, expected 1..{steps_wanted}")
     if not all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps):
@@ -126,6 +134,10 @@ def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float)
         if not all(f >= 0.5 * UTILIZATION * gpu_gib for f in freed):
             failures.append(f"colocated vLLM gave back only {freed} GiB for the train step; its reservation is "
                             f"{UTILIZATION * gpu_gib:.1f} GiB (sleep level 2 frees weights and KV cache)")
+        for key, what in (("perf/gpu_asleep_used_gib", "asleep"), ("perf/gpu_rollout_used_gib", "at rollout")):
+            used = [r.get(key, math.nan) for r in steps]
+            if steps and not used[-1] - used[0] <= GROWTH_GIB:  # NaN fails too
+                failures.append(f"GPU memory in use {what} grew over the sleep/wake cycles: {used} GiB")
     print("\nstep | reward | loss | grad norm | logp diff (mean/max) | probe gap | weight sync s | rollout tok/s | "
           "train tok/s | GPU used at rollout / asleep GiB | train peak GiB")
     for r in steps:

@@ -7,16 +7,22 @@ slices its own layout needs, so a checkpoint written by N ranks in one sharding 
 other (`none`, `fsdp`, `hsdp`).
 
 `write_shards` returns at once after a staging copy of the rank's tensors (host memory, one copy of the rank's
-shards); the files are written, fsynced and hashed in a background thread, at most one save at a time per
-rank. Nothing here is unpickled: the index is JSON (torch.distributed.checkpoint's own index is a pickle, so
+shards); the files are written and fsynced in a background thread, at most one save at a time per process. The
+staging buffers belong to one stager per process (`_stager`), allocated by the first save (pinned on CUDA, filled
+with non-blocking copies), refilled by the next ones and freed before the final export (`release_staging`); each file's sha256 is computed from the bytes as they are
+written, not read back from disk. Nothing here is unpickled: the index is JSON (torch.distributed.checkpoint's own index is a pickle, so
 this module writes and reads its own), only tensors are stored, and they are read with
 `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -33,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from infra.checkpoint_format import CheckpointError, parse_json, sha256_file, write_json
 from rl_core.atomic import fsync_dir
@@ -41,13 +48,84 @@ SHARD_INDEX = "shards.json"
 SHARD_SUFFIX = ".distcp"
 INDEX_FORMAT = "posttrain-shards"
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-shards")
+_stager: DefaultStager | None = None  # this process's staging buffers, reused by every save (`_staging`)
+_writing: Future | None = None  # this process's save in flight: its files are written from the staging buffers
+
+
+def _staging() -> DefaultStager:
+    """The process's one stager: its host copies of the tensors (pinned memory on CUDA, copied without blocking) are
+    made by the first save and kept, keyed by the tensors' storages, so later saves copy into them again."""
+    global _stager
+    if _stager is None:
+        cuda = torch.cuda.is_available()
+        _stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                               use_async_staging=False, use_non_blocking_copy=cuda))
+    return _stager
+
+
+def release_staging() -> None:
+    """Free the process's staging buffers (after the save in flight, if any, is written): before the final export,
+    whose host memory the plan counts without them (`rl_core.placement.host_memory`). The next save stages anew."""
+    global _stager
+    if _writing is not None:
+        wait([_writing])
+    if _stager is not None:
+        _stager.close()
+        _stager = None
+
+
+class _HashingStream:
+    """A file stream that hashes what is written to it, in order: the file's sha256 without reading it back (a seek
+    makes the hash unusable: `digest` is then None)."""
+
+    def __init__(self, stream: Any):
+        self._stream, self._sha, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._sha.update(view)
+        self.size += view.nbytes
+        return self._stream.write(data)
+
+    def seek(self, *args: Any) -> int:
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...: the file's own
+        return getattr(self._stream, name)
+
+    @property
+    def digest(self) -> str | None:
+        return self._sha.hexdigest() if self.sequential else None
+
+
+class _HashingFileSystem(FileSystem):
+    """The local file system of torch.distributed.checkpoint, recording each written file's size and sha256."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hashed: dict[str, tuple[int, str | None]] = {}
+        self._lock = threading.Lock()  # DCP may write files from several threads
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        with self._lock:
+            self.hashed[Path(path).name] = (hashing.size, hashing.digest)
 
 
 class _Writer(dcp.FileSystemWriter):
-    """torch.distributed.checkpoint's file writer, with the index written as JSON and the files it wrote recorded."""
+    """torch.distributed.checkpoint's file writer, with the index written as JSON and the files it wrote recorded
+    with their sha256 as written."""
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+        self.fs = _HashingFileSystem()
         self.written: dict[str, None] = {}  # the files, in the order written (a file holds many tensors)
 
     def write_data(self, plan, planner):
@@ -116,22 +194,31 @@ def write_shards(tensors: dict[str, Any], directory: str | Path, group: Any = No
     process group with a CPU backend kept for checkpoints, so that its collectives never interleave with
     training's. `replica=(rank, ranks)`: the ranks hold identical whole copies (unsharded data parallel), so each
     stages and writes only every `ranks`-th tensor, starting at its `rank`-th."""
+    global _writing
     _tensor_leaves(tensors)
+    if _writing is not None and not _writing.done():
+        raise RuntimeError("write_shards: this process's last checkpoint is still being written from the staging "
+                           "buffers the next one would fill; wait for its future first")
     if replica is not None:
         tensors = _every_nth(tensors, *replica)
     writer = _Writer(directory)
-    upload = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
+    upload = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed(),
+                            async_stager=_staging())
 
     def finished() -> dict[str, dict]:
         upload.result()  # raises the write's error
         files = {}
         for name in writer.written:
             path = Path(directory) / name
-            files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            size, digest = writer.fs.hashed.get(name, (None, None))
+            if size != path.stat().st_size or digest is None:  # written otherwise than in one pass: read it back
+                size, digest = path.stat().st_size, sha256_file(path)
+            files[name] = {"size": size, "sha256": digest}
         fsync_dir(Path(directory))
         return files
 
-    return _background.submit(finished)
+    _writing = _background.submit(finished)
+    return _writing
 
 
 def read_shards(tensors: dict[str, Any], directory: str | Path, group: Any = None) -> None:

@@ -73,7 +73,9 @@ class PolicyWorker:
         return time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
-        return node_info(self.device)
+        """Where the rank runs, and its float32 matmul precision as training uses it (after a colocated engine
+        started: "high", TF32, on CUDA)."""
+        return {**node_info(self.device), "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
     def open_rendezvous(self) -> tuple[str, int]:
         """Rank 0: a TCP store on this node for the data-parallel group; `(node ip, port)`."""
@@ -345,8 +347,10 @@ class PolicyWorker:
         Sharded, every rank calls this: the full weights are gathered into rank 0's host memory first, tensor by
         tensor. With LoRA the directory holds the merged model, and `adapter/` the adapter in PEFT's format
         (`rl_core.lora`)."""
+        from infra.checkpoint_shards import release_staging
         from rl_core.models import save_policy
 
+        release_staging()  # the checkpoints' host copies go before the export's (the host-memory plan's moments)
         state = self.trainer.exported_model_state() if self.trainer.sharded else None
         if self.rank != 0:
             return None

@@ -9,7 +9,8 @@ transformers, the Ray worker) throughout, and host memory at three moments:
   (`infra.distributed.load_sharded_policy`).
 - training with a checkpoint in flight: a save copies the rank's shards of the float32 weights (LoRA: the adapters)
   and of the AdamW state into host memory and writes them while the next steps run (`infra.checkpoint_shards`);
-  unsharded, the replicas split the tensors between them.
+  unsharded, the replicas split the tensors between them. The copies are kept for the next save and released before
+  the final export.
   Colocated vLLM under LoRA sleeps at level 1 and keeps its base weights in pinned host memory meanwhile.
 - the final export: rank 0 gathers the whole float32 model into its host memory (sharded; unsharded it writes from
   the device one safetensors file, at most 5 GB, at a time).

@@ -91,6 +91,7 @@ def test_the_teacher_replicas_run_beside_the_trainer_rank(opd_run):
     _, run_dir = opd_run
     where = json.loads((run_dir / "placement.json").read_text())
     trainer, teachers = where["trainers"][0], where["teachers"]
+    assert trainer["float32_matmul_precision"] == "highest"  # the rank's own setting: TF32 is for CUDA only
     assert len(teachers) == 2 and len({t["pid"] for t in teachers} | {trainer["pid"]}) == 3
     assert all(t["node_id"] == trainer["node_id"] and t["device"] == "cpu" for t in teachers)
 

@@ -41,3 +41,42 @@ def test_a_round_trip_its_hashes_and_what_is_refused(tmp_path):
     (tmp_path / SHARD_INDEX).write_bytes(b"\x80\x04pickle")  # DCP's own index format is never read
     with pytest.raises(CheckpointError, match="shards.json is not valid JSON"):
         read_shards(target, tmp_path)
+
+
+def test_saves_reuse_one_stagers_buffers_and_hash_the_files_as_they_are_written(tmp_path, monkeypatch):
+    """Two saves of the same tensors: the second refills the host copies the first made (the stager's buffers do not
+    grow) and each checkpoint holds the values of its own moment; the data files' sha256 comes from the bytes as
+    written (only the small index is read back); the buffers are freed on request (before the final export); a save
+    while the last one is still being written is refused."""
+    from concurrent.futures import Future
+
+    import infra.checkpoint_shards as shards
+
+    monkeypatch.setattr(shards, "_stager", None)  # this test's own stager, whatever earlier saves staged
+    read_back = []
+    real_sha = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda path: read_back.append(path.name) or real_sha(path))
+    w = torch.arange(12.0).reshape(3, 4)
+    moment = torch.tensor([3], dtype=torch.int64)
+    tensors = {"model": {"w": w}, "optimizer": {"w": {"step": moment}}}
+    first = write_shards(tensors, tmp_path / "one").result()
+    stager = shards._stager
+    buffers = len(stager._state_dict_stager._cached_storage_mapping)
+    assert buffers == 2  # one host copy per tensor storage
+    w.mul_(-1)
+    moment.add_(1)
+    second = write_shards(tensors, tmp_path / "two").result()
+    assert shards._stager is stager and len(stager._state_dict_stager._cached_storage_mapping) == buffers
+    assert torch.equal(full_tensors(tmp_path / "one")["w"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(full_tensors(tmp_path / "two")["w"], -torch.arange(12.0).reshape(3, 4))
+    for directory, files in (("one", first), ("two", second)):
+        for name, entry in files.items():
+            data = (tmp_path / directory / name).read_bytes()
+            assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert sorted(read_back) == [SHARD_INDEX, SHARD_INDEX]  # the .distcp files were hashed while written
+    shards.release_staging()  # before the final export: the buffers go, a later save stages anew
+    assert shards._stager is None
+
+    monkeypatch.setattr(shards, "_writing", Future())  # the last save still in flight
+    with pytest.raises(RuntimeError, match="still being written"):
+        write_shards(tensors, tmp_path / "three")
