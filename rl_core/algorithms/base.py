@@ -137,21 +137,40 @@ class ClipKnobs(ObjectiveConfig):
     lower_bound_ratio: float = Field(3.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 disables.")
     certified_deterministic_forward: bool = Field(False, description="Check that the pi_old pass and the first training forward agree: bit for bit on CPU, within certified_forward_atol on a GPU.")
     certified_forward_atol: float = Field(1e-5, ge=0, description="certified_deterministic_forward on a GPU: the largest |difference| of a token's log-prob between the two forwards (CUDA kernels need not give bitwise-equal results); CPU checks are always bitwise.")
+    rollout_correction: Literal["off", "tis", "mis"] = Field("off", description="Importance weights pi_old / pi_rollout between the trainer and the sampler, multiplying each token's loss: tis truncates them at rollout_correction_cap, mis drops tokens (or sequences) whose weight is outside [1/cap, cap] (docs/objectives.md).")
+    rollout_correction_level: Literal["token", "sequence"] = Field("token", description="Rollout correction per token, or one weight per sequence (the product of its token ratios).")
+    rollout_correction_cap: float = Field(2.0, gt=1, description="Rollout correction's C: tis weights are at most C; mis keeps weights within [1/C, C].")
 
     @model_validator(mode="after")
     def _clip_rules(self):
         if problem := clip_settings_problem(self.lower_bound_ratio, self.importance_sampling_level):
             raise ValueError(problem)
+        if self.rollout_correction == "off":
+            for knob in ("rollout_correction_level", "rollout_correction_cap"):
+                if non_default(self, knob):
+                    raise ValueError(f"{knob}={getattr(self, knob)!r} is read only with rollout_correction=tis|mis; "
+                                     "set that, or remove this")
         if non_default(self, "certified_forward_atol") and not self.certified_deterministic_forward:
             raise ValueError(f"certified_forward_atol={self.certified_forward_atol:g} is read only with "
                              "certified_deterministic_forward=true; set that, or remove this")
         return self
+
+    def correction_identity(self) -> dict[str, Any]:
+        """The rollout correction's values, for the objective's identity (nothing while it is off)."""
+        if self.rollout_correction == "off":
+            return {}
+        return {"rollout_correction": self.rollout_correction, "rollout_correction_level": self.rollout_correction_level,
+                "rollout_correction_cap": self.rollout_correction_cap}
 
     def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
         super().check(cfg, err, warn, n_mini)
         if cfg.rl.async_steps and self.certified_deterministic_forward:
             err("rl.objective.certified_deterministic_forward=true with rl.async_steps: pi_old of a stale batch is the "
                 "rollout's log-probs, not a trainer forward that could be certified; turn one of them off")
+        if cfg.rl.async_steps and self.rollout_correction != "off":
+            warn(f"rl.objective.rollout_correction={self.rollout_correction} with rl.async_steps: pi_old of a stale "
+                 "batch is its rollout log-probs, so its weights are 1 (the clipped ratio carries the lag); the "
+                 "correction acts on the batches sampled by the current weights")
         if cfg.rollout.top_p < 1:
             warn(f"rollout.top_p={cfg.rollout.top_p} < 1 under a ratio-based surrogate: sampling log-probs come from the "
                  "truncated distribution the trainer does not model")

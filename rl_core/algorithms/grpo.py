@@ -23,7 +23,7 @@ from rl_core.algorithms.base import (
     Report,
 )
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names, surrogate
+from rl_core.algorithms.surrogates import SURROGATES, corrected, loss_and_metrics, metric_names, surrogate
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
@@ -34,9 +34,6 @@ from rl_core.primitives.objective import (
     Reduction,
 )
 from rl_core.primitives.policy_gradient import reduce_policy_gradient_loss
-
-# algorithm-local name -> public suffix (published as train/<suffix>)
-GRPO_METRIC_NAMES: dict[str, str] = metric_names("grpo", "kl")
 
 
 def _require(value, field: str, hint: str):
@@ -80,6 +77,8 @@ class GRPOLoss:
             else:
                 old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
         per_token, stats = chosen.fn(logp, old, adv, mask, s)
+        if chosen.reads_old_logp:
+            per_token, stats = corrected(per_token, stats, old, batch.rollout_logp, mask, s)
         pg_num, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                      max_response_length=s.max_response_length)
         numerator, own = pg_num, {}
@@ -108,7 +107,8 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
         ident: dict[str, Any] = {"objective": "grpo", "grpo_surrogate": self.surrogate}
         if self.reads_old_logp:
             ident.update(importance_sampling_level=self.importance_sampling_level, epsilon_low=self.epsilon_low,
-                         epsilon_high=self.epsilon_high, lower_bound_ratio=self.lower_bound_ratio)
+                         epsilon_high=self.epsilon_high, lower_bound_ratio=self.lower_bound_ratio,
+                         **self.correction_identity())
         ident["loss_type"] = self.loss_type
         ident["fixed_divisor"] = context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None
         ident["temperature"] = context.temperature
@@ -131,7 +131,8 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
         return Objective(
             fn=GRPOLoss(LossSettings(self, context.temperature, context.max_response_length), cache),
             reduction=Reduction.TOKEN_SUM,
-            metric_adapter=MetricAdapter(dict(GRPO_METRIC_NAMES)),
+            metric_adapter=MetricAdapter(metric_names("grpo", "kl", corrected=getattr(self, "rollout_correction", "off")
+                                                      != "off")),
             old_logp_cache=cache,
             reference_scorer=LogprobScorer(context.temperature) if self.kl_beta > 0 else None,
             identity=self.identity(rl, context),

@@ -62,7 +62,7 @@ from rl_core.algorithms.base import (
     non_default,
 )
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.surrogates import SURROGATES, loss_and_metrics, metric_names
+from rl_core.algorithms.surrogates import SURROGATES, corrected, loss_and_metrics, metric_names
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import (
     LogprobScorer,
@@ -291,6 +291,7 @@ class OPDLoss:
         else:
             old = self.old_logp_cache.lookup(batch.sample_ids, batch.policy_version, logp)
         per_token, stats = SURROGATES["clipped"].fn(logp, old, adv, mask, s)  # token level: OPD has no other
+        per_token, stats = corrected(per_token, stats, old, batch.rollout_logp, mask, s)
         numerator, weight = reduce_policy_gradient_loss(per_token, mask, s.loss_type,
                                                         max_response_length=s.max_response_length)
         with torch.no_grad():
@@ -352,6 +353,7 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
             "epsilon_low": self.epsilon_low,
             "epsilon_high": self.epsilon_high,
             "lower_bound_ratio": self.lower_bound_ratio,
+            **self.correction_identity(),
             "loss_type": self.loss_type,
             "fixed_divisor": context.max_response_length if self.loss_type == "seq-mean-token-sum-fixed" else None,
             "temperature": context.temperature,
@@ -375,7 +377,7 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
         return Objective(
             fn=OPDLoss(LossSettings(self, context.temperature, context.max_response_length), cache),
             reduction=Reduction.TOKEN_SUM,
-            metric_adapter=MetricAdapter(dict(OPD_METRIC_NAMES)),
+            metric_adapter=MetricAdapter(metric_names("opd", "reverse_kl", corrected=self.rollout_correction != "off")),
             old_logp_cache=cache,
             reference_scorer=None,
             identity=self.identity(rl, context),

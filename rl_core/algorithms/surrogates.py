@@ -20,6 +20,7 @@ from rl_core.primitives.policy_gradient import (
     legacy_policy_gradient_loss,
     sampled_batch_diagnostics,
 )
+from rl_core.primitives.rollout_correction import rollout_correction_weights
 
 SurrogateFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, Any],
                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -62,6 +63,20 @@ def _legacy(logp, old_logp, advantages, mask, s):
     return legacy_policy_gradient_loss(logp, advantages, mask), {}
 
 
+def corrected(per_token: torch.Tensor, stats: dict[str, torch.Tensor], old_logp: torch.Tensor,
+              rollout_logp: torch.Tensor | None, mask: torch.Tensor, s: Any) -> tuple[torch.Tensor, dict]:
+    """The per-token loss times the rollout-correction weights (`rl.objective.rollout_correction`, a ratio objective's
+    knob; `rl_core.primitives.rollout_correction`), with their statistics; unchanged while it is off."""
+    if s.rollout_correction == "off":
+        return per_token, stats
+    if rollout_logp is None:
+        raise ValueError(f"batch.rollout_logp is missing: rl.objective.rollout_correction={s.rollout_correction} "
+                         "weighs each token by pi_old / pi_rollout and needs the sampler's log-probs")
+    weights, more = rollout_correction_weights(old_logp, rollout_logp, mask, mode=s.rollout_correction,
+                                               level=s.rollout_correction_level, cap=s.rollout_correction_cap)
+    return per_token * weights.to(per_token.dtype), {**stats, **more}
+
+
 def surrogate(name: str) -> Surrogate:
     try:
         return SURROGATES[name]
@@ -75,11 +90,14 @@ def surrogate(name: str) -> Surrogate:
 SURROGATE_METRICS = ("loss", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
                      "ratio_mean", "ratio_min", "ratio_max", "approx_kl_old", "entropy", "advantage_mean",
                      "advantage_std", "rollout_logp_abs_diff", "rollout_logp_abs_diff_max")
+# and with rl.objective.rollout_correction on (`corrected`)
+CORRECTION_METRICS = ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_is_corrected_frac", "rollout_kl")
 
 
-def metric_names(prefix: str, *own: str) -> dict[str, str]:
-    """An objective's algorithm-local metric name -> public suffix: `{prefix}_{name}` -> `name`."""
-    names = (*SURROGATE_METRICS[:2], *own, *SURROGATE_METRICS[2:])
+def metric_names(prefix: str, *own: str, corrected: bool = False) -> dict[str, str]:
+    """An objective's algorithm-local metric name -> public suffix: `{prefix}_{name}` -> `name` (`corrected`: with
+    the rollout correction's)."""
+    names = (*SURROGATE_METRICS[:2], *own, *SURROGATE_METRICS[2:], *(CORRECTION_METRICS if corrected else ()))
     return {f"{prefix}_{n}": n for n in names}
 
 
