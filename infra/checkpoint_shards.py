@@ -9,10 +9,10 @@ other (`none`, `fsdp`, `hsdp`).
 `write_shards` returns at once after a staging copy of the rank's tensors (host memory, one copy of the rank's
 shards); the files are written and fsynced in a background thread, at most one save at a time per process. The
 staging buffers belong to one stager per process (`_stager`), allocated by the first save (pinned on CUDA, filled
-with non-blocking copies), refilled by the next ones and freed before the final export (`release_staging`); each file's sha256 is computed from the bytes as they are
-written, not read back from disk. Nothing here is unpickled: the index is JSON (torch.distributed.checkpoint's own index is a pickle, so
-this module writes and reads its own), only tensors are stored, and they are read with
-`torch.load(weights_only=True)`.
+with non-blocking copies), refilled by the next ones and freed before the final export (`release_staging`); each
+file's sha256 is computed from the bytes as they are written, not read back from disk. Nothing here is unpickled:
+the index is JSON (torch.distributed.checkpoint's own index is a pickle, so this module writes and reads its own),
+only tensors are stored, and they are read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
