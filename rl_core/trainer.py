@@ -192,9 +192,10 @@ class LLMTrainer(TrainerState):
 
         `mini_batch_size`: rows per optimizer step (`rl.mini_batch_per_replica`); None = the whole
         batch, one step. `micro_batch_size`: rows per forward/backward chunk
-        (`rl.micro_batch_per_replica`); None = the whole mini-batch. `micro_batch_max_tokens`
-        (`rl.micro_batch_max_tokens`): chunks of whole rows grouped by length, each at most this many
-        unpadded tokens (`Trajectory.token_budget_split`; `micro_batch_size` then caps their rows).
+        (`rl.micro_batch_per_replica`). `micro_batch_max_tokens` (`rl.micro_batch_max_tokens`): chunks of
+        whole rows grouped by length, each at most this many unpadded tokens (`Trajectory.token_budget_split`;
+        `micro_batch_size` then caps their rows). Neither (TOKEN_SUM): the whole mini-batch, or its rows by length
+        under `Trajectory.padding_budget` when its padding would cost more than its real tokens.
         """
         if not isinstance(batch, Trajectory):
             raise TypeError(f"batch must be a Trajectory, got {type(batch).__name__}")
@@ -234,7 +235,10 @@ class LLMTrainer(TrainerState):
         need the same number of forwards and backwards on every rank: the short ranks add padding
         chunks (one row, no loss token, weight 0) up to the longest's count.
         """
-        if max_tokens is None:
+        default = micro_batch_size is None and max_tokens is None and self.objective.reduction is Reduction.TOKEN_SUM
+        if default:  # no option set: rows grouped by length when padding to the longest would waste (padding_budget)
+            max_tokens = mini.padding_budget()
+        if max_tokens is None and not (default and self.sharded):
             chunks = mini.split(micro_batch_size or len(mini))
             if self.objective.reduction is Reduction.MEAN and len({len(c) for c in chunks}) > 1:
                 raise ValueError(f"Reduction.MEAN divides by the number of chunks, so chunks must be equal: "
@@ -244,7 +248,7 @@ class LLMTrainer(TrainerState):
             raise ValueError("micro_batch_max_tokens (rl.micro_batch_max_tokens) cuts chunks of unequal sizes, but this "
                              "objective's Reduction.MEAN divides by the number of chunks, so its chunks must be equal: "
                              "use micro_batch_size (rl.micro_batch_per_replica) instead")
-        chunks = [(c, False) for c in mini.token_budget_split(max_tokens, micro_batch_size)]
+        chunks = [(c, False) for c in (mini.token_budget_split(max_tokens, micro_batch_size) if max_tokens else [mini])]
         if self.sharded:
             count = torch.tensor([len(chunks)], dtype=torch.float64, device=self.device)
             self.dp_reducer.all_reduce_max_([count])

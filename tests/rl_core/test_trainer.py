@@ -353,10 +353,13 @@ def test_process_group_reducer_over_gloo_single_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_whole_batch_when_micro_batch_size_is_none():
+def test_with_no_option_the_step_is_the_padding_budgets_step():
+    """This batch's rows, padded to its longest, cost more than twice their real tokens: with no micro-batch option
+    the step is exactly the one under `padding_budget()` (the even case: test below on skewed batches)."""
     model, batch = tiny_model(0), make_batch()
+    assert batch.padding_budget() is not None
     a, b = grpo_trainer(model, RLConfig()), grpo_trainer(model, RLConfig())
-    assert a.train_step(batch) == b.train_step(batch, 8)
+    assert a.train_step(batch) == b.train_step(batch, None, None, batch.padding_budget())
 
 
 # ------------------------------------------------------------------------ mixed precision (bf16 compute)
@@ -478,3 +481,37 @@ def test_max_staleness_needs_an_objective_with_pi_old():
     legacy = build_objective(RLConfig(grpo_surrogate="legacy_pg"), ObjectiveContext(MAX_LEN))
     with pytest.raises(ValueError, match="no pi_old"):
         LLMTrainer(tiny_model(0), legacy, NO_CLIP, max_staleness=1)
+
+
+def test_with_no_micro_batch_option_a_skewed_batch_is_grouped_by_length_and_a_even_one_is_not():
+    """Nine rows of 2 + 3 tokens and one of 2 + 38 (real tokens 45 + 40 = 85, padded 10 x 40 = 400 > 2 x 85): the
+    default groups rows by length under max(longest, real) = 85: the long row with one short (2 x 40 = 80), then the
+    other eight (40), 120 tokens of forward instead of 400, the loss and gradients of the one-chunk step. Even rows
+    (all 2 + 3) are one chunk in order: the very step of micro_batch_size = all rows."""
+    skewed = grpo_batch([3] * 9 + [38], [2] * 10, seed=2)
+    assert skewed.padding_budget() == 85
+    assert [len(c) for c in skewed.token_budget_split(85)] == [2, 8]
+    even = grpo_batch([3] * 8, [2] * 8, seed=2)
+    assert even.padding_budget() is None
+
+    def step(batch, rows):
+        model = tiny_model()
+        widths = []
+        hook = model.model.register_forward_pre_hook(lambda _m, args, kwargs: widths.append(
+            tuple((kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape)), with_kwargs=True)
+        trainer = LLMTrainer(model, build_objective(RLConfig(), ObjectiveContext(40)), OptimizerConfig(lr=1e-2))
+        metrics = trainer.train_step(batch, rows)
+        hook.remove()
+        return (metrics["train/loss"], metrics["train/grad_norm"]), [p.detach().clone() for p in model.parameters()], \
+            widths
+
+    loss, params, widths = step(skewed, None)
+    one_loss, one_params, one_widths = step(skewed, len(skewed))
+    assert len(widths) == 2 and len(one_widths) == 1
+    assert sum(w[0] * w[-1] for w in widths) < sum(w[0] * w[-1] for w in one_widths)  # fewer padded positions
+    assert loss == pytest.approx(one_loss, rel=1e-6)  # the loss and the gradient's norm of the unsplit step
+    # one AdamW step at lr 1e-2: float rounding of near-zero gradients moves an update by at most ~1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(params, one_params)) < 1e-4
+    loss, params, widths = step(even, None)
+    one_loss, one_params, _ = step(even, len(even))
+    assert len(widths) == 1 and loss == one_loss and all(torch.equal(a, b) for a, b in zip(params, one_params))
