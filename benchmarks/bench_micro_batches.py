@@ -2,7 +2,8 @@
 
 The batch: 25 rows of a 16-token prompt; `short`: every response 16 tokens; `skewed`: 24 responses of 16 tokens and one
 of 384 (1.5x the real tokens of `short`). The model: a randomly initialised Qwen2 architecture with Qwen2.5's
-151,936-token vocabulary (`--hidden` wide, `--layers` deep), float32, GRPO token-mean, on-policy, through
+151,936-token vocabulary (`--hidden` wide, `--layers` deep: deep enough that the layers, which see the padding, and
+not the LM head, which sees only the loss tokens, dominate a step), float32, GRPO token-mean, on-policy, through
 `LLMTrainer.train_step` (the rows layout: a chunk is as wide as its longest row). Ways:
 
 - `default`: no micro-batch option (`rl.micro_batch_per_replica` and `rl.micro_batch_max_tokens` unset): the whole
@@ -13,7 +14,7 @@ of 384 (1.5x the real tokens of `short`). The model: a randomly initialised Qwen
 Printed: the median seconds of `--repeats` steps (after one warm-up) of each way on each batch, and each against the
 `short` batch's `default` step. The loss of each way on the skewed batch is the same (TOKEN_SUM: any split).
 
-    python benchmarks/bench_micro_batches.py [--hidden 256] [--layers 4] [--repeats 3]
+    python benchmarks/bench_micro_batches.py [--hidden 512] [--layers 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ WAYS = {"default": (None, None), "one chunk": (ROWS, None), "budget 1024": (None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     import torch
