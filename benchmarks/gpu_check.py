@@ -104,6 +104,7 @@ class Check:
         self.cfg = cfg
         self.trainer = None  # the trained unsharded trainer (train_step), exported by `export`
         self.sharded = None  # the one-rank FSDP trainer (fsdp), saved and restored by `dcp`
+        self.checkpoint_group = None  # a gloo group for the checkpoint's collectives (fsdp)
         self.tokenizer = None
         self.dtype = torch.bfloat16
 
@@ -251,6 +252,7 @@ def check_fsdp(c: Check) -> dict:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if c.on_gpu else "gloo", init_method=f"file://{c.work / 'pg'}",
                                 rank=0, world_size=1)
+        c.checkpoint_group = dist.new_group(backend="gloo")  # DCP's async save needs a CPU backend, as the ranks have
     cfg = ModelConfig(name_or_path=str(c.model_dir))
     sharded, _ = load_sharded_policy(cfg, c.device, c.dtype, (1, 1))
     plain, _ = load_policy(cfg)
@@ -279,14 +281,14 @@ def check_dcp(c: Check) -> dict:
     directory.mkdir()
     tensors, rest = c.sharded.shard_state()
     t = time.perf_counter()
-    pending = write_shards(tensors, directory)
+    pending = write_shards(tensors, directory, c.checkpoint_group)
     staged_s = time.perf_counter() - t
     files = pending.result()
     written_s = time.perf_counter() - t
     fresh, _ = load_sharded_policy(ModelConfig(name_or_path=str(c.model_dir)), c.device, c.dtype, (1, 1))
     restored = c.make_trainer(fresh)
     t = time.perf_counter()
-    restored.load_shard_state(lambda layout: read_shards(layout, directory), rest)
+    restored.load_shard_state(lambda layout: read_shards(layout, directory, c.checkpoint_group), rest)
     read_s = time.perf_counter() - t
 
     def full(tree, prefix=""):
