@@ -118,11 +118,8 @@ class Check:
                                                  self.b["prompts"]) for _ in range(self.b["n"])]
         responses = np.clip(np.round(rng.lognormal(math.log(self.b["max_tokens"] / 3), 0.8, rows)), 4,
                             self.b["max_tokens"]).astype(int).tolist()
-        vocab = self.cfg_vocab()
+        vocab = json.loads((self.model_dir / "config.json").read_text())["vocab_size"]
         return random_batch(prompts, responses, vocab, self.b["n"], seed).to(self.device)
-
-    def cfg_vocab(self) -> int:
-        return json.loads((self.model_dir / "config.json").read_text())["vocab_size"]
 
     def make_trainer(self, model):
         from rl_core.algorithms.context import ObjectiveContext
@@ -217,11 +214,13 @@ def check_train_step(c: Check) -> dict:
 
 
 def logprobs(model, ids):
+    """The trainer's own log-probs of `ids` (`sequence_token_logprobs`), every token read."""
     import torch
 
+    from rl_core.primitives.logprobs import sequence_token_logprobs
+
     with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return sequence_token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)
 
 
 def check_export(c: Check) -> dict:

@@ -210,7 +210,7 @@ class HelperPool(AbstractContextManager):
         if self.count == 0 or self.actors:
             return
         args = self.worker_args()
-        ahead = self.placement.take_helper(self.role, args, self.count) if self.placement is not None else None
+        ahead = self.placement.take_helper(self.role, args) if self.placement is not None else None
         self.group = start_pool(self.role, self.worker, self.count, args, timeout=self.cfg.cluster.placement_timeout_s,
                                 what=self.what, failure=self.failure, failed=self.failed, started=ahead)
 

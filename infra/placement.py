@@ -108,11 +108,12 @@ class Placement:
         return sum(len(self.groups[role].actors) for role in roles) + sum(
             len(group.actors) for _, group in self.helpers.values())
 
-    def take_helper(self, role: str, args: tuple, count: int) -> ActorGroup | None:
+    def take_helper(self, role: str, args: tuple) -> ActorGroup | None:
         """The helper pool `role`'s group started ahead (not yet set up), handed over once: the pool then owns it.
-        None when none was started, or when it was started with other arguments or another size (it is killed)."""
+        None when none was started, or when it was started with other arguments (it is killed); the arguments are the
+        run's worker config, which holds the pool's size too."""
         args_ahead, group = self.helpers.pop(role, (None, None))
-        if group is not None and (args_ahead != args or len(group.actors) != count):
+        if group is not None and args_ahead != args:
             group.close(graceful=False)
             group = None
         return group

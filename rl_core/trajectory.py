@@ -154,7 +154,7 @@ class Trajectory:
         """The token budget a train step uses with no micro-batch option set (`LLMTrainer.train_step`): None while the
         rows at the width of the longest cost at most `waste` times their real tokens (one chunk, rows in order, as
         with no budget); else the larger of the longest row and the real tokens, so that rows are grouped by length
-        (`token_budget_split`) and a few long rows no longer widen every short one. Never more than the padded
+        (`token_budget_split`) and a few long rows do not widen every short one. Never more than the padded
         chunk it replaces: within what the memory plan allowed for it."""
         lengths = self.attention_mask.sum(-1)
         longest, real = int(lengths.max()) if lengths.numel() else 0, int(lengths.sum())

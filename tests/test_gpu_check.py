@@ -49,7 +49,11 @@ def test_the_dry_run_passes_every_check_without_what_a_bare_gpu_image_lacks(tmp_
 
 @pytest.mark.e2e  # a subprocess
 def test_without_a_gpu_or_the_dry_run_it_stops_and_says_how():
-    run = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True, timeout=300)
+    import os
+
+    hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a machine that has one
+    run = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True, timeout=300,
+                         env=hidden)
     assert run.returncode == 2 and "--cpu-dry-run" in run.stderr
 
 
