@@ -5,16 +5,19 @@ Each step runs `rollout (an agent task: episodes) -> reward -> annotate [-> teac
 checkpoint and the evaluation on cadence (`TrainingRun.end_step`). It only orders phases; the work is in
 tasks, rl_core and infra.
 
-With `rl.async_steps=1` the rollout of step k+1 is submitted (a Prefect task future, in a thread) as soon
-as step k's batch is in, with the engines still on policy version k-1, and runs while step k trains. The
-sync of version k then waits for the engines to finish it. The gate bounds the batch's version to
-[trainer version - rl.async_steps, trainer version], and the trainer takes π_old of a stale batch from
-its rollout log-probs. A checkpoint holds the sampler as it was after its own step's draw, so a resume
-draws the in-flight step's prompts again.
+With `rl.async_steps=k` up to k later steps' rollouts are in flight (Prefect task futures, in threads) while
+a step trains: the draw of step s+k is submitted as step s begins, with the engines on policy version s-1,
+so its batch reaches the trainer k versions behind it. The engines take the calls in submission order, so a
+sync waits for the rollouts submitted before it. The gate bounds every batch's version to
+[trainer version - rl.async_steps, trainer version], and the trainer takes π_old of a stale batch from its
+rollout log-probs. Each draw keeps the sampler state right after it: a step's checkpoint resumes the prompt
+stream at the first step it had not trained, so the prompts of batches in flight are drawn again (with the
+restored weights), never skipped and never trained twice.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import ExitStack
 from typing import Any
 
@@ -65,7 +68,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     agents = role.task.environment is not None  # an agent task: its rollout is episodes of the environment
 
     group_relative = cfg.rl.objective.group_relative  # the gate checks groups
-    overlap = cfg.rl.async_steps > 0  # rollout of step k+1 in flight while step k trains (preflight: separate engines)
+    overlap = cfg.rl.async_steps > 0  # later steps' rollouts in flight while a step trains (preflight: separate engines)
     step = run.start_step
     with run, RunTracker() as tracker, ExitStack() as placed:
         # the MLflow run opens first: meanwhile the trainer actors that `posttrain run` started early finish importing
@@ -90,11 +93,13 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                                                        step=step, **role.episode_limits,
                                                        environments=quote(environments))
 
-        def draw(at_step: int, at_version: int) -> tuple[list[int], Any]:
-            """The prompt rows of step `at_step` and its rollout with the engines' weights (policy `at_version`):
-            a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it."""
+        def draw(at_step: int, at_version: int) -> tuple[list[int], dict, Any]:
+            """The prompt rows of step `at_step`, the sampler's state right after drawing them (what that step's
+            checkpoint resumes from) and their rollout with the engines' weights (policy `at_version`): a Prefect
+            future, in flight from now on, with rl.async_steps; else the call that runs it."""
             startup.mark("first_rollout")
             rows = role.sampler.next_batch()
+            state = role.sampler.state_dict()
             identity = quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows})
             sampling = quote(role.sampling(at_step))
             if agents:  # an environment's episodes, turn by turn
@@ -105,27 +110,24 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             cache_dir = str((run.run_dir / "cache").resolve())
             more = {"environments": quote(environments)} if agents else {}
             if overlap:
-                return rows, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
-            return rows, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
+                return rows, state, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
+            return rows, state, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate()})
-            ahead = None  # rl.async_steps: (rows, future) of the next step's rollout, in flight
+            ahead: deque = deque()  # rl.async_steps: (rows, sampler state, future) of the next steps, in flight
             while step < cfg.rl.max_steps:
                 step += 1
                 timer = Timer()
-                if ahead is None:
-                    rows, pending = draw(step, version)
-                else:
-                    (rows, pending), ahead = ahead, None
-                sampler_state = role.sampler.state_dict()  # what this step's checkpoint resumes from: its rows drawn
+                rows, sampler_state, pending = ahead.popleft() if ahead else draw(step, version)
+                # the steps up to step + rl.async_steps sample with this version while this one trains (the gate
+                # bounds the lag); submitted before this step's rollout is awaited, in step order
+                while overlap and len(ahead) < cfg.rl.async_steps and step + len(ahead) < cfg.rl.max_steps:
+                    ahead.append(draw(step + len(ahead) + 1, version))
                 with timer.phase("rollout"):
                     completions, generate_s = pending.result() if overlap else pending()
-                if overlap and step < cfg.rl.max_steps:
-                    # step+1's rollout samples with this version while this step trains (the gate bounds the lag)
-                    ahead = draw(step + 1, version)
                 with timer.phase("reward"):
                     examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                     texts = display_texts(completions, role.tokenizer)
@@ -144,7 +146,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 with timer.phase("validate"):
                     validate_task(quote(annotated), cfg.rollout.max_response_tokens, group_relative,
                                   (version - cfg.rl.async_steps, version), step=step)
-                staleness = version - completions.policy_version
+                staleness, most_stale = completions.staleness(version)  # over its tokens (in-flight updates: mixed)
                 with timer.phase("train"):
                     per_rank = train_task(quote(cluster), quote(annotated.batch), step=step)
                 with timer.phase("sync"):
@@ -156,7 +158,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                           **reward_means,
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
-                          "perf/policy_version": version, "rollout/policy_staleness": float(staleness),
+                          "perf/policy_version": version, "rollout/policy_staleness": staleness,
+                          "rollout/policy_staleness_max": float(most_stale),
                           **startup.take()}
                 # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
                 # spent in the longer of the two)

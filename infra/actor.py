@@ -71,8 +71,10 @@ class ActorGroup:
 
     def __init__(self, role: str, cls: type, count: int, args: Callable[[int], tuple], *, cpus: float = 0.0,
                  gpus: float = 0.0, bundles: list[dict[str, float]] | None = None, strategy: str = "PACK",
-                 host: Any = None, bundle_of: Callable[[int], int] | None = None, options: dict | None = None):
+                 host: Any = None, bundle_of: Callable[[int], int] | None = None, options: dict | None = None,
+                 concurrency_groups: dict[str, int] | None = None):
         self.role, self.cls, self.count, self.args = role, cls, count, args
+        self.concurrency_groups = dict(concurrency_groups or {})
         self.cpus, self.gpus, self.options = cpus, gpus, dict(options or {})
         self.bundles, self.strategy, self.host = bundles, strategy, host
         self.bundle_of = bundle_of or (lambda i: i)
@@ -88,7 +90,8 @@ class ActorGroup:
             if self.bundles is not None:
                 self.placement_group = placement_group(self.bundles, strategy=self.strategy)
             group = self.placement_group if self.bundles is not None else self.host
-            remote = ray.remote(self.cls)
+            remote = ray.remote(concurrency_groups=self.concurrency_groups)(self.cls) if self.concurrency_groups \
+                else ray.remote(self.cls)
             for i in range(self.count):
                 options = {"num_cpus": self.cpus, "num_gpus": self.gpus, **self.options}
                 if group is not None:

@@ -45,7 +45,7 @@ import ray
 import torch
 
 from infra.actor import ActorGroup, PlacementError, describe_resources  # noqa: F401 - describe_resources re-exported
-from infra.engines import EnginePool
+from infra.engines import WEIGHTS_THREAD, EnginePool
 from infra.placement import Placement
 from infra.storage import FINAL_MODEL, CheckpointStore
 from rl_core.config import PosttrainConfig
@@ -234,7 +234,10 @@ class Cluster(AbstractContextManager):
             sent, echoes = results[0], list(enumerate(results))
         else:
             sent_refs = [w.broadcast_weights.remote(version) for w in self.workers]  # rank 0 sends
-            received = ray.get([e.receive_weights.remote(version) for e in self.engine_actors])
+            # in flight: beside the engines' generate calls; else after those submitted before it
+            receive = [e.receive_weights.options(concurrency_group=WEIGHTS_THREAD) if self.cfg.rollout.in_flight_updates
+                       else e.receive_weights for e in self.engine_actors]
+            received = ray.get([r.remote(version) for r in receive])
             sent = ray.get(sent_refs)[0]
             echoes = list(enumerate(received))
         for i, echo in echoes:

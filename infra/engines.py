@@ -27,6 +27,8 @@ from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.placement.run_shape import tensor_parallel_size
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 
+WEIGHTS_THREAD = "weights"  # the engine actors' concurrency group of weight syncs, with rollout.in_flight_updates
+
 
 def actor_device(gpus: float) -> torch.device:
     """The device of an actor that reserved `gpus` GPUs: Ray makes them cuda:0.. of the actor."""
@@ -143,16 +145,18 @@ class RolloutWorker:
 
     def receive_weights(self, version: int) -> dict[str, Any]:
         """Take rank 0's broadcast of `version`, loading each bucket as it arrives; echo the version and the checksum
-        of what arrived."""
+        of what arrived. With `rollout.in_flight_updates` it runs in the `WEIGHTS_THREAD` group, while a generate
+        may be in flight: the HF engine's decoding loop pauses between two steps for the load."""
         from infra.distributed import WeightStream, receive_into
 
         t = time.perf_counter()
         stream = WeightStream(self.layout, self.device, group=self.group)
         hf_model = getattr(self.engine, "model", None)
-        if hf_model is not None:  # HF: receive straight into the engine's parameters
+        if hf_model is not None:  # HF: receive straight into the engine's parameters, between two decoding steps
             targets = dict(hf_model.state_dict())
-            receive_into(stream, targets)
-            self.engine.set_policy_version(version)
+            with self.engine.swap.load():
+                receive_into(stream, targets)
+                self.engine.set_policy_version(version)
         else:
             self.engine.update_weights(stream, version)
             stream.drain()

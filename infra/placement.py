@@ -24,7 +24,7 @@ from typing import ClassVar
 import ray
 
 from infra.actor import ActorGroup, bundle, pool_group
-from infra.engines import RolloutWorker
+from infra.engines import WEIGHTS_THREAD, RolloutWorker
 from infra.policy_worker import PolicyWorker, worker_config
 from infra.ray_connect import connect_ray, start_local_ray
 from rl_core.config import PosttrainConfig
@@ -53,11 +53,13 @@ def trainer_group(cfg: PosttrainConfig, worker_cfg: dict) -> ActorGroup:
 
 
 def engine_group(cfg: PosttrainConfig, worker_cfg: dict) -> ActorGroup:
-    """The separate rollout engines (not started): one `RolloutWorker` per bundle of their own placement group."""
+    """The separate rollout engines (not started): one `RolloutWorker` per bundle of their own placement group. With
+    `rollout.in_flight_updates` a weight sync runs in a thread of its own ("weights"), beside the generate in flight."""
     c = cfg.cluster
     return ActorGroup("engines", RolloutWorker, num_engines(cfg),
                       lambda i: (worker_cfg, i, max(int(c.cpus_per_engine), 1), c.gpus_per_engine),
-                      cpus=c.cpus_per_engine, gpus=c.gpus_per_engine, bundles=engine_bundles(cfg), strategy="PACK")
+                      cpus=c.cpus_per_engine, gpus=c.gpus_per_engine, bundles=engine_bundles(cfg), strategy="PACK",
+                      concurrency_groups={WEIGHTS_THREAD: 1} if cfg.rollout.in_flight_updates else None)
 
 
 ROLES = {"trainers": trainer_group, "engines": engine_group}

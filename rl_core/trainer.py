@@ -421,7 +421,7 @@ class LLMTrainer(TrainerState):
                 f"(rollout/logp_abs_diff) is {gap:.6g}, above the bound; the step was refused before any update "
                 f"(trainer at policy version {self.policy_version}). The engines sampled from other weights or another "
                 "distribution than the trainer computes (stale or corrupted weights, a temperature, top_p or kernel "
-                "mismatch); raise the bound if this gap is expected (bfloat16 engines, rl.async_steps=1), else find "
+                "mismatch); raise the bound if this gap is expected (bfloat16 engines, rl.async_steps >= 1), else find "
                 "the mismatch (docs/rollout.md)")
 
 

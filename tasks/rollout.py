@@ -4,7 +4,8 @@ The cache lives in the run directory (`cache/rollout-<step>-<key>.safetensors`):
 step reads its rollout back instead of regenerating it. Each checkpoint at step S deletes the files of
 steps <= S (`prune_rollout_cache`): a resume starts after S, so only later steps' files can be read again. The files hold tensors and JSON only
 (safetensors), never a pickle, so a file planted in the run directory cannot execute anything; a
-file that does not read back as the expected completions is ignored and the rollout regenerated.
+file that does not read back as the expected completions is ignored and the rollout regenerated, and so is one
+sampled across policy versions (`rollout.in_flight_updates`): a resumed run shares only the version it was drawn with.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ def _read_cached(path: Path | None, rows: int, episodes: bool = False) -> Any:
         return None
     try:
         cached = Completions.load(path)
+        if cached.token_version is not None:
+            # weights updated in flight (rollout.in_flight_updates): its later tokens came from versions a resumed
+            # run has not made (its own are trained on other batches), so only its draw's version is shared
+            log.info("%s: sampled across policy versions; regenerating", path)
+            return None
         if len(cached) == rows and (cached.episodes is not None) == episodes:
             return cached
         log.warning("%s: holds %d rows, not %d; regenerating", path, len(cached), rows)

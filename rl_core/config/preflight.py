@@ -66,6 +66,13 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
             err(f"rl.async_steps={rl.async_steps} with cluster.placement={cl.placement}: colocated engines run "
                 "inside the trainer actors, which serve one call at a time, so nothing would overlap; set "
                 "cluster.placement=separate")
+    if ro.in_flight_updates:
+        if not rl.async_steps:
+            err("rollout.in_flight_updates=true with rl.async_steps=0: no rollout is in flight when a sync lands; set "
+                "rl.async_steps >= 1 or remove it")
+        if ro.backend != "hf":
+            err(f"rollout.in_flight_updates=true with rollout.backend={ro.backend}: the vLLM engine finishes the "
+                "requests in flight before it takes new weights; set rollout.backend=hf or remove it")
     if rl.reference is not None and not objective.reads_reference:
         err(f"rl.reference={rl.reference!r}: not read by rl.objective.type={kind} without a KL anchor; set "
             "rl.objective.kl_beta > 0 or remove it")
@@ -221,7 +228,10 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
             if getattr(cfg.rollout, key) != default:
                 out.append(f"rollout.{key}={getattr(cfg.rollout, key)}: read only by agent tasks (an environment in "
                            f"data.task), not by data.task={d.task!r}; remove it")
-    elif d.prompt_template == "plain":
+    elif cfg.rollout.in_flight_updates:
+        out.append(f"rollout.in_flight_updates=true with data.task={d.task!r}: an episode's turns must all be sampled "
+                   "by one policy, so an agent task's rollout takes new weights only between steps; remove it")
+    if task.environment is not None and d.prompt_template == "plain":
         out.append(f"data.prompt_template={d.prompt_template!r}: an environment's episode is a chat (its turns are the "
                    f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat or auto (the default)")
     if d.reward_mode != "strict" and ("reward_mode" not in task.reads or d.rewards):

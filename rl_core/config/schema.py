@@ -76,6 +76,7 @@ class RolloutConfig(_Section):
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Sampling seed (< 2^32); None derives it from job.seed.")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="vLLM's weights and compute: auto is bfloat16 on a GPU and model.compute_dtype on CPU; float32 only when asked (the HF engine follows model.compute_dtype).")
+    in_flight_updates: bool = Field(False, description="With rl.async_steps >= 1 and the HF engine: a weight sync lands between two decoding steps of the rollouts in flight (their sequences go on, their KV cache as computed) instead of waiting for them to end; each token carries the policy version that sampled it (rollout/policy_staleness is their mean lag). vLLM engines and agent tasks finish their calls first: refused there.")
     max_logp_abs_diff: float | None = Field(None, gt=0, description="Bound on rollout/logp_abs_diff (mean |sampler log-prob - trainer log-prob| over a batch's loss tokens): above it the step is refused before its update. None: logged only (its normal size depends on the engines' dtype and rl.async_steps; docs/rollout.md).")
 
     @property
@@ -104,7 +105,7 @@ class RLConfig(_Section):
     mini_batch_per_replica: int | None = Field(None, gt=0, description="Completions per optimizer step per worker; None is the whole batch (one update per rollout).")
     micro_batch_per_replica: int | None = Field(None, gt=0, description="Completions per forward/backward chunk per worker; None: the whole mini-batch, its rows grouped by length when padding them to the longest would cost more than their real tokens (docs/objectives.md, the trainer). With rl.micro_batch_max_tokens: the most rows of one chunk.")
     micro_batch_max_tokens: int | None = Field(None, gt=0, description="Token budget of one forward/backward chunk per worker (verl's ppo_max_token_len_per_gpu): rows grouped by length, rows x longest row <= this many unpadded tokens; at least the longest prompt + response. None: chunks of rl.micro_batch_per_replica rows. Not for DPO (its mean over pairs needs equal chunks).")
-    async_steps: int = Field(0, ge=0, le=1, description="1 overlaps rollout with training: step k+1's batch is sampled with policy version k-1 while step k trains, so each batch after the first is one version stale and pi_old is the rollout's log-probs (behaviour policy); 0 is on-policy. Needs cluster.placement=separate and the clipped surrogate.")
+    async_steps: int = Field(0, ge=0, description="k >= 1 keeps the rollouts of the next k steps in flight while a step trains: the rollout of step s+k is drawn as step s begins, with policy version s-1, so a batch reaches the trainer up to k versions behind it (the gate bounds it) and pi_old is its rollout log-probs (behaviour policy); 0 is on-policy. Needs cluster.placement=separate and the clipped surrogate.")
     max_steps: int = Field(100, gt=0, description="Training steps (one rollout batch each).")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     resume: Literal["off", "auto", "must"] = Field("auto", description="auto: continue from the newest valid checkpoint; must: fail without one; off: start fresh.")

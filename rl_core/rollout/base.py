@@ -76,6 +76,10 @@ class Completions:
 
     `finish_reason[j]` is 'stop' when row j sampled EOS (its last response token), else 'length'.
     `response_lengths [N]` counts response tokens including the EOS.
+    `policy_version` is the oldest policy that sampled any of its tokens (what the staleness bound checks);
+    `token_version [N, P+R]` long, the policy version behind each response token (0 elsewhere), is there only
+    when the versions differ (weights updated while sequences decoded, `rollout.in_flight_updates`); without it
+    every token is `policy_version`'s.
     """
 
     input_ids: torch.Tensor
@@ -90,6 +94,7 @@ class Completions:
     pad_token_id: int
     n: int = 1
     episodes: list[dict] | None = None
+    token_version: torch.Tensor | None = None
     response_lengths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +106,21 @@ class Completions:
     @property
     def num_prompts(self) -> int:
         return len(self) // self.n
+
+    def token_versions(self) -> torch.Tensor:
+        """`[N, P+R]` long: the policy version behind each response token (0 elsewhere)."""
+        if self.token_version is not None:
+            return self.token_version
+        return (self.response_mask > 0).long() * int(self.policy_version)
+
+    def staleness(self, trainer_version: int) -> tuple[float, int]:
+        """`(mean, max)` over the response tokens of `trainer_version` minus the version that sampled the token."""
+        on = self.response_mask > 0
+        if self.token_version is None or not bool(on.any()):
+            lag = int(trainer_version) - int(self.policy_version)
+            return float(lag), lag
+        lag = int(trainer_version) - self.token_version[on]
+        return float(lag.double().mean()), int(lag.max())
 
     def response_token_ids(self, include_eos: bool = False) -> list[list[int]]:
         """The sampled token ids of each row (the response mask's), up to the first EOS (included only if asked);
@@ -128,7 +148,10 @@ class Completions:
 
         meta = {"posttrain": "completions",
                 "fields": json.dumps({k: getattr(self, k) for k in self.SCALARS}, default=str)}
-        save_file({k: getattr(self, k).contiguous() for k in self.TENSORS}, str(path), metadata=meta)
+        tensors = {k: getattr(self, k).contiguous() for k in self.TENSORS}
+        if self.token_version is not None:
+            tensors["token_version"] = self.token_version.contiguous()
+        save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path) -> Completions:
@@ -143,10 +166,14 @@ class Completions:
             if meta.get("posttrain") != "completions":
                 raise ValueError(f"{path}: not a posttrain completions record")
             tensors = {k: f.get_tensor(k) for k in cls.TENSORS}
+            names = set(f.keys())  # a safe_open handle has no `in`
+            token_version = f.get_tensor("token_version") if "token_version" in names else None
         fields = json.loads(meta["fields"])
-        out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS if k != "episodes"}, episodes=fields.get("episodes"))
+        out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS if k != "episodes"}, episodes=fields.get("episodes"),
+                  token_version=token_version)
         rows = out.input_ids.shape[0]
         if (any(getattr(out, k).shape[0] != rows for k in cls.TENSORS) or len(out.finish_reason) != rows
+                or (token_version is not None and token_version.shape != out.input_ids.shape)
                 or (out.episodes is not None and len(out.episodes) != rows)):
             raise ValueError(f"{path}: its fields disagree on the number of rows")
         return out
@@ -161,6 +188,8 @@ class Completions:
             "response_lengths",
         ):
             setattr(self, name, getattr(self, name).to(device))
+        if self.token_version is not None:
+            self.token_version = self.token_version.to(device)
         return self
 
 
@@ -259,7 +288,8 @@ def concat_completions(parts: list[Completions]) -> Completions:
 
     Prompts stay left-padded and responses right-padded to the longest of all shards; the rows,
     masks and log-probs are otherwise unchanged, so the result equals what one engine would return
-    for all the prompts.
+    for all the prompts. Shards sampled by different policy versions keep each token's
+    (`token_version`); the joined `policy_version` is the oldest.
     """
     if not parts:
         raise ValueError("concat_completions needs at least one shard")
@@ -267,13 +297,11 @@ def concat_completions(parts: list[Completions]) -> Completions:
         return parts[0]
     first = parts[0]
     for p in parts[1:]:
-        if (p.n, p.eos_token_id, p.pad_token_id, p.policy_version) != (
-                first.n, first.eos_token_id, first.pad_token_id, first.policy_version):
+        if (p.n, p.eos_token_id, p.pad_token_id) != (first.n, first.eos_token_id, first.pad_token_id):
             raise ValueError(
-                "engine shards disagree on n, eos/pad ids or policy version "
-                f"({first.n}, {first.eos_token_id}, {first.pad_token_id}, v{first.policy_version}) vs "
-                f"({p.n}, {p.eos_token_id}, {p.pad_token_id}, v{p.policy_version}): every engine must serve the "
-                "same policy version"
+                "engine shards disagree on n or eos/pad ids "
+                f"({first.n}, {first.eos_token_id}, {first.pad_token_id}) vs "
+                f"({p.n}, {p.eos_token_id}, {p.pad_token_id}): every engine must serve the same model and request"
             )
     P = max(p.prompt_length for p in parts)
     R = max(p.input_ids.shape[1] - p.prompt_length for p in parts)
@@ -286,6 +314,8 @@ def concat_completions(parts: list[Completions]) -> Completions:
     for p in parts:
         offsets.append(total)
         total += p.num_prompts
+    # shards started on different versions (an engine took new weights between two calls): per-token versions
+    mixed = len({p.policy_version for p in parts}) > 1 or any(p.token_version is not None for p in parts)
     return Completions(
         input_ids=torch.cat([pad(p, p.input_ids, p.pad_token_id) for p in parts]),
         attention_mask=torch.cat([pad(p, p.attention_mask, 0) for p in parts]),
@@ -293,12 +323,13 @@ def concat_completions(parts: list[Completions]) -> Completions:
         sampling_logp=torch.cat([pad(p, p.sampling_logp, 0.0) for p in parts]),
         prompt_index=torch.cat([p.prompt_index + off for p, off in zip(parts, offsets)]),
         finish_reason=[r for p in parts for r in p.finish_reason],
-        policy_version=first.policy_version,
+        policy_version=min(p.policy_version for p in parts),
         prompt_length=P,
         eos_token_id=first.eos_token_id,
         pad_token_id=first.pad_token_id,
         n=first.n,
         episodes=None if any(p.episodes is None for p in parts) else [e for p in parts for e in p.episodes],
+        token_version=torch.cat([pad(p, p.token_versions(), 0) for p in parts]) if mixed else None,
     )
 
 

@@ -13,8 +13,9 @@ the prompts and the weights.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -66,6 +67,51 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
+class WeightSwap:
+    """Forwards and weight loads of one engine, from two threads, one at a time: a load waits for the forward
+    running to end, and a forward waits while a load is pending or running (the load goes first), so a weight
+    update lands between decoding steps, never inside a forward, and is never starved by the decoding loop."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._loading = 0  # loads pending or running
+        self._forwards = 0  # forwards running
+
+    @property
+    def load_waiting(self) -> bool:
+        """A load is pending or running (the next forward waits for it)."""
+        with self._cond:
+            return bool(self._loading)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._loading and not self._forwards)
+            self._forwards += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._forwards -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def load(self) -> Iterator[None]:
+        with self._cond:
+            self._loading += 1
+            try:
+                self._cond.wait_for(lambda: not self._forwards)
+            except BaseException:
+                self._loading -= 1
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._loading -= 1
+                self._cond.notify_all()
+
+
 class HFEngine(RolloutEngine):
     """Rollout engine over an in-memory `transformers` causal LM.
 
@@ -73,6 +119,10 @@ class HFEngine(RolloutEngine):
     `seed` seeds the engine's own generator, used when `SamplingParams.seed` is None.
     `compute_dtype` ("float32"/"bfloat16", None: the model's own): when it is narrower than the
     model's parameters (a float32 trainer model shared with a bf16 run), forwards run under autocast.
+
+    A weight update from another thread (`update_weights`, or a load inside `swap.load()`) lands between two
+    decoding steps of a `generate` in flight (`WeightSwap`): the sequences go on, their KV cache as computed, and
+    every later token carries the new version (`Completions.token_version`).
     """
 
     def __init__(self, model, tokenizer, *, seed: int = 0, policy_version: int = 0,
@@ -92,6 +142,7 @@ class HFEngine(RolloutEngine):
         self.stop_token_ids = sorted(stop)
         self._version = int(policy_version)
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        self.swap = WeightSwap()
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +160,9 @@ class HFEngine(RolloutEngine):
                        version: int) -> None:
         """Copy `weights` into the model (strict: every key must match) and set the policy version."""
         state_dict = weights if isinstance(weights, Mapping) else dict(weights)
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        with self.swap.load():
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            self._version = int(version)
         # A tied lm_head may be absent from the trainer's dict; anything else is an error.
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         missing = [k for k in missing if k not in tied]
@@ -118,13 +171,12 @@ class HFEngine(RolloutEngine):
                 f"update_weights: state dict does not match the rollout model (missing={missing[:5]}, "
                 f"unexpected={list(unexpected)[:5]}); send the policy's own model.state_dict()"
             )
-        self._version = int(version)
 
     def held_weights(self, probe: list[int]) -> dict:
         """Sums of every tensor of the model as it holds them, and its log-probs of `probe` (`rl_core.rollout.verify`)."""
         from rl_core.rollout.verify import probe_logprobs, tensor_sums
 
-        with self._autocast(self.device):
+        with self.swap.forward(), self._autocast(self.device):
             logp = probe_logprobs(self.model, probe)
         return {"sums": tensor_sums(self.model.state_dict()), "probe_logp": logp}
 
@@ -172,13 +224,16 @@ class HFEngine(RolloutEngine):
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
 
         positions = position_ids_from_mask(prompt_mask)
-        out = model(
-            input_ids=prompt,
-            attention_mask=prompt_mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        versions = []  # the policy version of the forward behind each decoding position's logits
+        with self.swap.forward():
+            versions.append(self._version)
+            out = model(
+                input_ids=prompt,
+                attention_mask=prompt_mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache, logits = out.past_key_values, out.logits[:, -1]
         next_pos = positions[:, -1:] + 1
         mask = prompt_mask
@@ -193,13 +248,15 @@ class HFEngine(RolloutEngine):
             if t + 1 == max_tokens or not bool(alive.any()):
                 break
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
-            out = model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=mask,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            with self.swap.forward():  # a weight update waits for it, or it for the update
+                versions.append(self._version)
+                out = model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=next_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
 
@@ -210,6 +267,10 @@ class HFEngine(RolloutEngine):
         tokens = torch.where(resp_mask.bool(), tokens, torch.full_like(tokens, self.pad_token_id))
         stopped = torch.isin(tokens, stop_ids.cpu()) & resp_mask.bool()
         finish = ["stop" if s else "length" for s in stopped.any(-1).tolist()]
+        token_version = None
+        if len(set(versions[:R])) > 1:  # weights changed while these sequences decoded: each token's own version
+            per_position = torch.tensor(versions[:R], dtype=torch.long).expand(rows, R) * resp_mask.long()
+            token_version = torch.cat([torch.zeros((rows, P), dtype=torch.long), per_position], dim=1)
         return Completions(
             input_ids=torch.cat([prompt.cpu(), tokens], dim=1),
             attention_mask=torch.cat([prompt_mask.cpu(), resp_mask.long()], dim=1),
@@ -217,11 +278,12 @@ class HFEngine(RolloutEngine):
             sampling_logp=torch.cat([torch.zeros((rows, P)), logps * resp_mask], dim=1),
             prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
             finish_reason=finish,
-            policy_version=self._version,
+            policy_version=versions[0],
             prompt_length=P,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             n=n,
+            token_version=token_version,
         )
 
 

@@ -1,4 +1,4 @@
-"""`rl.async_steps`: the rollout of step k+1 overlapped with step k's training, end to end (real Prefect, real
+"""`rl.async_steps`: the rollouts of the next steps overlapped with a step's training, end to end (real Prefect, real
 local Ray, a separate HF engine), and the option off: the flow's trajectory equals, bit for bit, the plain
 on-policy loop written out here with rl_core alone.
 """
@@ -19,39 +19,80 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CLIPPED = ["rl.objective.type=grpo", "rollout.prompts_per_step=8", "rollout.n=4",
            "rl.validation.before_training=false", "rl.validation.every_steps=0", "rl.validation.max_prompts=8",
            "rl.resume=auto"]
-ASYNC = [*CLIPPED, "cluster.placement=separate", "rollout.num_engines=1", "rl.async_steps=1"]
+ASYNC = [*CLIPPED, "cluster.placement=separate", "rollout.num_engines=1", "rl.async_steps=2"]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_steps_trains_each_batch_one_version_stale_and_checkpoints_the_prompt_stream(in_workdir, warm_model):
-    """Step 1 samples with version 0 and trains it on-policy (ρ = 1 exactly); every later step trains a batch
-    that the engine sampled with the version before the trainer's (staleness 1, ρ ≠ 1: π_old is the behaviour
-    policy), so step k+1's rollout ran on version k-1 while step k trained. The checkpoint of step 2 (written
-    with step 3's rollout in flight) resumes the prompt stream at step 3."""
+def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_them_from_a_checkpoint(in_workdir,
+                                                                                                     warm_model):
+    """rl.async_steps=2: step 1 samples with version 0 and trains it on-policy (ρ = 1 exactly); steps 2 and 3
+    were drawn with it too (staleness 1, 2), and from then on step s+2's rollout is drawn as step s begins, with
+    version s-1 (staleness 2, ρ ≠ 1: π_old is the behaviour policy). Every step's prompts are the sampler's
+    stream in order. The checkpoint of step 2 was written with steps 3 and 4 in flight: a run resumed from it
+    (the later checkpoints gone, as after a crash) draws steps 3, 4, 5 again, the same prompts, neither skipped nor
+    trained twice, and samples them with the restored weights (staleness 0, 1, 2)."""
+    import shutil
+
     from flows.grpo import grpo
     from infra.storage import CheckpointStore
     from rl_core.data import PromptSampler
 
-    model = f"model.name_or_path={warm_model[0]}"
-    grpo(recipe("arithmetic"), [*ASYNC, model, "rl.max_steps=4", "rl.save_every=2", "job.name=overlap"])
-    whole = read_metrics(in_workdir / "runs" / "overlap")
-    assert [r["step"] for r in whole] == [1, 2, 3, 4]
-    assert [r["rollout/policy_staleness"] for r in whole] == [0.0, 1.0, 1.0, 1.0]
-    assert [r["perf/policy_version"] for r in whole] == [1, 2, 3, 4]
+    overrides = [*ASYNC, f"model.name_or_path={warm_model[0]}", "rl.max_steps=5", "rl.save_every=2",
+                 "job.name=overlap"]
+    grpo(recipe("arithmetic"), overrides)
+    run_dir = in_workdir / "runs" / "overlap"
+    whole = read_metrics(run_dir)
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5]
+    assert [r["rollout/policy_staleness"] for r in whole] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert [r["perf/policy_version"] for r in whole] == [1, 2, 3, 4, 5]
     assert whole[0]["train/ratio_min"] == whole[0]["train/ratio_max"] == 1.0
     assert all(r["train/ratio_min"] < 1.0 < r["train/ratio_max"] for r in whole[1:])
     assert all(r["rollout/logp_abs_diff"] > 1e-4 for r in whole[1:])  # the engine sampled older weights
 
-    # step 2's checkpoint was written with step 3's rollout in flight: its sampler is the one after step 2's draw,
-    # so a resume from it draws step 3's prompts (not step 4's)
-    parts, _ = CheckpointStore(in_workdir / "runs" / "overlap" / "checkpoints").load(2)
-    sampler = PromptSampler(**{k: parts["driver"]["sampler"][k] for k in ("num_examples", "batch_size", "seed")})
-    sampler.load_state_dict(parts["driver"]["sampler"])
-    assert sampler.next_batch() == whole[2]["data/prompt_rows"]
-    assert sampler.next_batch() == whole[3]["data/prompt_rows"] != whole[2]["data/prompt_rows"]
+    store = CheckpointStore(run_dir / "checkpoints")
+    parts, _ = store.load(2)
+    saved = parts["driver"]["sampler"]
+    stream = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
+    expected = [stream.next_batch() for _ in range(5)]  # the prompt stream from the start, one batch per step
+    assert [r["data/prompt_rows"] for r in whole] == expected
+    # step 2's sampler is the one right after step 2's draw, though steps 3 and 4 were drawn before it was saved
+    resumed_sampler = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
+    resumed_sampler.load_state_dict(saved)
+    assert resumed_sampler.next_batch() == expected[2]
+
+    for later in (3, 4, 5):  # a crash after step 2's checkpoint: only it is left
+        shutil.rmtree(store.path_for(later), ignore_errors=True)
+    grpo(recipe("arithmetic"), overrides)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert resumed[:2] == whole[:2]  # restored from the checkpoint
+    assert [r["data/prompt_rows"] for r in resumed] == expected
+    assert [r["rollout/policy_staleness"] for r in resumed[2:]] == [0.0, 1.0, 2.0]
+    assert resumed[2]["train/ratio_min"] == resumed[2]["train/ratio_max"] == 1.0  # step 3 is on-policy now
+
+
+def test_in_flight_updates_land_inside_the_rollouts_and_every_token_keeps_its_version(in_workdir):
+    """rollout.in_flight_updates with rl.async_steps=2: a sync does not wait for the rollouts in flight; the engine
+    takes the new weights between two decoding steps (its weight-sync thread beside the generate). The random-init
+    model samples to rollout.max_tokens, so generating a batch of 16 rows takes longer than training it (~1.6x) and
+    the engine is never idle when a sync comes: every batch after step 2 mixes versions (mean lag below its oldest token's), and every
+    batch stays within the bound."""
+    from flows.grpo import grpo
+
+    init = in_workdir / "artifacts" / "tiny-model" / "init"
+    grpo(recipe("arithmetic"), [*ASYNC, f"model.name_or_path={init}", "rollout.max_tokens=96", "rollout.prompts_per_step=4",
+                                "rl.max_steps=4", "rl.save_every=0", "rollout.in_flight_updates=true",
+                                "job.name=in-flight"])
+    records = read_metrics(in_workdir / "runs" / "in-flight")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    mean = [r["rollout/policy_staleness"] for r in records]
+    most = [r["rollout/policy_staleness_max"] for r in records]
+    assert mean[0] == most[0] == 0.0 and most[1] == 1.0 and most[2] <= 2.0 and most[3] <= 2.0, (mean, most)
+    assert all(m < x for m, x in zip(mean[2:], most[2:])), (mean, most, [r["perf/generate_s"] for r in records],
+                                                           [r["perf/train_compute_s"] for r in records])
 
 
 def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_bit(in_workdir, warm_model):

@@ -173,6 +173,22 @@ def test_prune_rollout_cache_keeps_later_steps_and_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", *names[3:]]
 
 
+def test_a_cached_rollout_sampled_across_policy_versions_is_regenerated(tmp_path):
+    """rollout.in_flight_updates: a cached rollout whose tokens came from several versions is not read back (a
+    resumed run never made its later versions); the same rows from one version are."""
+    from rl_core.rollout import build_completions
+    from tasks.rollout import _read_cached
+
+    one = build_completions([[1, 2], [3]], [[4, 5], [6, 0]], [[-0.1, -0.2], [-0.3, -0.4]], n=1, eos_token_id=0,
+                            pad_token_id=0, max_tokens=4, policy_version=2)
+    one.save(tmp_path / "one.safetensors")
+    assert _read_cached(tmp_path / "one.safetensors", 2) is not None
+    one.token_version = (one.response_mask > 0).long() * 2
+    one.token_version[0, -1] = 3
+    one.save(tmp_path / "mixed.safetensors")
+    assert _read_cached(tmp_path / "mixed.safetensors", 2) is None
+
+
 @pytest.mark.e2e
 def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_executed(in_workdir, tmp_path):
     import pickle

@@ -445,7 +445,22 @@ def test_async_steps_needs_separate_engines_the_clipped_surrogate_and_the_grpo_l
     for other in ("opd_arithmetic.py", "dpo_arithmetic.py"):
         errors = preflight_of(ROOT / "recipes" / other, "cluster.placement=separate", "rl.async_steps=1").errors
         assert any(e.startswith("rl.async_steps=1: only the on-policy step loop") for e in errors), (other, errors)
-    assert errors_of(ARITH, "rl.async_steps=2")  # one step of overlap is what the loop implements
+    deeper = preflight_of(ARITH, *ASYNC_BASE, "rl.async_steps=3")  # any depth: the rollouts of 3 steps in flight
+    assert deeper.ok, deeper.render()
+    assert any("rl.async_steps" in e for e in errors_of(ARITH, *ASYNC_BASE, "rl.async_steps=-1"))
+
+
+def test_in_flight_updates_need_rollouts_in_flight_the_hf_engine_and_a_prompt_task():
+    assert preflight_of(ARITH, *ASYNC_BASE, "rollout.in_flight_updates=true").ok
+    idle = preflight_of(ARITH, *ASYNC_BASE, "rl.async_steps=0", "rollout.in_flight_updates=true").errors
+    assert idle == [("rollout.in_flight_updates=true with rl.async_steps=0: no rollout is in flight when a sync "
+                     "lands; set rl.async_steps >= 1 or remove it")]
+    vllm = preflight_of(ARITH, *ASYNC_BASE, "rollout.backend=vllm", "rollout.in_flight_updates=true").errors
+    assert any(e.startswith("rollout.in_flight_updates=true with rollout.backend=vllm") for e in vllm), vllm
+    agents = preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE, "rollout.in_flight_updates=true").errors
+    assert any(e.startswith("rollout.in_flight_updates=true with data.task=") and "one policy" in e for e in agents), \
+        agents
+    assert not any("in_flight" in e for e in preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE).errors)
 
 
 def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_splits_the_heads(tmp_path):

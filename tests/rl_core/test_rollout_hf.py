@@ -178,14 +178,71 @@ def test_completions_depend_on_seed_and_position_not_on_sharding(policy, prompts
     assert completion_seeds(11, 5, 2, 8) == seeds[5 * 8: 7 * 8]
 
 
-def test_concat_refuses_shards_of_different_policy_versions(policy, prompts):
-    from rl_core.rollout import concat_completions
+def test_shards_of_different_policy_versions_keep_each_tokens_version(policy, prompts, tmp_path):
+    """Two engines that started a step's shards on versions 0 and 3 (one took new weights between two calls): the
+    joined completions are version 0 (the oldest, what the staleness bound checks) and each response token keeps its
+    shard's version; a trainer at version 4 sees them 4 and 1 versions behind. The per-token versions survive the
+    rollout cache's file."""
+    from rl_core.rollout import Completions, concat_completions
 
     model, tok = policy
-    a = HFEngine(model, tok).generate(prompts[:1], 2, SamplingParams(max_tokens=2, seed=1))
-    b = HFEngine(model, tok, policy_version=3).generate(prompts[1:2], 2, SamplingParams(max_tokens=2, seed=1))
-    with pytest.raises(ValueError, match="same policy version"):
-        concat_completions([a, b])
+    a = HFEngine(model, tok).generate(prompts[:1], 2, SamplingParams(max_tokens=3, seed=1))
+    b = HFEngine(model, tok, policy_version=3).generate(prompts[1:2], 2, SamplingParams(max_tokens=3, seed=1))
+    assert a.token_version is None and a.staleness(4) == (4.0, 4)  # one version: every token is policy_version's
+    joined = concat_completions([a, b])
+    assert joined.policy_version == 0
+    on = joined.response_mask > 0
+    expected = torch.tensor([0, 0, 3, 3]).unsqueeze(1).expand_as(on) * on  # rows 0-1 from a, 2-3 from b
+    assert torch.equal(joined.token_version, expected)
+    n_a, n_b = int(on[:2].sum()), int(on[2:].sum())
+    assert joined.staleness(4) == pytest.approx(((4 * n_a + 1 * n_b) / (n_a + n_b), 4))
+    joined.save(tmp_path / "c.safetensors")
+    assert torch.equal(Completions.load(tmp_path / "c.safetensors").token_version, expected)
+    with pytest.raises(ValueError, match="n or eos/pad"):
+        concat_completions([a, HFEngine(model, tok).generate(prompts[:1], 3, SamplingParams(max_tokens=3, seed=1))])
+
+
+def test_weights_loaded_from_another_thread_land_between_two_decoding_steps(policy, prompts):
+    """rollout.in_flight_updates: a load asked for while the engine decodes waits for the forward running, then the
+    decoding goes on with the new weights. The new weights zero the final norm, so every logit is 0 and each token
+    sampled after the load has log-prob -log(V) exactly; the load is asked for during the forward behind position 2
+    (the prefill is position 0's), so positions 0-2 carry version 0 and their model's log-probs, positions 3 on
+    version 1 and -log(V)."""
+    import copy
+    import math
+    import threading
+    import time
+
+    model, tok = copy.deepcopy(policy[0]), policy[1]
+    engine = HFEngine(model, tok)
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    new["model.norm.weight"].zero_()
+    forwards, loader = [], []
+
+    def during_forward(_module, _args):
+        forwards.append(1)
+        if len(forwards) == 3:  # the forward behind position 2's logits
+            loader.append(threading.Thread(target=engine.update_weights, args=(new, 1)))
+            loader[0].start()
+            while not engine.swap.load_waiting:  # the load is asked for while this forward runs
+                time.sleep(0.001)
+
+    hook = model.register_forward_pre_hook(during_forward)
+    try:
+        out = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=3))
+    finally:
+        hook.remove()
+        for t in loader:
+            t.join()
+    assert engine.policy_version == 1 and out.policy_version == 0
+    P, on = out.prompt_length, out.response_mask > 0
+    position = torch.arange(out.input_ids.shape[1]).expand_as(on) - P
+    assert bool((on & (position >= 3)).any()), "no row decoded past the load"
+    assert torch.equal(out.token_version, ((position >= 3) & on).long())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    after, before = out.sampling_logp[on & (position >= 3)], out.sampling_logp[on & (position < 3)]
+    assert torch.allclose(after, torch.full_like(after, -math.log(vocab)), atol=1e-5)
+    assert not torch.allclose(before, torch.full_like(before, -math.log(vocab)), atol=1e-3)
 
 
 def _reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
