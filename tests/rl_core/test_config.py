@@ -460,7 +460,12 @@ def test_in_flight_updates_need_rollouts_in_flight_the_hf_engine_and_a_prompt_ta
     agents = preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE, "rollout.in_flight_updates=true").errors
     assert any(e.startswith("rollout.in_flight_updates=true with data.task=") and "one policy" in e for e in agents), \
         agents
-    assert not any("in_flight" in e for e in preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE).errors)
+    overlapped = preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE).errors  # multi-turn episodes
+    assert not any("in_flight" in e for e in overlapped)
+    assert any(e.startswith("rl.async_steps=1 with data.task=") and "within the episode" in e for e in overlapped), \
+        overlapped
+    one_turn = preflight_of(ROOT / "recipes" / "tool_arithmetic.py", *ASYNC_BASE, "rollout.max_turns=1").errors
+    assert not any("within the episode" in e for e in one_turn), one_turn
 
 
 def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_splits_the_heads(tmp_path):
