@@ -412,5 +412,6 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
         auxiliary["reference"] = reference
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
                          compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
-                         max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff)
+                         max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff,
+                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False))
     return trainer, tokenizer

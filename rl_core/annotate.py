@@ -58,6 +58,10 @@ def annotate(
     if knobs.shared_prefix_min_tokens > 0:
         loss_mask = shared_prefix_loss_mask(completions.input_ids, loss_mask, reward_t, group_ids,
                                             knobs.shared_prefix_min_tokens)
+    prefix_masked = float(1 - loss_mask.sum() / completions.response_mask.float().sum().clamp_min(1))
+    truncated = torch.tensor([reason != "stop" for reason in completions.finish_reason], dtype=torch.bool)
+    if knobs.mask_truncated:  # cut by a limit: out of the loss, its reward still in its group's advantages
+        loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     sample_ids = torch.arange(first_sample_id, first_sample_id + n_rows, dtype=torch.long)
     batch = Trajectory(
         input_ids=completions.input_ids,
@@ -80,7 +84,8 @@ def annotate(
         "reward": reward_t.double().numpy(),
         "advantage": advantages.double().numpy(),
         "response_len": response_len.numpy().astype("int64"),
-        "truncated": [reason != "stop" for reason in completions.finish_reason],
+        "truncated": truncated.tolist(),
+        "masked_len": (completions.response_mask.sum(1) - loss_mask.sum(1)).round().long().numpy().astype("int64"),
         "policy_version": [int(completions.policy_version)] * n_rows,
     })
     per_group = table.groupby("group_id")["reward"].agg(["min", "max"])
@@ -91,7 +96,7 @@ def annotate(
         "rollout/response_len_max": float(response_len.max()),
         "rollout/truncation_rate": float(table["truncated"].mean()),
         "rollout/zero_adv_group_frac": float((per_group["min"] == per_group["max"]).mean()),
-        "rollout/masked_prefix_frac": float(1 - loss_mask.sum() / completions.response_mask.float().sum().clamp_min(1)),
+        "rollout/masked_prefix_frac": prefix_masked,
     }
     if completions.episodes is not None:
         stats.update(episode_stats(completions.episodes))

@@ -69,6 +69,7 @@ class AnnotationsTable(pa.DataFrameModel):
     advantage: Series[float] = pa.Field()
     response_len: Series[int] = pa.Field(ge=1)
     truncated: Series[bool] = pa.Field()
+    masked_len: Series[int] = pa.Field(ge=0)  # response tokens annotate left out of the loss on purpose
     policy_version: Series[int] = pa.Field(ge=0)
 
     class Config:
@@ -88,6 +89,10 @@ class AnnotationsTable(pa.DataFrameModel):
     def _complete_groups(cls, df: pd.DataFrame) -> Series[bool]:
         counts = df.groupby("group_id")["sample_id"].transform("count")
         return counts == df["group_size"]
+
+    @pa.dataframe_check(name="masked_len<=response_len")
+    def _masked_within_response(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["masked_len"] <= df["response_len"]
 
     @pa.dataframe_check(name="one_prompt_per_group")
     def _one_prompt_per_group(cls, df: pd.DataFrame) -> Series[bool]:
@@ -161,17 +166,22 @@ class BatchRows(pa.DataFrameModel):
     """Per-row summaries of the tensor batch, checked against the annotations table."""
 
     row: Series[int]
-    loss_tokens: Series[int] = pa.Field(ge=1)
+    loss_tokens: Series[int] = pa.Field(ge=0)
     expected_len: Series[int]
+    left_out: Series[bool]  # the table says annotate left the whole row out of the loss (mask_truncated)
     loss_outside_attention: Series[int] = pa.Field(eq=0)
     mask_values_binary: Series[bool] = pa.Field(isin=[True])
     logp_finite: Series[bool] = pa.Field(isin=[True])
     logp_max: Series[float] = pa.Field(le=1e-6)
     loss_on_unsampled: Series[int] = pa.Field(eq=0)
 
-    @pa.dataframe_check(name="loss_tokens==response_len")
+    @pa.dataframe_check(name="loss_tokens==response_len-masked_len")
     def _lengths_agree(cls, df: pd.DataFrame) -> Series[bool]:
         return df["loss_tokens"] == df["expected_len"]
+
+    @pa.dataframe_check(name="loss_tokens>=1 (a row leaves the loss whole only by annotate)")
+    def _some_loss(cls, df: pd.DataFrame) -> Series[bool]:
+        return (df["loss_tokens"] >= 1) | df["left_out"]
 
 
 TENSOR_FIELDS_2D = ("input_ids", "attention_mask", "loss_mask", "rollout_logp")
@@ -213,10 +223,13 @@ def validate_batch_tensors(batch: Any, table: pd.DataFrame | None = None, sample
     loss = batch.loss_mask.float()
     logp = batch.rollout_logp.float()
     on = loss > 0
+    loss_tokens = loss.sum(1).round().long().numpy()
+    expected = (table["response_len"] - table["masked_len"]).to_numpy() if table is not None else loss_tokens
     rows = pd.DataFrame({
         "row": np.arange(b),
-        "loss_tokens": loss.sum(1).round().long().numpy(),
-        "expected_len": (table["response_len"].to_numpy() if table is not None else loss.sum(1).round().long().numpy()),
+        "loss_tokens": loss_tokens,
+        "expected_len": expected,
+        "left_out": (expected == 0) if table is not None else np.zeros(b, dtype=bool),
         "loss_outside_attention": ((loss > 0) & (attn == 0)).sum(1).numpy(),
         "mask_values_binary": (((loss == 0) | (loss == 1)).all(1) & ((attn == 0) | (attn == 1)).all(1)).numpy(),
         "logp_finite": torch.where(on, torch.isfinite(logp), torch.ones_like(on)).all(1).numpy(),

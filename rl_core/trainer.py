@@ -46,8 +46,10 @@ import torch
 from rl_core.data_parallel import DataParallelReducer, is_dtensor, is_sharded
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
+    SKIPPED_UPDATES,
     Objective,
     Reduction,
+    combine_step_metrics,
     metric_aggregation,
 )
 from rl_core.trainer_state import TrainerState
@@ -90,6 +92,8 @@ class LLMTrainer(TrainerState):
       max_staleness: `rl.async_steps`. 0 (on-policy): every batch is taken as sampled by the current
         policy. k > 0: a batch may come from up to k policy versions back; π_old of a stale batch is
         its rollout log-probs (the behaviour policy), so the ratio corrects for the lag.
+      skip_empty_updates: `rl.objective.mask_truncated`: an optimizer step without a loss token on any rank (every
+        row masked) is skipped, weights and optimizer state unchanged (`train/skipped_updates`), not refused.
     """
 
     REFERENCE = "reference"
@@ -107,6 +111,7 @@ class LLMTrainer(TrainerState):
         compute_dtype: torch.dtype = torch.float32,
         max_staleness: int = 0,
         max_rollout_logp_abs_diff: float | None = None,
+        skip_empty_updates: bool = False,
     ):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -126,6 +131,7 @@ class LLMTrainer(TrainerState):
                              "stale batch cannot be corrected; use max_staleness=0")
         self.max_staleness = int(max_staleness)
         self.max_rollout_logp_abs_diff = max_rollout_logp_abs_diff
+        self.skip_empty_updates = skip_empty_updates
         self.sharded = is_sharded(model)
         if self.sharded:
             if dp_reducer is None:
@@ -225,7 +231,7 @@ class LLMTrainer(TrainerState):
             if cache is not None:
                 cache.invalidate()
         self.policy_version += 1
-        return _combine_steps(results)
+        return combine_step_metrics(results, self.metric_split)
 
     def _micro_batches(self, mini: Trajectory, micro_batch_size: int | None,
                        max_tokens: int | None) -> list[tuple[Trajectory, bool]]:
@@ -389,6 +395,10 @@ class LLMTrainer(TrainerState):
         if n_bad:
             raise ValueError(f"{int(n_bad)} micro-batch(es) of this optimizer step had a non-finite loss or an objective "
                              "weight that is not a finite non-negative number; nothing was applied")
+        if total_weight <= 0 and self.skip_empty_updates:  # every rank sees the global weight: all skip together
+            for p in self.params:
+                p.grad = None
+            return {f"{self.metric_split}/{SKIPPED_UPDATES}": 1.0}
         if total_weight <= 0:
             raise ValueError("the global objective weight of this optimizer step is 0 (no loss tokens on any "
                              "micro-batch or rank); the batch should have been refused before dispatch")
@@ -430,15 +440,3 @@ def _device_scalar(value, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
-
-
-def _combine_steps(results: list[dict[str, float]]) -> dict[str, float]:
-    """Metrics of several optimizer steps on one batch: min/max for *_min/*_max, mean otherwise."""
-    if len(results) == 1:
-        return dict(results[0])
-    out: dict[str, float] = {}
-    for k in results[0]:
-        values = [r[k] for r in results]
-        agg = metric_aggregation(k)
-        out[k] = min(values) if agg == "min" else max(values) if agg == "max" else sum(values) / len(values)
-    return out

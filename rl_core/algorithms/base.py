@@ -97,6 +97,11 @@ class GroupAdvantageKnobs(ObjectiveConfig):
     unbiased_advantage: bool = Field(False, description="Dr-GRPO advantages r - mean instead of (r - mean)/(std + eps).")
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the group std in the advantage denominator.")
     shared_prefix_min_tokens: int = Field(0, ge=0, description="Mask shared group prefixes at least this long whose rewards differ; 0 disables.")
+    mask_truncated: bool = Field(False, description="Leave out of the loss every completion or agent episode that a limit cut (finish_reason 'length': rollout.max_tokens, rollout.max_turns, rollout.max_episode_tokens): its loss mask is 0, its reward still counts in its group's advantages (TRL's mask_truncated_completions). False: a cut completion is trained on like any other.")
+
+    def truncation_identity(self) -> dict[str, Any]:
+        """The identity's entry of `mask_truncated`: none while it is off, so the runs that predate it keep theirs."""
+        return {"mask_truncated": True} if self.mask_truncated else {}
 
 
 class LossTypeKnob(ObjectiveConfig):

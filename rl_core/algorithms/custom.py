@@ -55,7 +55,8 @@ class CustomObjective(GroupAdvantageKnobs):
             err(str(exc))
 
     def identity(self, rl: Any, context: Any) -> dict[str, Any]:
-        return {"custom_objective": self.import_path, **({"kwargs": dict(self.kwargs)} if self.kwargs else {})}
+        return {"custom_objective": self.import_path, **({"kwargs": dict(self.kwargs)} if self.kwargs else {}),
+                **self.truncation_identity()}
 
     def build(self, rl: Any, context: Any) -> Any:
         from rl_core.primitives.objective import Objective

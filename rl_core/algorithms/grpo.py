@@ -119,6 +119,7 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
         if not self.unbiased_advantage:
             ident["advantage_eps"] = self.advantage_eps
         ident["shared_prefix_min_tokens"] = self.shared_prefix_min_tokens
+        ident.update(self.truncation_identity())
         ident["policy"] = dict(context.policy_identity)
         return ident
 

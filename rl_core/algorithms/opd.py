@@ -365,6 +365,7 @@ class OPD(GroupAdvantageKnobs, LossTypeKnob, ClipKnobs):
                 ident["unbiased_advantage"] = self.unbiased_advantage
                 if not self.unbiased_advantage:
                     ident["advantage_eps"] = self.advantage_eps
+        ident.update(self.truncation_identity())
         ident["policy"] = dict(context.policy_identity)
         return ident
 

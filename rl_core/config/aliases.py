@@ -96,7 +96,8 @@ ALIASES: dict[str, Alias] = {
                                    "group": "rl.objective.unbiased_advantage=false (the default)"}),
     "importance_sampling_level": Alias("rl.objective.importance_sampling_level", values={
         "sequence": "rl.objective.type=gspo", "token": "rl.objective.type=grpo"}),
-    "mask_truncated_completions": Alias(None, "truncated completions stay in the loss"),
+    "mask_truncated_completions": Alias("rl.objective.mask_truncated", "completions and agent episodes cut by a "
+                                                                    "limit; their rewards still count in the group"),
     # rewards
     "reward_funcs": Alias("data.rewards", "a list of {path, weight} entries, or the functions themselves"),
     "reward_weights": Alias("data.rewards", "each entry's weight: {path, weight}"),

@@ -42,6 +42,24 @@ def metric_aggregation(name: str) -> str:
     return "mean"
 
 
+SKIPPED_UPDATES = "skipped_updates"  # `<split>/skipped_updates`: optimizer steps of a batch left out (no loss token)
+
+
+def combine_step_metrics(results: list[dict[str, float]], split: str) -> dict[str, float]:
+    """Metrics of several optimizer steps on one batch: min/max for *_min/*_max, mean otherwise, over the steps that
+    were applied; a skipped step (no loss token anywhere: `{<split>/skipped_updates: 1}`) only counts there."""
+    skipped_key = f"{split}/{SKIPPED_UPDATES}"
+    applied = [r for r in results if skipped_key not in r]
+    out: dict[str, float] = {}
+    for k in applied[0] if applied else ():
+        values = [r[k] for r in applied]
+        agg = metric_aggregation(k)
+        out[k] = min(values) if agg == "min" else max(values) if agg == "max" else sum(values) / len(values)
+    if len(applied) < len(results):
+        out[skipped_key] = float(len(results) - len(applied))
+    return out
+
+
 @dataclass
 class MetricAdapter:
     """Maps algorithm-local metric names to stable public names (`<split>/<public>`).

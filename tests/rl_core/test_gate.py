@@ -50,6 +50,36 @@ def test_annotate_builds_the_table_and_batch_by_hand():
     validate_batch_tensors(a.batch, t)
 
 
+def test_mask_truncated_leaves_cut_completions_out_of_the_loss_and_in_their_groups_advantages():
+    """rl.objective.mask_truncated: the two rows cut at max_tokens (3 and 7) get an all-zero loss mask and rollout
+    log-probs; every advantage is the one computed with their rewards (the groups are unchanged)."""
+    from rl_core.algorithms.grpo import GRPO
+
+    kept, cut = make_step(), make_step(rl=RLConfig(objective=GRPO(mask_truncated=True)))
+    assert torch.equal(cut.batch.loss_mask.sum(1).long(), torch.tensor([2, 4, 2, 0, 1, 3, 2, 0]))
+    assert torch.equal(cut.batch.advantages, kept.batch.advantages)
+    assert not cut.batch.rollout_logp[[3, 7]].any() and torch.equal(cut.batch.rollout_logp[[0, 1, 2, 4, 5, 6]],
+                                                                     kept.batch.rollout_logp[[0, 1, 2, 4, 5, 6]])
+    assert cut.stats["rollout/truncation_rate"] == pytest.approx(2 / 8)
+    assert cut.stats["rollout/masked_prefix_frac"] == kept.stats["rollout/masked_prefix_frac"] == 0.0
+    assert list(cut.table["masked_len"]) == [0, 0, 0, 4, 0, 0, 0, 4]
+    validate_annotations(cut.table, max_tokens=4)
+    validate_batch_tensors(cut.batch, cut.table)
+    # only annotate may leave a row out whole: the same mask against the unmasked table is refused
+    assert "loss_tokens>=1" in refused(validate_batch_tensors, cut.batch, kept.table)
+
+
+def test_a_shared_prefix_masked_by_annotate_passes_the_gate():
+    """rl.objective.shared_prefix_min_tokens: rows 0 and 1 share the prefix [9] with different rewards; its token
+    leaves their loss, the table records it (masked_len) and the gate counts the rest."""
+    shared = make_step(rl=RLConfig(shared_prefix_min_tokens=1))
+    assert list(shared.table["masked_len"][:2]) == [1, 1] and shared.table["masked_len"][2:].sum() >= 0
+    assert torch.equal(shared.batch.loss_mask.sum(1).long(),
+                       torch.tensor(list(shared.table["response_len"] - shared.table["masked_len"])))
+    validate_annotations(shared.table, max_tokens=4)
+    validate_batch_tensors(shared.batch, shared.table)
+
+
 def test_zero_advantage_groups_are_counted():
     a = make_step(rewards=(1, 1, 1, 1, 0, 1, 0, 0))
     assert a.stats["rollout/zero_adv_group_frac"] == pytest.approx(0.5)
@@ -131,7 +161,7 @@ def test_tensor_batch_lengths_must_match_the_table():
     validate_batch_tensors(a.batch.replace(loss_mask=mask), a.table)
     mask[0, 1:4] = 1  # three loss tokens where the table says 2
     batch = a.batch.replace(loss_mask=mask * a.batch.attention_mask.float())
-    assert "loss_tokens==response_len" in refused(validate_batch_tensors, batch, a.table)
+    assert "loss_tokens==response_len-masked_len" in refused(validate_batch_tensors, batch, a.table)
 
 
 def test_tensor_batch_positive_logp_and_missing_advantages():
@@ -162,3 +192,40 @@ def test_the_policy_version_window_bounds_the_staleness_naming_the_bound():
     # window is the only one that applies
     validate_annotations(table, max_tokens=4, versions=(3, 3))
     assert [c.name for c in annotations_schema(4).columns["policy_version"].checks] == ["greater_than_or_equal_to"]
+
+
+def test_a_step_whose_every_completion_is_cut_passes_the_gate_and_skips_its_update(in_workdir):
+    """rl.objective.mask_truncated through the run's own pieces (the policy worker's trainer, the engine, annotate,
+    the gate): the random-init model samples to rollout.max_tokens, so every completion is cut and left out of the
+    loss; the gate takes the batch and the trainer skips its update, weights unchanged. Without the knob the same
+    batch is trained on (an optimizer step applied)."""
+    from infra.engines import build_engine
+    from infra.policy_worker import build_trainer
+    from infra.roles import RolloutRole
+    from rl_core.config import load_config
+    from rl_core.rewards import reward_inputs, score
+    from rl_core.rewards.configured import reward_functions
+    from tests.conftest import recipe
+
+    def step(*knob):
+        cfg = load_config(recipe("arithmetic"), ["model.name_or_path=artifacts/tiny-model/init", "rl.objective.type=grpo",
+                                                 "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=6",
+                                                 *knob])
+        role = RolloutRole.build(cfg)
+        trainer, tokenizer = build_trainer(cfg, None, torch.device("cpu"))
+        engine = build_engine(cfg, torch.device("cpu"), model=trainer.model, tokenizer=tokenizer)
+        rows = role.sampler.next_batch()
+        completions = engine.generate(role.prompts(rows), cfg.rollout.n, role.sampling(1))
+        assert set(completions.finish_reason) == {"length"}
+        examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+        rewards, _ = score(reward_functions(cfg.data), reward_inputs(examples, completions.decode_responses(tokenizer)))
+        annotated = annotate(completions, rewards, rows, rl=cfg.rl, first_sample_id=0)
+        validate_annotations(annotated.table, max_tokens=6)
+        validate_batch_tensors(annotated.batch, annotated.table, annotated.sampled)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        metrics = trainer.train_step(annotated.batch)
+        return metrics, all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), trainer.step
+
+    assert step("rl.objective.mask_truncated=true") == ({"train/skipped_updates": 1.0}, True, 0)
+    metrics, _, steps = step()  # every reward 0 here: an applied update of zero advantages
+    assert "train/skipped_updates" not in metrics and "train/loss" in metrics and steps == 1

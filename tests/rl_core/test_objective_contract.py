@@ -13,7 +13,7 @@ from recipes.dr_grpo_gsm8k import build_config as dr_grpo_config
 from recipes.gspo_gsm8k import build_config as gspo_config
 from rl_core.algorithms import grpo
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.grpo import GSPO, build_objective
+from rl_core.algorithms.grpo import GRPO, GSPO, build_objective
 from rl_core.annotators.advantage import group_advantages
 from rl_core.config import OptimizerConfig, RLConfig
 from rl_core.primitives.objective import (
@@ -138,6 +138,9 @@ def test_identity_contents():
                    {"loss_type": "seq-mean-token-sum"}, {"kl_beta": 0.1},
                    {"unbiased_advantage": True}, {"advantage_eps": 1e-4}, {"shared_prefix_min_tokens": 4}):
         assert build_objective(RLConfig(**change), CTX).identity != base, change
+    # mask_truncated: in the identity only when on, so the runs before the knob keep theirs
+    assert "mask_truncated" not in base
+    assert build_objective(RLConfig(objective=GRPO(mask_truncated=True)), CTX).identity == {**base, "mask_truncated": True}
     hotter = ObjectiveContext(CTX.max_response_length, CTX.policy_identity, temperature=0.7)  # rollout.temperature
     assert build_objective(RLConfig(), hotter).identity == {**base, "temperature": 0.7}
     assert build_objective(RLConfig(loss_type="seq-mean-token-sum-fixed"), ObjectiveContext(64)).identity[

@@ -225,6 +225,36 @@ def test_all_zero_weight_step_is_refused():
         grpo_trainer(tiny_model(0), RLConfig()).train_step(batch, 4)
 
 
+def test_with_skip_empty_updates_a_step_without_loss_tokens_changes_nothing_and_is_counted():
+    """rl.objective.mask_truncated: a mini-batch whose every row is masked is skipped (weights and AdamW state
+    unchanged), the other mini-batch of the batch is applied as it is alone, and `train/skipped_updates` counts."""
+    from rl_core.algorithms.grpo import GRPO
+
+    batch = make_batch()
+    masked = batch.select(range(4)).replace(loss_mask=torch.zeros_like(batch.loss_mask[:4]))
+    rest = batch.select(range(4, 8))
+
+    def trainer():
+        return LLMTrainer(copy.deepcopy(tiny_model(0)), build_objective(RLConfig(objective=GRPO()),
+                                                                        ObjectiveContext(MAX_LEN)),
+                          NO_CLIP, skip_empty_updates=True)
+
+    alone = trainer()
+    only = alone.train_step(rest, 4)
+    both = trainer()
+    combined = both.train_step(Trajectory.concat([masked, rest]), 4, 4)  # two mini-batches: masked, then rest
+    assert combined.pop("train/skipped_updates") == 1.0 and combined.keys() == only.keys()
+    assert all(combined[k] == pytest.approx(only[k], rel=1e-5, abs=1e-7) for k in only), (combined, only)
+    assert max_diff(list(alone.model.parameters()), list(both.model.parameters())) <= 1e-6
+    assert both.step == alone.step == 1 and both.policy_version == 1
+    empty = trainer()
+    before = [p.detach().clone() for p in empty.model.parameters()]
+    assert empty.train_step(masked, 4) == {"train/skipped_updates": 1.0}
+    assert all(torch.equal(a, b) for a, b in zip(before, empty.model.parameters())) and empty.step == 0
+    with pytest.raises(ValueError, match="global objective weight"):  # without the option: refused, as before
+        grpo_trainer(tiny_model(0), RLConfig()).train_step(masked, 4)
+
+
 # ------------------------------------------------------------------------------ optimizer boundary
 
 
