@@ -30,7 +30,7 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
                                                                                                      warm_model):
     """rl.async_steps=2: step 1 samples with version 0 and trains it on-policy (ρ = 1 exactly); steps 2 and 3
     were drawn with it too (staleness 1, 2), and from then on step s+2's rollout is drawn as step s begins, with
-    version s-1 (staleness 2, ρ ≠ 1: π_old is the behaviour policy). Every step's prompts are the sampler's
+    version s-1 (staleness up to 2, ρ ≠ 1: π_old is the behaviour policy). Every step's prompts are the sampler's
     stream in order. The checkpoint of step 2 was written with steps 3 and 4 in flight: a run resumed from it
     (the later checkpoints gone, as after a crash) draws steps 3, 4, 5 again, the same prompts, neither skipped nor
     trained twice, and samples them with the restored weights (staleness 0, 1, 2)."""
@@ -46,7 +46,11 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
     run_dir = in_workdir / "runs" / "overlap"
     whole = read_metrics(run_dir)
     assert [r["step"] for r in whole] == [1, 2, 3, 4, 5]
-    assert [r["rollout/policy_staleness"] for r in whole] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    stale = [r["rollout/policy_staleness"] for r in whole]
+    # rollouts 1-3 are drawn at the start, with version 0; a later one is drawn with the version before its step's
+    # trainer (2 behind), or, when its task thread reaches the engine only after the next sync, a newer one (truthfully
+    # recorded, and still within the bound)
+    assert stale[:3] == [0.0, 1.0, 2.0] and all(1.0 <= x <= 2.0 for x in stale[3:]), stale
     assert [r["perf/policy_version"] for r in whole] == [1, 2, 3, 4, 5]
     assert whole[0]["train/ratio_min"] == whole[0]["train/ratio_max"] == 1.0
     assert all(r["train/ratio_min"] < 1.0 < r["train/ratio_max"] for r in whole[1:])
