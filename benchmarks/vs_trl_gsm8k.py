@@ -22,6 +22,7 @@ included). Useful tokens/s: the completion tokens a step trains on / its seconds
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -137,7 +138,7 @@ def run_trl(workdir: Path, model_dir: Path, prompts: list[str], args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(workdir))
-    reward = __import__(REWARD_MODULE).parity
+    reward = importlib.import_module(REWARD_MODULE).parity
     torch.set_num_threads(os.cpu_count() or 1)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), report_to=[], save_strategy="no", disable_tqdm=True, log_level="warning",
@@ -195,19 +196,21 @@ def main(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     labels = {**{k: v[0] for k, v in POSTTRAIN_MODES.items()}, "trl": "TRL GRPOTrainer"}
-    trl_rate = None
     header = ["system", "s / step", "useful tokens / s", "vs TRL (tokens/s)", "inside generate s", "inside fwd/bwd s",
               "threads"]
-    rows, rates = [], {}
+
+    def steady(values: list[float]) -> float:
+        """The median over steps 2..N (the first warms up)."""
+        return statistics.median(values[1:] if len(values) > 1 else values)
+
+    seconds = {name: steady(r["step_s"]) for name, r in results.items()}
+    rates = {name: steady(r["tokens"]) / seconds[name] for name, r in results.items()}
+    rows = []
     for name in ["trl", *POSTTRAIN_MODES]:
         r = results[name]
-        steady = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
-        seconds = statistics.median(r["step_s"][steady])
-        rates[name] = statistics.median(r["tokens"][steady]) / seconds
-        trl_rate = trl_rate or rates[name]
-        rows.append([labels[name], f"{seconds:.1f}", f"{rates[name]:.0f}", f"{rates[name] / trl_rate:.2f}×",
-                     f"{statistics.median(r['generate_s'][steady]):.1f}" if "generate_s" in r else "–",
-                     f"{statistics.median(r['train_s'][steady]):.1f}" if "train_s" in r else "–", str(r["threads"])])
+        rows.append([labels[name], f"{seconds[name]:.1f}", f"{rates[name]:.0f}", f"{rates[name] / rates['trl']:.2f}×",
+                     f"{steady(r['generate_s']):.1f}" if "generate_s" in r else "–",
+                     f"{steady(r['train_s']):.1f}" if "train_s" in r else "–", str(r["threads"])])
         print(" | ".join(rows[-1]), flush=True)
     notes = [(f"{args.prompts} GSM8K prompts × {args.n} completions of {args.max_tokens} tokens a step; Qwen2 "
               f"vocabulary {VOCAB:,}, hidden {args.hidden}, {args.layers} layers, float32; {args.steps} steps each, "

@@ -73,7 +73,7 @@ def test_a_shared_prefix_masked_by_annotate_passes_the_gate():
     """rl.objective.shared_prefix_min_tokens: rows 0 and 1 share the prefix [9] with different rewards; its token
     leaves their loss, the table records it (masked_len) and the gate counts the rest."""
     shared = make_step(rl=RLConfig(shared_prefix_min_tokens=1))
-    assert list(shared.table["masked_len"][:2]) == [1, 1] and shared.table["masked_len"][2:].sum() >= 0
+    assert list(shared.table["masked_len"][:2]) == [1, 1]
     assert torch.equal(shared.batch.loss_mask.sum(1).long(),
                        torch.tensor(list(shared.table["response_len"] - shared.table["masked_len"])))
     validate_annotations(shared.table, max_tokens=4)
