@@ -94,7 +94,9 @@ def test_in_flight_updates_land_inside_the_rollouts_and_every_token_keeps_its_ve
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     mean = [r["rollout/policy_staleness"] for r in records]
     most = [r["rollout/policy_staleness_max"] for r in records]
-    assert mean[0] == most[0] == 0.0 and most[1] == 1.0 and most[2] <= 2.0 and most[3] <= 2.0, (mean, most)
+    # step s trains version s-1 on tokens no older than version max(0, s-3); a rollout whose task thread reaches the
+    # engine after a sync samples the newer weights, so a later batch may lag less than its draw did
+    assert mean[0] == most[0] == 0.0 and all(x <= min(s - 1, 2) for s, x in enumerate(most, 1)), (mean, most)
     # rollouts 1-3 are queued at the start, so the engine is still generating when version 1 arrives (after step
     # 1's rollout, reward and training): that sync lands inside a batch, whose tokens then lag by two amounts
     assert any(m < x for m, x in zip(mean[1:], most[1:])), (mean, most, [r["perf/generate_s"] for r in records],
