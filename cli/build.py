@@ -18,13 +18,17 @@ GSM8K_DIR = "data/gsm8k"
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from rl_core.models import build_tiny_model, count_parameters
+    from rl_core.models import build_tiny_model, build_tiny_moe_model, count_parameters
 
-    out = build_tiny_model(args.out, seed=args.seed)
+    if args.experts:
+        out = build_tiny_moe_model(args.out, seed=args.seed, experts=args.experts, top_k=args.top_k)
+        what = f"tiny Mixtral, {args.experts} experts, top-{args.top_k}"
+    else:
+        out, what = build_tiny_model(args.out, seed=args.seed), "tiny Llama"
     from transformers import AutoModelForCausalLM
 
     n_params = count_parameters(AutoModelForCausalLM.from_pretrained(out))
-    print(f"init-model: tiny Llama ({n_params:,} parameters, seed {args.seed}) saved to {out}")
+    print(f"init-model: {what} ({n_params:,} parameters, seed {args.seed}) saved to {out}")
     return 0
 
 
@@ -100,6 +104,9 @@ def add_build_commands(subparsers) -> None:
     )
     p.add_argument("--out", default=TINY_INIT_DIR, help=f"output directory (default {TINY_INIT_DIR})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0,
+                   help="a mixture-of-experts model (Mixtral) with this many experts per layer (default 0: dense)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token of the mixture-of-experts model")
     p.set_defaults(handler=cmd_init_model)
 
     p = subparsers.add_parser("warm-start", help="next-token training of the tiny model to a partial skill")

@@ -55,11 +55,12 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
     from rl_core.rollout import make_engine
 
     compute = cfg.model.compute_dtype
+    record = cfg.model.routing_replay == "rollout"
     if cfg.rollout.backend == "hf":
         if model is None:
             model, loaded_tokenizer = load_policy(cfg.model, device=device, dtype=compute)
             tokenizer = tokenizer or loaded_tokenizer
-        return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, dtype=compute)
+        return make_engine(cfg.rollout, model, tokenizer, seed=cfg.sampling_seed, dtype=compute, record_routes=record)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     path = resolve_model_path(cfg.model.name_or_path)
     lora_config = adapter_config_dict(cfg.model.lora, path) if cfg.model.lora.r > 0 else None
@@ -67,7 +68,7 @@ def build_engine(cfg: PosttrainConfig, device: torch.device, *, model=None, toke
                        model_path=path, dtype=engine_dtype(cfg, device.type == "cuda"),
                        max_model_len=max_model_len, sleep_mode=sleep_mode,
                        trust_remote_code=cfg.model.trust_remote_code,
-                       tensor_parallel_size=tensor_parallel_size(cfg))
+                       tensor_parallel_size=tensor_parallel_size(cfg), record_routes=record)
 
 
 def engine_dtype(cfg: PosttrainConfig, on_gpu: bool) -> str:

@@ -413,5 +413,6 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
                          compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
                          max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff,
-                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False))
+                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False),
+                         routing_replay=cfg.model.routing_replay)
     return trainer, tokenizer

@@ -73,6 +73,7 @@ def annotate(
         sample_ids=sample_ids,
         policy_version=int(completions.policy_version),
         advantages=advantages,
+        routes=completions.routes,
     )
     response_len = completions.response_mask.sum(1).round().long()
     group_size = torch.bincount(group_ids)[group_ids]
@@ -98,6 +99,8 @@ def annotate(
         "rollout/zero_adv_group_frac": float((per_group["min"] == per_group["max"]).mean()),
         "rollout/masked_prefix_frac": prefix_masked,
     }
+    if completions.routes is not None:  # what routing replay adds to the batch (model.routing_replay=rollout)
+        stats["rollout/routes_mb"] = completions.routes.numel() * completions.routes.element_size() / 2**20
     if completions.episodes is not None:
         stats.update(episode_stats(completions.episodes))
     return Annotated(batch=batch, table=table, stats=stats, sampled=completions.response_mask > 0)

@@ -262,7 +262,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     Same seed -> bitwise-identical weights (a private `torch.Generator` initialises every
     parameter; the global RNG is neither read nor changed).
     """
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(
@@ -278,7 +278,37 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     )
     with torch.random.fork_rng(devices=[]):  # the default init draws from the global RNG; keep it untouched
         model = LlamaForCausalLM(config)
-    _seeded_init_(model, seed, std=config.initializer_range)
+    return _save_built(model, tokenizer, seed, config.initializer_range, out_dir)
+
+
+# The mixture-of-experts variant (Mixtral: top-k softmax routers, `rl_core.model.routing`): the tiny model's
+# attention, and in each layer `experts` expert MLPs of half the dense width, `top_k` of them per token.
+TINY_MOE_ARCH = {**TINY_ARCH, "intermediate_size": 256}
+
+
+def build_tiny_moe_model(out_dir: str | Path, seed: int = 0, experts: int = 4, top_k: int = 2) -> Path:
+    """Build the tiny Mixtral (the tiny model's attention, `experts` experts per layer, `top_k` per token) + the char
+    tokenizer from `seed` and save both to `out_dir`; deterministic like `build_tiny_model`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if not 1 <= top_k <= experts < 255:
+        raise ValueError(f"a tiny MoE needs 1 <= top_k <= experts < 255, got experts={experts}, top_k={top_k}")
+    tokenizer = build_tiny_tokenizer()
+    config = MixtralConfig(vocab_size=len(tokenizer), **TINY_MOE_ARCH, num_local_experts=experts,
+                           num_experts_per_tok=top_k, router_jitter_noise=0.0, output_router_logits=False,
+                           hidden_act="silu", initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        model = MixtralForCausalLM(config)
+    return _save_built(model, tokenizer, seed, config.initializer_range, out_dir)
+
+
+def _save_built(model, tokenizer, seed: int, std: float, out_dir: str | Path) -> Path:
+    """Seed-initialise `model` (`_seeded_init_`), give it the tokenizer's special ids, save both to `out_dir`."""
+    from transformers import GenerationConfig
+
+    _seeded_init_(model, seed, std=std)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

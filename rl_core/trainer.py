@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from rl_core.data_parallel import DataParallelReducer, is_dtensor, is_sharded
+from rl_core.model.protocol import RoutingReplay
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
     SKIPPED_UPDATES,
@@ -94,6 +95,8 @@ class LLMTrainer(TrainerState):
         its rollout log-probs (the behaviour policy), so the ratio corrects for the lag.
       skip_empty_updates: `rl.objective.mask_truncated`: an optimizer step without a loss token on any rank (every
         row masked) is skipped, weights and optimizer state unchanged (`train/skipped_updates`), not refused.
+      routing_replay: `model.routing_replay` (`rl_core.model.protocol.RoutingReplay`): the experts of a
+        mixture-of-experts policy's π_old and training forwards; the objective gets each chunk without its routes.
     """
 
     REFERENCE = "reference"
@@ -112,6 +115,7 @@ class LLMTrainer(TrainerState):
         max_staleness: int = 0,
         max_rollout_logp_abs_diff: float | None = None,
         skip_empty_updates: bool = False,
+        routing_replay: str = "off",
     ):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -132,6 +136,7 @@ class LLMTrainer(TrainerState):
         self.max_staleness = int(max_staleness)
         self.max_rollout_logp_abs_diff = max_rollout_logp_abs_diff
         self.skip_empty_updates = skip_empty_updates
+        self.routing = RoutingReplay(model, routing_replay)
         self.sharded = is_sharded(model)
         if self.sharded:
             if dp_reducer is None:
@@ -227,11 +232,13 @@ class LLMTrainer(TrainerState):
             for k, chunks in enumerate(plans):
                 certify = cache is not None and cache.certified_deterministic_forward and k == 0 and not behaviour
                 results.append(self._optimizer_step(chunks, certify, check_gap=k == 0))
+            replay = self.routing.metrics(self.metric_split)
         finally:
+            self.routing.clear()
             if cache is not None:
                 cache.invalidate()
         self.policy_version += 1
-        return combine_step_metrics(results, self.metric_split)
+        return {**combine_step_metrics(results, self.metric_split), **replay}
 
     def _micro_batches(self, mini: Trajectory, micro_batch_size: int | None,
                        max_tokens: int | None) -> list[tuple[Trajectory, bool]]:
@@ -299,8 +306,8 @@ class LLMTrainer(TrainerState):
         ids, out = [], []
         for chunks in plans:
             for chunk, padding in chunks:
-                with self.autocast():
-                    logp = cache.scorer(self.model, chunk.to(self.device))
+                with self.autocast(), self.routing.scoring(chunk):
+                    logp = cache.scorer(self.model, chunk.to(self.device).replace(routes=None))
                 if not padding:
                     ids.append(chunk.sample_ids)
                     out.append(logp)
@@ -331,8 +338,8 @@ class LLMTrainer(TrainerState):
             if cache is not None:
                 cache.certify = certify and not padding
             try:
-                with self.autocast():
-                    loss, metrics = objective.fn(self.model, chunk)
+                with self.autocast(), self.routing.training(chunk):
+                    loss, metrics = objective.fn(self.model, chunk.replace(routes=None))
             finally:
                 if cache is not None:
                     cache.certify = False

@@ -8,6 +8,8 @@ Layout (every `[B, T]` field shares the same `B` and `T`):
 - `rewards [B]`, `group_ids [B]` long, `sample_ids [B]` long (unique), `policy_version` int.
 - `advantages [B]` or `[B, T]`: set by the annotate stage (None before).
 - `old_logp`, `ref_logp`, `teacher_logp [B, T]`: optional per-token log-probs of π_old / reference / teacher.
+- `routes [B, T, L, k]` uint8, optional: a mixture-of-experts model's per-token input, the experts of every token
+  in every layer (`rl_core.model.routing`); the trainer binds it around the forward, an objective never reads it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Trajectory:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     def __post_init__(self):
         self.validate()
@@ -75,6 +78,10 @@ class Trajectory:
             adv = self.advantages
             if not isinstance(adv, torch.Tensor) or tuple(adv.shape) not in ((b,), (b, t)):
                 raise TrajectoryError(f"advantages must have shape [{b}] or [{b}, {t}], got {_describe(adv)}")
+        routes = self.routes
+        if routes is not None and (not isinstance(routes, torch.Tensor) or routes.dim() != 4
+                                   or tuple(routes.shape[:2]) != (b, t) or routes.dtype != torch.uint8):
+            raise TrajectoryError(f"routes must be a [{b}, {t}, layers, top_k] uint8 tensor, got {_describe(routes)}")
         if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int):
             raise TrajectoryError(f"policy_version must be an int, got {self.policy_version!r}")
         if b and bool(((self.loss_mask != 0) & (self.attention_mask == 0)).any()):

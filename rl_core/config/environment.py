@@ -301,6 +301,23 @@ def tensor_parallel_problem(cfg: PosttrainConfig) -> str | None:
             f"size that divides both (or that {kv} divides): {', '.join(map(str, fits[:6])) or 'none above 1'}")
 
 
+def routing_problem(cfg: PosttrainConfig) -> str | None:
+    """Why the policy cannot replay routes (`model.routing_replay`: no mixture-of-experts router of a supported family
+    in the model its config.json builds), or None (also when that config is not on this machine yet)."""
+    from rl_core.placement.model_shape import model_shape
+
+    mode = cfg.model.routing_replay
+    if mode == "off" or (shape := model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)) is None:
+        return None
+    caps = shape.capabilities
+    if caps.routing_replay:
+        return None
+    what = (f"its routers ({caps.unsupported_router}) are not of a family it can replay (docs/moe.md)"
+            if caps.unsupported_router else "it is a dense model, with no mixture-of-experts router")
+    return (f"model.routing_replay={mode}: model.name_or_path={cfg.model.name_or_path!r} ({shape.architecture}) has no "
+            f"routes to replay, {what}; set model.routing_replay=off")
+
+
 def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list[str]:
     """What this machine lacks for `cfg`: each message names the key, what is missing and the fix.
 
@@ -318,6 +335,8 @@ def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> 
                 problems.append(problem)
     problems.extend(memory_problems(cfg, remote_ray=remote_ray, probe=gpu_bytes))
     if problem := tensor_parallel_problem(cfg):
+        problems.append(problem)
+    if problem := routing_problem(cfg):
         problems.append(problem)
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("rollout.backend=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a "

@@ -73,6 +73,17 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if ro.backend != "hf":
             err(f"rollout.in_flight_updates=true with rollout.backend={ro.backend}: the vLLM engine finishes the "
                 "requests in flight before it takes new weights; set rollout.backend=hf or remove it")
+    if cfg.model.routing_replay != "off":
+        replay = f"model.routing_replay={cfg.model.routing_replay}"
+        if topology == "offline":
+            err(f"{replay} with rl.objective.type={kind}: offline pairs have no rollout nor pi_old pass to take routes "
+                "from; set model.routing_replay=off")
+        if cfg.model.routing_replay == "old" and rl.async_steps:
+            err(f"{replay} with rl.async_steps={rl.async_steps}: a stale batch's pi_old is its rollout log-probs, with "
+                "no trainer pass to record routes; use model.routing_replay=rollout")
+        if cfg.model.routing_replay == "old" and num_mini_batches(cfg) == 1 and not objective_certified(objective):
+            warn(f"{replay} with one mini-batch per step: the training forward is pi_old's own, so there is nothing to "
+                 "replay; it matters with rl.mini_batch_per_replica below the batch (docs/moe.md)")
     if rl.reference is not None and not objective.reads_reference:
         err(f"rl.reference={rl.reference!r}: not read by rl.objective.type={kind} without a KL anchor; set "
             "rl.objective.kl_beta > 0 or remove it")
@@ -159,6 +170,10 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
     return rep
 
 
+def objective_certified(objective) -> bool:
+    return bool(getattr(objective, "certified_deterministic_forward", False))
+
+
 def emit_warnings(report: PreflightReport) -> None:
     """Show each distinct warning once per process (logging and the warnings module)."""
     for message in report.warnings:
@@ -228,6 +243,9 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
             if getattr(cfg.rollout, key) != default:
                 out.append(f"rollout.{key}={getattr(cfg.rollout, key)}: read only by agent tasks (an environment in "
                            f"data.task), not by data.task={d.task!r}; remove it")
+    elif cfg.model.routing_replay == "rollout" and cfg.rollout.max_turns > 1:
+        out.append(f"model.routing_replay=rollout with data.task={d.task!r} and rollout.max_turns={cfg.rollout.max_turns}: "
+                   "an agent episode's engine calls do not return routes; use model.routing_replay=old or off")
     elif cfg.rollout.in_flight_updates:
         out.append(f"rollout.in_flight_updates=true with data.task={d.task!r}: an episode's turns must all be sampled "
                    "by one policy, so an agent task's rollout takes new weights only between steps; remove it")

@@ -61,6 +61,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the hub; off unless you trust the repository.")
     teacher: str | None = Field(None, description="OPD only: the frozen teacher (hub id or local directory), sharing the policy's tokenizer.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (PEFT) instead of full fine-tuning; r=0 is off.")
+    routing_replay: Literal["off", "rollout", "old"] = Field("off", description="Mixture-of-experts policies: the experts the trainer's forwards send each token to. rollout: those the engine chose when it sampled the token (R3, the engine records them); old: those of the trainer's own pi_old pass, for every mini-batch of the batch (R2); off: the routers choose anew (docs/moe.md).")
 
 
 class RolloutConfig(_Section):

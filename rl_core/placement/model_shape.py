@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rl_core.model.protocol import ModelCapabilities
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class ModelShape:
     largest_tensor: int | None = None
     architecture: str = ""
     linears: tuple[tuple[str, int, int], ...] = ()  # (name, d_in, d_out) of every Linear but the LM head (LoRA)
+    capabilities: ModelCapabilities | None = None  # the model protocol's (rl_core.model.protocol)
 
     @property
     def matmul(self) -> int:
@@ -68,6 +73,8 @@ def shape_from_config(config, trust_remote_code: bool = False) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rl_core.model.protocol import capabilities
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     params = list(model.parameters())  # deduplicated: a tied lm_head is the embedding
@@ -102,6 +109,7 @@ def shape_from_config(config, trust_remote_code: bool = False) -> ModelShape:
         largest_tensor=max(p.numel() for p in params),
         architecture=type(model).__name__,
         linears=linears,
+        capabilities=capabilities(model),
     )
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core.model import routing
+
 FORWARD_LAYOUTS = ("rows", "packed", "padded")
 # float32 elements of one chunk of the log-softmax: with a 151,936-token vocabulary, 110 positions (64 MiB)
 CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -145,7 +147,8 @@ class UnpaddedBatch:
     `input_ids`/`position_ids`: what the model sees (`[B, L]` for rows, `[1, N]` for packed).
     `rows`, `cols`: the read positions t of the original batch (`[K]` each); `source`: the flat index,
     in the model's layout, of the token before each of them (whose logits predict it); `targets`:
-    the token ids read (`[K]`).
+    the token ids read (`[K]`). `real`: `(rows, cols)` of every real token, `flat` its index in the model's layout
+    (what moves per-token model inputs, the MoE routes, into it).
     """
 
     input_ids: torch.Tensor
@@ -154,6 +157,8 @@ class UnpaddedBatch:
     cols: torch.Tensor
     source: torch.Tensor
     targets: torch.Tensor
+    real: tuple[torch.Tensor, torch.Tensor]
+    flat: torch.Tensor
 
 
 def read_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -187,14 +192,16 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Ten
         ids[b_real, col[b_real, t_real]] = input_ids[b_real, t_real]
         source = b_read * width + col[b_read, t_read] - 1
         positions = torch.arange(width, device=ids.device).expand_as(ids)
-        return UnpaddedBatch(ids, positions, b_read, t_read, source, input_ids[b_read, t_read])
+        return UnpaddedBatch(ids, positions, b_read, t_read, source, input_ids[b_read, t_read], (b_real, t_real),
+                             b_real * width + col[b_real, t_real])
     if layout != "packed":
         raise ValueError(f"unpad layout {layout!r}; expected 'rows' or 'packed'")
     offset = lengths.cumsum(0) - lengths
     ids = input_ids[b_real, t_real][None]
     positions = col[b_real, t_real][None]
     source = offset[b_read] + col[b_read, t_read] - 1
-    return UnpaddedBatch(ids, positions, b_read, t_read, source, input_ids[b_read, t_read])
+    return UnpaddedBatch(ids, positions, b_read, t_read, source, input_ids[b_read, t_read], (b_real, t_real),
+                         offset[b_real] + col[b_real, t_real])
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):
@@ -360,7 +367,8 @@ def sequence_token_logprobs(
     if layout == "padded":
         return _padded_token_logprobs(model, input_ids, attention_mask, read, temperature, return_entropy)
     u = unpad(input_ids, attention_mask, read, layout)
-    with _reading_head(model, u.source, u.targets, temperature, return_entropy) as fused:
+    with (_reading_head(model, u.source, u.targets, temperature, return_entropy) as fused,
+          routing.forward_routes(model, tuple(input_ids.shape), u.real, u.flat, u.input_ids.numel())):
         out = model(input_ids=u.input_ids, position_ids=u.position_ids, use_cache=False)
     if fused:
         lp, ent = out.logits[0].unbind(-1)
@@ -378,8 +386,11 @@ def sequence_token_logprobs(
 
 def _padded_token_logprobs(model, input_ids, attention_mask, read, temperature, return_entropy):
     """The rollout layout as it is: `[B, T, V]` logits and a float32 log-softmax over every position (reference)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    rows, cols = attention_mask.bool().nonzero(as_tuple=True)
+    with routing.forward_routes(model, tuple(input_ids.shape), (rows, cols), rows * input_ids.shape[1] + cols,
+                                input_ids.numel()):
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     logits = out.logits[:, :-1]
     lp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     zeros = lp.new_zeros(lp.shape[0], 1)

@@ -33,7 +33,7 @@ def sampling_params_from_config(
 def make_engine(
     rollout_cfg, model, tokenizer, *, seed: int = 0, model_path: str | None = None, dtype: str = "auto",
     max_model_len: int | None = None, sleep_mode: bool = False, trust_remote_code: bool = False,
-    lora_config: dict | None = None, tensor_parallel_size: int = 1,
+    lora_config: dict | None = None, tensor_parallel_size: int = 1, record_routes: bool = False,
 ) -> RolloutEngine:
     """Build the engine named by `rollout_cfg.backend` ('hf' or 'vllm').
 
@@ -44,11 +44,13 @@ def make_engine(
     plus `rollout.max_tokens`; `sleep_mode`: release GPU memory between rollouts (colocated);
     `lora_config` (vllm, `model.lora.r > 0`): the adapters' `adapter_config.json`, and `update_weights`
     then takes the adapters' tensors; `tensor_parallel_size` (vllm): the GPUs (on CPU, worker processes)
-    one engine splits the model over.
+    one engine splits the model over. `record_routes` (a mixture-of-experts model, `model.routing_replay=rollout`):
+    the engine returns the experts of every token (`Completions.routes`).
     """
     backend = rollout_cfg.backend
     if backend == "hf":
-        return HFEngine(model, tokenizer, seed=seed, compute_dtype=None if dtype == "auto" else dtype)
+        return HFEngine(model, tokenizer, seed=seed, compute_dtype=None if dtype == "auto" else dtype,
+                        record_routes=record_routes)
     if backend == "vllm":
         from rl_core.rollout.vllm import VLLMEngine
 
@@ -66,6 +68,7 @@ def make_engine(
             sleep_mode=sleep_mode,
             trust_remote_code=trust_remote_code,
             lora_config=lora_config,
+            record_routes=record_routes,
             **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
         )
     raise ValueError(f"rollout.backend={backend!r} is not one of 'hf', 'vllm'")

@@ -79,7 +79,8 @@ class Completions:
     `policy_version` is the oldest policy that sampled any of its tokens (what the staleness bound checks);
     `token_version [N, P+R]` long, the policy version behind each response token (0 elsewhere), is there only
     when the versions differ (weights updated while sequences decoded, `rollout.in_flight_updates`); without it
-    every token is `policy_version`'s.
+    every token is `policy_version`'s. `routes [N, P+R, L, k]` uint8: the experts a mixture-of-experts engine sent
+    every token to (`rl_core.model.routing`, `model.routing_replay=rollout`); None when not recorded.
     """
 
     input_ids: torch.Tensor
@@ -95,6 +96,7 @@ class Completions:
     n: int = 1
     episodes: list[dict] | None = None
     token_version: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
     response_lengths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +141,7 @@ class Completions:
 
     TENSORS = ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index")
     SCALARS = ("finish_reason", "policy_version", "prompt_length", "eos_token_id", "pad_token_id", "n", "episodes")
+    OPTIONAL = ("token_version", "routes")
 
     def save(self, path) -> None:
         """Write to a safetensors file (tensors, plus the other fields as JSON metadata): data only, no code."""
@@ -149,8 +152,9 @@ class Completions:
         meta = {"posttrain": "completions",
                 "fields": json.dumps({k: getattr(self, k) for k in self.SCALARS}, default=str)}
         tensors = {k: getattr(self, k).contiguous() for k in self.TENSORS}
-        if self.token_version is not None:
-            tensors["token_version"] = self.token_version.contiguous()
+        for name in self.OPTIONAL:
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name).contiguous()
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -167,13 +171,13 @@ class Completions:
                 raise ValueError(f"{path}: not a posttrain completions record")
             tensors = {k: f.get_tensor(k) for k in cls.TENSORS}
             names = set(f.keys())  # a safe_open handle has no `in`
-            token_version = f.get_tensor("token_version") if "token_version" in names else None
+            optional = {k: f.get_tensor(k) if k in names else None for k in cls.OPTIONAL}
         fields = json.loads(meta["fields"])
         out = cls(**tensors, **{k: fields[k] for k in cls.SCALARS if k != "episodes"}, episodes=fields.get("episodes"),
-                  token_version=token_version)
+                  **optional)
         rows = out.input_ids.shape[0]
         if (any(getattr(out, k).shape[0] != rows for k in cls.TENSORS) or len(out.finish_reason) != rows
-                or (token_version is not None and token_version.shape != out.input_ids.shape)
+                or any(v is not None and v.shape[:2] != out.input_ids.shape for v in optional.values())
                 or (out.episodes is not None and len(out.episodes) != rows)):
             raise ValueError(f"{path}: its fields disagree on the number of rows")
         return out
@@ -188,8 +192,9 @@ class Completions:
             "response_lengths",
         ):
             setattr(self, name, getattr(self, name).to(device))
-        if self.token_version is not None:
-            self.token_version = self.token_version.to(device)
+        for name in self.OPTIONAL:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         return self
 
 
@@ -308,7 +313,7 @@ def concat_completions(parts: list[Completions]) -> Completions:
 
     def pad(p: Completions, t: torch.Tensor, value) -> torch.Tensor:
         left, right = P - p.prompt_length, R - (t.shape[1] - p.prompt_length)
-        return torch.nn.functional.pad(t, (left, right), value=value)
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (left, right), value=value)
 
     offsets, total = [], 0
     for p in parts:
@@ -330,7 +335,20 @@ def concat_completions(parts: list[Completions]) -> Completions:
         n=first.n,
         episodes=None if any(p.episodes is None for p in parts) else [e for p in parts for e in p.episodes],
         token_version=torch.cat([pad(p, p.token_versions(), 0) for p in parts]) if mixed else None,
+        routes=_joined_routes(parts, pad),
     )
+
+
+def _joined_routes(parts: list[Completions], pad) -> torch.Tensor | None:
+    """The shards' routes padded like their tokens (`NOT_ROUTED`), or None when no shard recorded any."""
+    from rl_core.model.routing import NOT_ROUTED
+
+    if all(p.routes is None for p in parts):
+        return None
+    if any(p.routes is None for p in parts):
+        raise ValueError("engine shards disagree: some recorded mixture-of-experts routes and some did not; every "
+                         "engine must run with the same model.routing_replay")
+    return torch.cat([pad(p, p.routes, NOT_ROUTED) for p in parts])
 
 
 class RolloutEngine(abc.ABC):

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from rl_core.model import routing
 from rl_core.primitives.logprobs import position_ids_from_mask
 from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts, completion_seeds
 
@@ -123,11 +124,15 @@ class HFEngine(RolloutEngine):
     A weight update from another thread (`update_weights`, or a load inside `swap.load()`) lands between two
     decoding steps of a `generate` in flight (`WeightSwap`): the sequences go on, their KV cache as computed, and
     every later token carries the new version (`Completions.token_version`).
+
+    `record_routes` (`model.routing_replay=rollout`, a mixture-of-experts model): every forward records the
+    experts its routers chose, returned as `Completions.routes` (`rl_core.model.routing`).
     """
 
     def __init__(self, model, tokenizer, *, seed: int = 0, policy_version: int = 0,
-                 compute_dtype: str | None = None):
+                 compute_dtype: str | None = None, record_routes: bool = False):
         self.model = model
+        self.record_routes = record_routes
         self.compute_dtype = compute_dtype
         self.tokenizer = tokenizer
         self.eos_token_id = _single_id(tokenizer.eos_token_id, "eos_token_id")
@@ -225,7 +230,8 @@ class HFEngine(RolloutEngine):
 
         positions = position_ids_from_mask(prompt_mask)
         versions = []  # the policy version of the forward behind each decoding position's logits
-        with self.swap.forward():
+        routes = []  # recording: per forward, the [rows, positions, L, k] experts of the tokens it fed
+        with self.swap.forward(), self._routes(routes, rows):
             versions.append(self._version)
             out = model(
                 input_ids=prompt,
@@ -248,7 +254,7 @@ class HFEngine(RolloutEngine):
             if t + 1 == max_tokens or not bool(alive.any()):
                 break
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
-            with self.swap.forward():  # a weight update waits for it, or it for the update
+            with self.swap.forward(), self._routes(routes, rows):  # a weight update waits for it, or it for the update
                 versions.append(self._version)
                 out = model(
                     input_ids=tok.unsqueeze(-1),
@@ -271,6 +277,12 @@ class HFEngine(RolloutEngine):
         if len(set(versions[:R])) > 1:  # weights changed while these sequences decoded: each token's own version
             per_position = torch.tensor(versions[:R], dtype=torch.long).expand(rows, R) * resp_mask.long()
             token_version = torch.cat([torch.zeros((rows, P), dtype=torch.long), per_position], dim=1)
+        recorded = None
+        if routes:  # the last token is fed by no forward; padding's routes are nobody's
+            fed = torch.cat(routes, 1)[:, :P + R]
+            recorded = torch.full((rows, P + R, *fed.shape[2:]), routing.NOT_ROUTED, dtype=routing.ROUTE_DTYPE)
+            recorded[:, :fed.shape[1]] = fed
+            recorded[~torch.cat([prompt_mask.cpu(), resp_mask.long()], dim=1).bool()] = routing.NOT_ROUTED
         return Completions(
             input_ids=torch.cat([prompt.cpu(), tokens], dim=1),
             attention_mask=torch.cat([prompt_mask.cpu(), resp_mask.long()], dim=1),
@@ -284,7 +296,19 @@ class HFEngine(RolloutEngine):
             pad_token_id=self.pad_token_id,
             n=n,
             token_version=token_version,
+            routes=recorded,
         )
+
+    @contextlib.contextmanager
+    def _routes(self, out: list, rows: int) -> Iterator[None]:
+        """Around one forward of `rows` rows: with `record_routes`, append what its routers chose to `out`."""
+        if not self.record_routes:
+            yield
+            return
+        with routing.capture(self.model) as fwd:
+            yield
+        chosen = routing.stacked(fwd).cpu()
+        out.append(chosen.reshape(rows, -1, *chosen.shape[1:]))
 
 
 def _single_id(value, name: str) -> int:

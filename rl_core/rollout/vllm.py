@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import torch
 
 from rl_core.rollout.base import (
@@ -106,6 +107,7 @@ class VLLMEngine(RolloutEngine):
         sleep_mode: bool = False,
         trust_remote_code: bool = False,
         lora_config: dict | None = None,
+        record_routes: bool = False,
         **llm_kwargs,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -152,13 +154,16 @@ class VLLMEngine(RolloutEngine):
 
             kwargs.update(enable_lora=True, max_lora_rank=vllm_rank(int(self.lora_config["r"])), max_loras=1)
             self._lora_root = tempfile.mkdtemp(prefix="posttrain-vllm-lora-")
+        self.record_routes = bool(record_routes)
+        if self.record_routes:  # vLLM's routed-experts capture; a prefix-cache hit would skip a prompt's forward
+            kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            enable_prefix_caching=not self.record_routes,
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
@@ -276,13 +281,14 @@ class VLLMEngine(RolloutEngine):
         started = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         self.last_generate_s = time.perf_counter() - started
-        responses, logps = [], []
+        responses, logps, routed = [], [], []
         for request in outputs:  # in request order
+            routed.append(request.outputs[0].routed_experts if self.record_routes else None)
             out = request.outputs[0]
             ids = list(out.token_ids)  # includes the stop token when it stopped on one
             responses.append(ids)
             logps.append([float(step[tok].logprob) for tok, step in zip(ids, out.logprobs or [])])
-        return build_completions(
+        completions = build_completions(
             prompt_ids,
             responses,
             logps,
@@ -293,3 +299,24 @@ class VLLMEngine(RolloutEngine):
             policy_version=self._version,
             stop_token_ids=self.stop_token_ids,
         )
+        if self.record_routes:
+            completions.routes = _routes_in_layout(routed, completions, [len(prompt_ids[j // n]) for j in range(len(seeds))])
+        return completions
+
+
+def _routes_in_layout(routed: list, completions: Completions, prompt_lengths: list[int]) -> torch.Tensor:
+    """vLLM's per-request routed experts (`[tokens fed, L, k]`: the prompt, then every sampled token it fed) in the
+    completions' layout, `[N, P+R, L, k]` uint8, `NOT_ROUTED` where none was returned."""
+    from rl_core.model.routing import NOT_ROUTED, ROUTE_DTYPE
+
+    if any(r is None for r in routed):
+        raise RuntimeError("vLLM returned no routed experts for a request: the model has no mixture-of-experts "
+                           "layer whose routes it captures; set model.routing_replay=off or old")
+    shape = np.asarray(routed[0]).shape[1:]
+    P, width = completions.prompt_length, completions.input_ids.shape[1]
+    out = torch.full((len(routed), width, *shape), NOT_ROUTED, dtype=ROUTE_DTYPE)
+    for j, (r, p) in enumerate(zip(routed, prompt_lengths)):
+        r = torch.as_tensor(np.asarray(r)).to(ROUTE_DTYPE)
+        tokens = min(r.shape[0], p + int(completions.response_lengths[j]))
+        out[j, P - p:P - p + tokens] = r[:tokens]
+    return out

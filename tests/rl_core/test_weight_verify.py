@@ -73,6 +73,7 @@ def test_sums_are_taken_in_chunks_and_equal_the_float64_sums_of_the_values_as_ca
     assert tensor_sum(torch.empty(0)) == (0.0, 0.0)
 
 
+@pytest.mark.e2e
 def test_the_sums_of_a_large_tensor_need_no_float64_copy_of_it():
     """A 512 MiB float32 tensor summed (cast to bfloat16): the process's peak memory grows by a few chunks, where
     a float64 copy would add 1 GiB (a fresh process, whose peak is this tensor)."""
