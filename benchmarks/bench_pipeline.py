@@ -78,11 +78,11 @@ def posttrain_command() -> list[str]:
 
 
 def run(workdir: Path, name: str, overrides: list[str], steps: int,
-        env: dict[str, str] | None = None) -> tuple[list[dict], float, float]:
-    """One quiet `posttrain run` of the arithmetic quickstart in `workdir` (`env`: more variables): its metrics
-    records, the children's peak RSS in MB and the process's wall seconds."""
+        env: dict[str, str] | None = None, recipe: str = "arithmetic") -> tuple[list[dict], float, float]:
+    """One quiet `posttrain run` of the arithmetic quickstart (or another `recipe`) in `workdir` (`env`: more
+    variables): its metrics records, the children's peak RSS in MB and the process's wall seconds."""
     env = {**os.environ, **QUIET_ENV, **(env or {})}
-    cmd = [*posttrain_command(), "run", str(REPO / "recipes" / "arithmetic.py"), "--",
+    cmd = [*posttrain_command(), "run", str(REPO / "recipes" / f"{recipe}.py"), "--",
            f"job.name=bench-{name}", f"rl.max_steps={steps}", *overrides,
            "rl.validation.before_training=false", f"rl.validation.every_steps={steps}", "rl.save_every=0",
            "rl.resume=off", "job.overwrite=true"]

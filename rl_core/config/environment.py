@@ -303,10 +303,15 @@ def tensor_parallel_problem(cfg: PosttrainConfig) -> str | None:
 
 def routing_problem(cfg: PosttrainConfig) -> str | None:
     """Why the policy cannot replay routes (`model.routing_replay`: no mixture-of-experts router of a supported family
-    in the model its config.json builds), or None (also when that config is not on this machine yet)."""
+    in the model its config.json builds, or engines that cannot return routes), or None (also when that config is
+    not on this machine yet)."""
     from rl_core.placement.model_shape import model_shape
 
     mode = cfg.model.routing_replay
+    if mode == "rollout" and cfg.rollout.backend == "vllm" and vllm_build() == "cpu":
+        return ("model.routing_replay=rollout with rollout.backend=vllm on vLLM's CPU build: vLLM returns routed "
+                "experts only from its V2 model runner, which needs Triton (GPU builds); use rollout.backend=hf, or "
+                "model.routing_replay=old")
     if mode == "off" or (shape := model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)) is None:
         return None
     caps = shape.capabilities

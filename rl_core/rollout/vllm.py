@@ -155,7 +155,13 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(enable_lora=True, max_lora_rank=vllm_rank(int(self.lora_config["r"])), max_loras=1)
             self._lora_root = tempfile.mkdtemp(prefix="posttrain-vllm-lora-")
         self.record_routes = bool(record_routes)
-        if self.record_routes:  # vLLM's routed-experts capture; a prefix-cache hit would skip a prompt's forward
+        if self.record_routes:  # vLLM's routed-experts capture (Model Runner V2, Triton: GPU builds only); a
+            # prefix-cache hit would skip a prompt's forward, and with it the prompt's routes
+            if on_cpu:
+                raise RuntimeError("model.routing_replay=rollout with vLLM's CPU build: vLLM returns routed experts "
+                                   "only from its V2 model runner, which needs Triton (GPU builds); use "
+                                   "rollout.backend=hf, or model.routing_replay=old")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(
             model=model_path,

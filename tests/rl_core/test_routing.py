@@ -295,7 +295,7 @@ def test_preflight_refuses_routing_replay_where_there_are_no_routes(moe_dir, den
     from pathlib import Path
 
     from rl_core.config import load_config
-    from rl_core.config.environment import routing_problem
+    from rl_core.config.environment import routing_problem, vllm_build
     from rl_core.config.preflight import preflight
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
@@ -318,4 +318,10 @@ def test_preflight_refuses_routing_replay_where_there_are_no_routes(moe_dir, den
     problem = routing_problem(cfg)
     assert problem.startswith("model.routing_replay=rollout: model.name_or_path=") and "LlamaForCausalLM" in problem
     assert "set model.routing_replay=off" in problem
-    assert routing_problem(cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(moe_dir)})})) is None
+    moe = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(moe_dir)})})
+    assert routing_problem(moe) is None
+    on_vllm = moe.model_copy(update={"rollout": moe.rollout.model_copy(update={"backend": "vllm"})})
+    if vllm_build() == "cpu":  # what `make test` installs here; a GPU build returns routes
+        assert routing_problem(on_vllm).startswith("model.routing_replay=rollout with rollout.backend=vllm on vLLM's CPU")
+    else:
+        assert routing_problem(on_vllm) is None
