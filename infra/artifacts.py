@@ -1,4 +1,5 @@
-"""Local quickstart artifacts: the arithmetic data, the tiny model and its warm start.
+"""Local quickstart artifacts: the arithmetic data, the tiny model and its warm start (and the mixture-of-experts
+example's tiny model and warm start).
 
 `ensure_quickstart_artifacts(cfg)` builds whatever a config needs and is missing, with the values of
 `params.yaml` (the DVC stages' parameters) and the same rl_core code the DVC stages call, so that
@@ -26,6 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_INIT = Path("artifacts/tiny-model/init")
 TINY_WARM = Path("artifacts/tiny-model/warm")
 TINY_TEACHER = Path("artifacts/tiny-model/teacher")  # OPD's CPU teacher: the warm start, trained further
+TINY_MOE_INIT = Path("artifacts/tiny-moe/init")  # the mixture-of-experts example's model (recipes/moe_arithmetic.py)
+TINY_MOE_WARM = Path("artifacts/tiny-moe/warm")
 ARITHMETIC_DIR = Path("data/arithmetic")
 ARITHMETIC_PAIRS_DIR = Path("data/arithmetic-pairs")  # DPO pairs: {train,val}.jsonl from the arithmetic splits
 
@@ -80,8 +83,8 @@ def ensure_quickstart_artifacts(cfg: PosttrainConfig, announce: Callable[[str], 
     import fcntl
 
     wanted = [cfg.model.name_or_path, getattr(cfg.model, "teacher", None) or "", cfg.data.train, cfg.data.val]
-    built_here = [TINY_INIT, TINY_WARM, TINY_TEACHER, *(d / f"{s}.jsonl" for d in (ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR)
-                                                        for s in ("train", "val"))]
+    built_here = [TINY_INIT, TINY_WARM, TINY_TEACHER, TINY_MOE_INIT, TINY_MOE_WARM,
+                  *(d / f"{s}.jsonl" for d in (ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR) for s in ("train", "val"))]
     if not any(_is(path, target) for path in wanted if path for target in built_here):
         return []  # nothing of the quickstart's: no lock (and no artifacts/ directory) needed
     BUILD_LOCK.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +102,8 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
     needs_data = (
         (_is(cfg.data.train, ARITHMETIC_DIR / "train.jsonl") and not _data_complete(cfg.data.train, announce))
         or (_is(cfg.data.val, ARITHMETIC_DIR / "val.jsonl") and not _data_complete(cfg.data.val, announce))
-        or (_is(cfg.model.name_or_path, TINY_WARM) and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce))
+        or (any(_is(cfg.model.name_or_path, warm) for warm in (TINY_WARM, TINY_MOE_WARM))
+            and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce))
     )
     if needs_data:
         from rl_core.data.arithmetic import make_arithmetic_data
@@ -144,6 +148,7 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         announce(f"teacher warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
                  f"{metrics['val_accuracy']:.3f}")
         built.append("teacher_warm_start")
+    built += _ensure_moe(cfg, announce, params)
     if any(
             _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not _data_complete(source, announce)
             for source, split in ((cfg.data.train, "train"), (cfg.data.val, "val"))):
@@ -158,6 +163,31 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         announce(f"building the arithmetic preference pairs in {ARITHMETIC_PAIRS_DIR}/ (missing)")
         make_arithmetic_pair_splits(ARITHMETIC_DIR, ARITHMETIC_PAIRS_DIR, **params["arithmetic_pairs"])
         built.append("arithmetic_pairs")
+    return built
+
+
+def _ensure_moe(cfg: PosttrainConfig, announce: Callable[[str], None], params: dict | None) -> list[str]:
+    """The mixture-of-experts example's model and warm start, when `cfg` points at them and they are missing (what
+    pipelines/moe_arithmetic/dvc.yaml builds); the arithmetic data is already there."""
+    name, built = cfg.model.name_or_path, []
+    if not (_is(name, TINY_MOE_INIT) or _is(name, TINY_MOE_WARM)):
+        return built
+    if not _model_complete(TINY_MOE_INIT, announce):
+        from rl_core.models import build_tiny_moe_model
+
+        params = params or load_params()
+        announce(f"building the tiny mixture-of-experts model in {TINY_MOE_INIT}/ (missing)")
+        build_tiny_moe_model(TINY_MOE_INIT, **params["tiny_moe_model"])
+        built.append("tiny_moe_model")
+    if _is(name, TINY_MOE_WARM) and not _model_complete(TINY_MOE_WARM, announce):
+        from rl_core.warm_start import warm_start
+
+        params = params or load_params()
+        announce(f"warm-starting the tiny mixture-of-experts model into {TINY_MOE_WARM}/ (missing)")
+        metrics = warm_start(TINY_MOE_INIT, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_MOE_WARM,
+                             **params["moe_warm_start"])
+        announce(f"warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> {metrics['val_accuracy']:.3f}")
+        built.append("moe_warm_start")
     return built
 
 

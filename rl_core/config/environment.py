@@ -30,7 +30,8 @@ HUB_TIMEOUT_S = 5.0
 LOCAL_GPU = "this machine's GPU 0"
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # Built on demand by the flow (infra.artifacts.ensure_quickstart_artifacts) when missing.
-QUICKSTART_MODELS = ("artifacts/tiny-model/init", "artifacts/tiny-model/warm", "artifacts/tiny-model/teacher")
+QUICKSTART_MODELS = ("artifacts/tiny-model/init", "artifacts/tiny-model/warm", "artifacts/tiny-model/teacher",
+                     "artifacts/tiny-moe/init", "artifacts/tiny-moe/warm")
 QUICKSTART_DATA = ("data/arithmetic/train.jsonl", "data/arithmetic/val.jsonl",
                    "data/arithmetic-pairs/train.jsonl", "data/arithmetic-pairs/val.jsonl")
 CPU_OVERRIDES = "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path=artifacts/tiny-model/warm"

@@ -325,3 +325,32 @@ def test_preflight_refuses_routing_replay_where_there_are_no_routes(moe_dir, den
         assert routing_problem(on_vllm).startswith("model.routing_replay=rollout with rollout.backend=vllm on vLLM's CPU")
     else:
         assert routing_problem(on_vllm) is None
+
+
+def test_a_run_of_the_moe_recipe_builds_its_missing_model_and_warm_start(tmp_path, monkeypatch):
+    """`posttrain run recipes/moe_arithmetic.py` on a fresh clone: the quickstart build makes the arithmetic data,
+    the tiny Mixtral and its warm start with params.yaml's values (here a 2-step warm start), as the DVC stages do."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from infra.artifacts import TINY_MOE_INIT, TINY_MOE_WARM, ensure_quickstart_artifacts
+    from rl_core.config import load_config
+    from rl_core.config.environment import environment_problems
+    from rl_core.models import model_problem
+
+    repo = Path(__file__).resolve().parents[2]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["moe_warm_start"]["steps"] = 2
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(repo / "recipes" / "moe_arithmetic.py"), [])
+    assert not [p for p in environment_problems(cfg) if "model.name_or_path" in p]  # missing, but built by the run
+    assert ensure_quickstart_artifacts(cfg, announce=lambda _: None) == ["arithmetic_data", "tiny_moe_model",
+                                                                        "moe_warm_start"]
+    assert model_problem(TINY_MOE_INIT) is None and model_problem(TINY_MOE_WARM) is None
+    config = json.loads((TINY_MOE_WARM / "config.json").read_text())
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (params["tiny_moe_model"]["experts"],
+                                                                            params["tiny_moe_model"]["top_k"])
+    assert ensure_quickstart_artifacts(cfg, announce=lambda _: None) == []  # whole: nothing rebuilt
