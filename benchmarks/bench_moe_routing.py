@@ -176,9 +176,9 @@ def recipe_table(steps: int) -> list[list[str]]:
         for mode in ("rollout", "off"):
             records, _, wall = run(workdir, f"moe-{mode}", [f"model.routing_replay={mode}"], steps, recipe="moe_arithmetic")
             acc = [r for r in records if "val/accuracy" in r]
-            trained = [r for r in records if "rollout/logp_abs_diff" in r]
+            moved = [r["train/routing_replay_differ_frac"] for r in records if "train/routing_replay_differ_frac" in r]
             rows.append([f"`model.routing_replay={mode}`", f"{acc[-1]['val/accuracy']:.3f}", str(acc[-1]["step"]),
-                         f"{max(r['rollout/logp_abs_diff_max'] for r in trained):.2e}", f"{wall:.0f}"])
+                         f"{100 * max(moved):.2f}%" if moved else "-", f"{wall:.0f}"])
             print(" | ".join(rows[-1]), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -209,7 +209,8 @@ def main() -> int:
                  "routers would pick differently.",
                  table(["R2", "second mini-batch's pairs moved"], [r2_row(warm, data)])]
         if args.recipe:
-            recipe_header = ["`recipes/moe_arithmetic.py`", "held-out accuracy", "step", "largest gap", "run s"]
+            recipe_header = ["`recipes/moe_arithmetic.py`", "held-out accuracy", "step",
+                             "pairs replayed elsewhere, worst step", "run s"]
             print(" | ".join(recipe_header))
             notes.append(table(recipe_header, recipe_table(args.recipe_steps)))
         write_section("moe-routing", header, rows, notes)

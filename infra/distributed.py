@@ -170,6 +170,7 @@ def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dt
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_core.models import load_policy, load_tokenizer, resolve_model_path
+    from rl_core.model.protocol import enable_gradient_checkpointing
 
     full = None
     if dist.get_rank() == 0:
@@ -181,7 +182,7 @@ def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dt
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=torch.float32)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)
     shard_policy(model, device, compute_dtype, mesh_shape)
     model.to_empty(device=device)
     set_model_state_dict(model, full.state_dict() if full is not None else {},

@@ -20,6 +20,7 @@ from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
 from rl_core.models import enable_tf32, looks_local, matmul_precision_kept
+from rl_core.model.protocol import enable_gradient_checkpointing
 from rl_core.registry import build_objective
 
 # ------------------------------------------------------------------------------------------ config
@@ -397,7 +398,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     else:
         model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
         if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA when sharded)
             model = lora.wrap(model, cfg.model.lora)
     objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # rl.objective.build (built-in or custom)

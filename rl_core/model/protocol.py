@@ -124,3 +124,10 @@ class RoutingReplay:
     def clear(self) -> None:
         self._old.clear()
         self._differ = self._pairs = 0
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward (transformers' non-reentrant checkpointing), each recomputation under
+    the routing of the forward it redoes (`routing.checkpoint_context`: replayed routes stay replayed)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": routing.checkpoint_context})

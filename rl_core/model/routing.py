@@ -195,3 +195,19 @@ def forward_routes(model: torch.nn.Module, shape: tuple[int, int], real: tuple[t
         out = torch.full((*shape, *chosen.shape[1:]), NOT_ROUTED, dtype=ROUTE_DTYPE)
         out[real[0].cpu(), real[1].cpu()] = chosen[flat].cpu()
         bind.recorded = out
+
+
+def checkpoint_context():
+    """`torch.utils.checkpoint`'s `context_fn` (gradient checkpointing): the recomputation of a layer in backward runs
+    under the routing of the forward it recomputes, read here as that forward runs (backward runs outside the
+    caller's context, where a router would choose anew)."""
+    return contextlib.nullcontext(), _under(_forward.get())
+
+
+@contextlib.contextmanager
+def _under(fwd: _Forward | None) -> Iterator[None]:
+    token = _forward.set(fwd)
+    try:
+        yield
+    finally:
+        _forward.reset(token)

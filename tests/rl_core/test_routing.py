@@ -354,3 +354,28 @@ def test_a_run_of_the_moe_recipe_builds_its_missing_model_and_warm_start(tmp_pat
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (params["tiny_moe_model"]["experts"],
                                                                             params["tiny_moe_model"]["top_k"])
     assert ensure_quickstart_artifacts(cfg, announce=lambda _: None) == []  # whole: nothing rebuilt
+
+
+def test_gradient_checkpointing_recomputes_under_the_replayed_routes(moe_dir):
+    """A layer recomputed in backward (model.gradient_checkpointing) runs outside the caller's routing context; it
+    must still use the replayed routes, or the gradient is that of another network: on the near-tie batch the
+    gradients with checkpointing equal those without."""
+    import copy
+
+    from rl_core.model.protocol import enable_gradient_checkpointing
+
+    model, tokenizer = load(moe_dir)
+    c = sample(near_tie(model), tokenizer)
+    grads = []
+    for checkpointed in (False, True):
+        m = copy.deepcopy(model)
+        if checkpointed:
+            enable_gradient_checkpointing(m)
+        m.train()
+        with routing.replaying(m, c.routes):
+            lp = sequence_token_logprobs(m, c.input_ids, c.attention_mask, temperature=1.0, loss_mask=c.response_mask)
+        lp.sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    worst = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
+    assert worst <= 1e-5, worst
