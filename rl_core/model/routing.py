@@ -98,14 +98,20 @@ def _router_hook(module: torch.nn.Module, args: tuple, output):
 
 
 def install(model: torch.nn.Module) -> dict:
-    """Register the hooks on `model`'s routers (once) and return `{router: layer}`."""
+    """Register the hooks on `model`'s routers (once) and return `{router: layer}` (kept on the model: a decoding
+    loop asks once per token)."""
+    layers = model.__dict__.get("_posttrain_router_layers")
+    if layers is not None:
+        return layers
     found = routers(model)
     with _install_lock:
         for r in found:
             if not getattr(r, "_posttrain_route_hook", False):
                 r.register_forward_hook(_router_hook)
                 r._posttrain_route_hook = True
-    return {r: i for i, r in enumerate(found)}
+    layers = {r: i for i, r in enumerate(found)}
+    model.__dict__["_posttrain_router_layers"] = layers
+    return layers
 
 
 @contextlib.contextmanager
@@ -114,12 +120,8 @@ def capture(model: torch.nn.Module, replay: torch.Tensor | None = None) -> Itera
     after the block `fwd.chosen[l]` holds layer l's routes `[tokens, k]`, `fwd.differ[l]` (with a replay) the
     tokens whose recorded route differed from the router's own."""
     layers = install(model)
-    fwd = _Forward(layers, replay, [None] * len(layers), [None] * len(layers))
-    token = _forward.set(fwd)
-    try:
+    with _setting(_forward, _Forward(layers, replay, [None] * len(layers), [None] * len(layers))) as fwd:
         yield fwd
-    finally:
-        _forward.reset(token)
 
 
 def stacked(fwd: _Forward) -> torch.Tensor:
@@ -147,27 +149,29 @@ class _Binding:
 _binding: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("posttrain_routing_binding", default=None)
 
 
-@contextlib.contextmanager
-def replaying(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[_Binding]:
+def replaying(model: torch.nn.Module, routes: torch.Tensor) -> contextlib.AbstractContextManager[_Binding]:
     """Forwards of `model` in the block (through `rl_core.primitives.logprobs`) use `routes [B, T, L, k]`, the
     rollout layout of the batch they score."""
-    bind = _Binding(model, routes)
-    token = _binding.set(bind)
-    try:
-        yield bind
-    finally:
-        _binding.reset(token)
+    return _bound(_Binding(model, routes))
+
+
+def recording(model: torch.nn.Module) -> contextlib.AbstractContextManager[_Binding]:
+    """Forwards of `model` in the block record their routes: `binding.recorded [B, T, L, k]` after it."""
+    return _bound(_Binding(model, None, record=True))
+
+
+def _bound(bind: _Binding) -> contextlib.AbstractContextManager[_Binding]:
+    return _setting(_binding, bind)
 
 
 @contextlib.contextmanager
-def recording(model: torch.nn.Module) -> Iterator[_Binding]:
-    """Forwards of `model` in the block record their routes: `binding.recorded [B, T, L, k]` after it."""
-    bind = _Binding(model, None, record=True)
-    token = _binding.set(bind)
+def _setting(var: contextvars.ContextVar, value):
+    """`var` is `value` inside the block (this thread or task), as it was after it; yields `value`."""
+    token = var.set(value)
     try:
-        yield bind
+        yield value
     finally:
-        _binding.reset(token)
+        var.reset(token)
 
 
 @contextlib.contextmanager
@@ -201,13 +205,4 @@ def checkpoint_context():
     """`torch.utils.checkpoint`'s `context_fn` (gradient checkpointing): the recomputation of a layer in backward runs
     under the routing of the forward it recomputes, read here as that forward runs (backward runs outside the
     caller's context, where a router would choose anew)."""
-    return contextlib.nullcontext(), _under(_forward.get())
-
-
-@contextlib.contextmanager
-def _under(fwd: _Forward | None) -> Iterator[None]:
-    token = _forward.set(fwd)
-    try:
-        yield
-    finally:
-        _forward.reset(token)
+    return contextlib.nullcontext(), _setting(_forward, _forward.get())
