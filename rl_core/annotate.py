@@ -87,6 +87,9 @@ def annotate(
         "response_len": response_len.numpy().astype("int64"),
         "truncated": truncated.tolist(),
         "masked_len": (completions.response_mask.sum(1) - loss_mask.sum(1)).round().long().numpy().astype("int64"),
+        # an agent episode that could not start (rl_core.agents.Episode.unstarted): no response, no loss token
+        "started": [bool(e["stats"].get("started", True)) for e in completions.episodes] if completions.episodes
+        is not None else [True] * n_rows,
         "policy_version": [int(completions.policy_version)] * n_rows,
     })
     per_group = table.groupby("group_id")["reward"].agg(["min", "max"])

@@ -67,8 +67,9 @@ class AnnotationsTable(pa.DataFrameModel):
     group_size: Series[int] = pa.Field(ge=1)
     reward: Series[float] = pa.Field()
     advantage: Series[float] = pa.Field()
-    response_len: Series[int] = pa.Field(ge=1)
+    response_len: Series[int] = pa.Field(ge=0)
     truncated: Series[bool] = pa.Field()
+    started: Series[bool] = pa.Field()  # False: an agent episode that could not start (no response, no loss)
     masked_len: Series[int] = pa.Field(ge=0)  # response tokens annotate left out of the loss on purpose
     policy_version: Series[int] = pa.Field(ge=0)
 
@@ -89,6 +90,10 @@ class AnnotationsTable(pa.DataFrameModel):
     def _complete_groups(cls, df: pd.DataFrame) -> Series[bool]:
         counts = df.groupby("group_id")["sample_id"].transform("count")
         return counts == df["group_size"]
+
+    @pa.dataframe_check(name="response_len>=1 (unless the episode did not start)")
+    def _a_response(cls, df: pd.DataFrame) -> Series[bool]:
+        return (df["response_len"] >= 1) | ~df["started"]
 
     @pa.dataframe_check(name="masked_len<=response_len")
     def _masked_within_response(cls, df: pd.DataFrame) -> Series[bool]:

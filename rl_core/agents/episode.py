@@ -86,7 +86,25 @@ class Episode:
         self.prompt_len = len(prompt)
         self.turns: list[Turn] = []
         self.done = self.truncated = False
+        self.started = True
         self._stop_id: int | None = None  # the stop token of the turn waiting for its answer
+
+    @classmethod
+    def unstarted(cls, tokenizer, error: str, seconds: float = 0.0) -> Episode:
+        """An episode that could not start (its environment's construction or `reset` failed, or its opening prompt
+        does not fit the episode's budget): ended, one placeholder token (the tokenizer's BOS, else EOS), nothing
+        sampled, `env_error` saying why. It keeps its row's place in the batch with no loss token; its record is no
+        opening message and one empty assistant turn."""
+        episode = cls.__new__(cls)
+        first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        episode.env, episode.tokenizer, episode.tools = None, tokenizer, None
+        episode.max_turns = episode.max_tokens = 0
+        episode.env_s, episode.env_error, episode.tool_calls, episode.tool_errors = seconds, error, 0, 0
+        # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
+        episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
+        episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
+        episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
+        return episode
 
     def turn_budget(self, per_turn: int) -> int:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
@@ -155,7 +173,8 @@ class Episode:
     def stats(self) -> dict[str, Any]:
         """Per-episode counts for the step's metrics."""
         return {"turns": len(self.turns), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                "truncated": self.truncated, "env_errors": int(self.env_error is not None), "tokens": len(self.ids),
+                "truncated": self.truncated, "env_errors": int(self.env_error is not None), "started": self.started,
+                "tokens": len(self.ids),
                 "sampled_tokens": sum(self.sampled), "env_s": self.env_s}
 
     def record(self, reward: float) -> dict:

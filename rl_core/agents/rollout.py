@@ -19,6 +19,7 @@ Layout of the result (`episodes_to_completions`), `P` the longest opening prompt
 from __future__ import annotations
 
 import json
+import logging
 import math
 import uuid
 from collections.abc import Hashable, Sequence
@@ -30,6 +31,8 @@ import torch
 from rl_core.agents.episode import Episode
 from rl_core.agents.host import LocalEnvironments
 from rl_core.rollout.base import SEED_MODULUS, Completions, RolloutEngine, SamplingParams
+
+log = logging.getLogger("posttrain.agents")
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -98,31 +101,38 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
     or in this process (`LocalEnvironments`). The completions carry every episode's record (`Episode.record`:
     conversation, the environment's reward, counts) in `episodes`.
 
-    An environment that fails to start (`reset`) or to score (`reward`) stops the rollout naming the row; one whose
-    `respond` fails ends that episode, counted in its `env_errors`; one lost to a timeout (its own or another
-    episode's on the same actor) ends its episode with reward 0, counted the same way."""
+    An episode that cannot start (its environment's construction or `reset` fails, or its opening prompt does not
+    fit `max_episode_tokens`) leaves its row out of the step: the row's `n` episodes end unstarted
+    (`Episode.unstarted`: no loss token, reward 0, `rollout/unstarted_episodes`), a warning names the row, and the
+    other rows play on; only a step where no row can start stops, naming them. An environment that fails to score
+    (`reward`) stops the rollout naming the row; one whose `respond` fails ends that episode, counted in its
+    `env_errors`; one lost to a timeout (its own or another episode's on the same actor) ends its episode with
+    reward 0, counted the same way."""
     environment = task.environment
     host = LocalEnvironments() if host is None else host
     batch = uuid.uuid4().hex  # the keys of this rollout's episodes, apart from any other rollout's on the host
     keys = [f"{batch}:{j}" for j in range(len(examples) * n)]
     try:
         openings = host.open(environment, [(key, examples[j // n]) for j, key in enumerate(keys)])
-        episodes = []
-        for j, opening in enumerate(openings):
-            where = _where(examples[j // n])
-            if opening.error is not None:
-                raise EnvironmentFailure(f"{where}: the episode could not start: {opening.error}")
-            try:
-                episodes.append(Episode(opening, tokenizer, max_turns=max_turns, max_tokens=max_episode_tokens))
-            except ValueError as exc:
-                raise EnvironmentFailure(f"{where}: the episode could not start: {exc}") from exc
-        run = run_episodes(engine, episodes, sampling, host, keys)
-        answers = host.finish(keys)
+        episodes, failed = _start(openings, tokenizer, n, max_turns, max_episode_tokens)
+        if len(failed) == len(examples):
+            raise EnvironmentFailure("no episode of this step could start: " + "; ".join(
+                f"{_where(examples[i])}: {why}" for i, why in list(failed.items())[:3]))
+        for i, why in failed.items():
+            log.warning("%s: %s; its %d episode(s) are left out of this step", _where(examples[i]), why, n)
+        host.discard([keys[j] for j in range(len(keys)) if j // n in failed])
+        started = [j for j in range(len(keys)) if j // n not in failed]
+        run = run_episodes(engine, [episodes[j] for j in started], sampling, host, [keys[j] for j in started])
+        answers = dict(zip(started, host.finish([keys[j] for j in started]), strict=True))
     except BaseException:
         host.discard(keys)
         raise
     records = []
-    for j, (episode, answer) in enumerate(zip(episodes, answers, strict=True)):
+    for j, episode in enumerate(episodes):
+        if j not in answers:
+            records.append(episode.record(0.0))
+            continue
+        answer = answers[j]
         episode.env_s += answer.seconds
         reward = answer.reward
         if answer.lost:
@@ -139,6 +149,26 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
                                   eos_token_id=tokenizer.eos_token_id, policy_version=run.policy_version)
     out.episodes = records
     return out, run.generate_s
+
+
+def _start(openings: Sequence[Any], tokenizer, n: int, max_turns: int,
+           max_tokens: int) -> tuple[list[Episode], dict[int, str]]:
+    """Each opening's episode, and `{row: why}` for the rows with an episode that could not start: all `n` episodes
+    of such a row end unstarted (a group with a missing episode would skew its advantages)."""
+    episodes: list[Episode | None] = []
+    failed: dict[int, str] = {}
+    for j, opening in enumerate(openings):
+        error = opening.error
+        if error is None:
+            try:
+                episodes.append(Episode(opening, tokenizer, max_turns=max_turns, max_tokens=max_tokens))
+                continue
+            except ValueError as exc:
+                error = str(exc)
+        episodes.append(None)
+        failed.setdefault(j // n, f"the episode could not start: {error}")
+    return [Episode.unstarted(tokenizer, failed[j // n], openings[j].seconds) if j // n in failed else e
+            for j, e in enumerate(episodes)], failed
 
 
 def display_texts(completions: Completions, tokenizer) -> list[str]:
@@ -196,7 +226,8 @@ def episode_stats(records: Sequence[dict]) -> dict[str, float]:
     n = max(len(records), 1)
     total = {key: sum(float(r["stats"][key]) for r in records)
              for key in ("turns", "tool_calls", "tool_errors", "truncated", "env_errors", "env_s")}
-    return {"rollout/turns_mean": total["turns"] / n, "rollout/turns_max": max((r["stats"]["turns"] for r in records), default=0),
+    return {"rollout/unstarted_episodes": float(sum(not r["stats"].get("started", True) for r in records)),
+            "rollout/turns_mean": total["turns"] / n, "rollout/turns_max": max((r["stats"]["turns"] for r in records), default=0),
             "rollout/tool_calls_mean": total["tool_calls"] / n, "rollout/tool_errors": total["tool_errors"],
             "rollout/env_errors": total["env_errors"], "rollout/truncated_episodes": total["truncated"],
             "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"]}

@@ -185,7 +185,7 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     assert all((lp != 0.0) == s for lp, s in zip(episode.logp, episode.sampled))
     stats = episode.stats()
     assert stats.pop("env_s") > 0  # reset and respond ran, timed
-    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False, "env_errors": 0,
+    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False, "env_errors": 0, "started": True,
                      "tokens": len(episode.ids), "sampled_tokens": len(turns[0]) + len(turns[1])}
 
 
@@ -581,3 +581,65 @@ def test_an_environment_in_trls_convention_runs_unchanged():
 
     with pytest.raises(ValueError, match=r"nor a class with a reset method \(TRL's environment_factory convention\)"):
         get_task("tests.rl_core.test_agents:ids_of")
+
+
+class Moody(Chatter):
+    """Chatter whose reset fails on the rows that ask about 13, and whose opening is far too long on those asking
+    about 99: neither episode can start."""
+
+    def reset(self):
+        if "13" in self.example.prompt:
+            raise ConnectionError("the sandbox for this row is down")
+        if "99" in self.example.prompt:
+            return [{"role": "user", "content": "x" * 400}]
+        return super().reset()
+
+
+def test_a_row_whose_episodes_cannot_start_is_left_out_of_the_step_and_the_others_train(caplog):
+    """A reset that raises, and an opening prompt over the episode's token budget: those rows' episodes end
+    unstarted (no loss token, reward 0, counted, a warning naming the row), the gate takes the batch, and the other
+    rows play and train as they would; a step where no row can start stops, naming the rows."""
+    import logging
+
+    from rl_core.agents.rollout import EnvironmentFailure, episode_stats, rollout_episodes
+    from rl_core.annotate import annotate
+    from rl_core.config import RLConfig
+    from rl_core.gate import validate_annotations, validate_batch_tensors
+    from rl_core.rollout import HFEngine, SamplingParams
+    from rl_core.tasks import get_task
+
+    tok = tokenizer()
+    task = get_task("tests.rl_core.test_agents:Moody")
+    examples = [Example("1+1?", "2", row="rows.jsonl:1"), Example("6+13?", "19", row="rows.jsonl:2"),
+                Example("7+8?", "15", row="rows.jsonl:3"), Example("99+1?", "100", row="rows.jsonl:4")]
+    engine = HFEngine(stopping_policy(tok), tok)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    with caplog.at_level(logging.WARNING, logger="posttrain.agents"):
+        out, _ = rollout_episodes(engine, task, examples, tok, 2, sampling, max_turns=4, max_episode_tokens=200)
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("rows.jsonl:2: the episode could not start: Moody.reset") and "sandbox" in m for m in warned)
+    assert any(m.startswith("rows.jsonl:4: the episode could not start: the opening prompt has") for m in warned)
+    records = out.episodes
+    unstarted = [j for j, r in enumerate(records) if not r["stats"]["started"]]
+    assert unstarted == [2, 3, 6, 7]
+    for j in unstarted:
+        assert records[j]["reward"] == 0.0 and records[j]["stats"]["turns"] == 0 and "could not start" in records[j]["error"]
+        assert records[j]["completion"] == [{"role": "assistant", "content": ""}] and records[j]["prompt"] == []
+        assert float(out.response_mask[j].sum()) == 0 and int(out.attention_mask[j].sum()) == 1
+    # the rows that started played as they do with no failing row beside them (their episodes' own seeds)
+    alone, _ = rollout_episodes(engine, get_task("tests.rl_core.test_agents:Chatter"), [examples[0], examples[2]], tok, 2,
+                                sampling, max_turns=4, max_episode_tokens=200)
+    assert [records[j]["completion"][0] for j in (0, 1, 4, 5)] == [r["completion"][0] for r in alone.episodes]
+    assert episode_stats(records)["rollout/unstarted_episodes"] == 4.0
+
+    annotated = annotate(out, [r["reward"] + 1.0 * (j % 2) for j, r in enumerate(records)], [0, 1, 2, 3],
+                         rl=RLConfig(), first_sample_id=0)
+    assert annotated.table["started"].tolist() == [j not in unstarted for j in range(8)]
+    validate_annotations(annotated.table, max_tokens=4 * 6)
+    validate_batch_tensors(annotated.batch, annotated.table, annotated.sampled)
+    assert float(annotated.batch.loss_mask[unstarted].sum()) == 0 and float(annotated.batch.loss_mask.sum()) > 0
+
+    with pytest.raises(EnvironmentFailure, match=r"no episode of this step could start: rows.jsonl:2: .*sandbox.*; "
+                                                 r"rows.jsonl:4: the episode could not start: the opening prompt"):
+        rollout_episodes(engine, task, [examples[1], examples[3]], tok, 2, sampling, max_turns=4,
+                         max_episode_tokens=200)
