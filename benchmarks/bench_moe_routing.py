@@ -99,7 +99,7 @@ def gaps(model, completions, dtype: str) -> dict:
             diff = (lp - c.sampling_logp)[on].abs()
             out[replay] = (float(diff.mean()), float(diff.max()))
             if replay:
-                out["differ"] = bind.differ / bind.pairs
+                out["differ"] = int(bind.differ) / int(bind.pairs)
     return out
 
 

@@ -13,7 +13,7 @@ trainer; never by an objective (docs/moe.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +21,6 @@ import torch
 from rl_core.model import routing
 
 ROUTING_REPLAY_MODES = ("off", "rollout", "old")
-# config.json keys that count a model's routed experts (Mixtral, Qwen-MoE/OLMoE, DeepSeek-style)
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -32,10 +30,6 @@ class Experts:
     layers: int
     experts: int
     top_k: int
-
-    def route_bytes(self, tokens: int) -> int:
-        """Bytes of the routes of `tokens` tokens (one `ROUTE_DTYPE` byte per layer and pick)."""
-        return tokens * self.layers * self.top_k
 
 
 @dataclass(frozen=True)
@@ -60,12 +54,6 @@ def capabilities(model: torch.nn.Module) -> ModelCapabilities:
         return ModelCapabilities(Experts(len(found), int(found[0].num_experts), int(found[0].top_k)))
     named = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Router")})
     return ModelCapabilities(unsupported_router=", ".join(named) or None)
-
-
-def config_expert_count(config: Mapping) -> int:
-    """The routed experts a model's `config.json` declares (0: a dense model), read without loading weights."""
-    text = config.get("text_config") or config
-    return max(int(text.get(k) or 0) for k in EXPERT_COUNT_KEYS)
 
 
 class RoutingReplay:
@@ -119,7 +107,8 @@ class RoutingReplay:
     def metrics(self, split: str) -> dict[str, float]:
         """`<split>/routing_replay_differ_frac`: of the (token, layer) pairs this batch's forwards replayed on this
         rank, the share its routers would have sent to other experts (0 when replay changed nothing)."""
-        return {f"{split}/routing_replay_differ_frac": self._differ / self._pairs} if self._pairs else {}
+        pairs = int(self._pairs)
+        return {f"{split}/routing_replay_differ_frac": int(self._differ) / pairs} if pairs else {}
 
     def clear(self) -> None:
         self._old.clear()

@@ -142,8 +142,8 @@ class _Binding:
     routes: torch.Tensor | None  # [B, T, L, k] to replay
     recorded: torch.Tensor | None = None  # [B, T, L, k] what the forward chose (recording)
     record: bool = False
-    differ: int = 0  # (token, layer) pairs whose replayed route differs from what the router chose
-    pairs: int = 0  # (token, layer) pairs replayed
+    differ: int | torch.Tensor = 0  # (token, layer) pairs whose replayed route differs from what the router chose
+    pairs: int | torch.Tensor = 0  # (token, layer) pairs replayed
 
 
 _binding: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("posttrain_routing_binding", default=None)
@@ -191,9 +191,10 @@ def forward_routes(model: torch.nn.Module, shape: tuple[int, int], real: tuple[t
         replay[flat] = r[real[0].to(r.device), real[1].to(r.device)].to(device=flat.device, dtype=torch.long)
     with capture(model, replay) as fwd:
         yield
-    if replay is not None and fwd.layers:  # the (token, layer) pairs replayed, and those the router would have sent elsewhere
-        bind.differ += int(torch.stack(fwd.differ, 1)[flat].sum())
-        bind.pairs += int((replay[flat] != NOT_ROUTED).all(-1).sum())
+    if replay is not None and fwd.layers:  # the (token, layer) pairs replayed, and those the router would have sent
+        # elsewhere: device tensors, read once a step (RoutingReplay.metrics), not a host copy per forward
+        bind.differ = bind.differ + torch.stack(fwd.differ, 1)[flat].sum()
+        bind.pairs = bind.pairs + (replay[flat] != NOT_ROUTED).all(-1).sum()
     if bind.record:
         chosen = stacked(fwd)
         out = torch.full((*shape, *chosen.shape[1:]), NOT_ROUTED, dtype=ROUTE_DTYPE)

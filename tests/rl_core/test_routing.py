@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl_core.model import routing
-from rl_core.model.protocol import ModelCapabilities, RoutingReplay, capabilities, config_expert_count
+from rl_core.model.protocol import ModelCapabilities, RoutingReplay, capabilities
 from rl_core.primitives.logprobs import forward_layout, sequence_token_logprobs
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 from rl_core.rollout.hf import HFEngine
@@ -76,9 +76,8 @@ def test_capabilities_read_the_routers_and_a_dense_model_has_none(moe_dir, dense
     moe, _ = load(moe_dir)
     dense, _ = load(dense_dir)
     assert capabilities(moe).experts.layers == 4 and capabilities(moe).experts.experts == 4
-    assert capabilities(moe).experts.top_k == 2 and capabilities(moe).experts.route_bytes(10) == 80
+    assert capabilities(moe).experts.top_k == 2
     assert capabilities(dense) == ModelCapabilities()
-    assert config_expert_count(moe.config.to_dict()) == 4 and config_expert_count(dense.config.to_dict()) == 0
     with pytest.raises(ValueError, match="model.routing_replay=rollout: .*no mixture-of-experts router"):
         RoutingReplay(dense, "rollout")
     with pytest.raises(ValueError, match="model.routing_replay='sometimes'"):
@@ -93,7 +92,7 @@ def test_a_dense_model_is_unchanged_by_every_routing_context(dense_dir):
     plain, _ = logprobs(model, c)
     fake = torch.zeros((*c.input_ids.shape, 4, 2), dtype=torch.uint8)
     replayed, bind = logprobs(model, c, routes=fake)
-    assert torch.equal(plain, replayed) and bind.pairs == 0
+    assert torch.equal(plain, replayed) and int(bind.pairs) == 0
     with pytest.raises(RuntimeError, match="no mixture-of-experts router"):  # nothing to record: said, not an empty tensor
         logprobs(model, c, record=True)
     assert sample(model, tokenizer, record=False).routes is None
@@ -121,7 +120,7 @@ def test_replaying_a_routers_own_routes_changes_nothing(moe_dir, layout):
     with forward_layout(layout):
         own, bind = logprobs(model, c, record=True)
         replayed, replay = logprobs(model, c, routes=bind.recorded)
-    assert torch.equal(own, replayed) and replay.differ == 0 and replay.pairs == int(c.attention_mask.sum()) * 4
+    assert torch.equal(own, replayed) and int(replay.differ) == 0 and int(replay.pairs) == int(c.attention_mask.sum()) * 4
 
 
 def test_replay_sends_tokens_to_the_recorded_experts_and_closes_the_sampler_gap(moe_dir):
@@ -140,7 +139,7 @@ def test_replay_sends_tokens_to_the_recorded_experts_and_closes_the_sampler_gap(
     finally:
         for h in hooks:
             h.remove()
-    assert bind.differ > 0, "no token was routed differently: the near tie did not bite"
+    assert int(bind.differ) > 0, "no token was routed differently: the near tie did not bite"
     assert float((plain - c.sampling_logp)[on].abs().max()) > 1e-3
     assert float((replayed - c.sampling_logp)[on].abs().max()) <= 1e-5
     # rows layout: token (b, t) of the batch is flat index b * width + (its position among the row's real tokens)
@@ -248,7 +247,7 @@ def test_the_trainer_replays_the_rollouts_routes_and_the_objective_never_sees_th
     assert gaps["rollout"] <= 1e-6 < 1e-5 < gaps["off"], gaps
     # the share of replayed (token, layer) pairs the routers would have sent elsewhere, counted here by hand
     _, bind = logprobs(model, c, routes=c.routes)
-    assert metrics["rollout"]["train/routing_replay_differ_frac"] == bind.differ / bind.pairs > 0
+    assert metrics["rollout"]["train/routing_replay_differ_frac"] == int(bind.differ) / int(bind.pairs) > 0
     assert "train/routing_replay_differ_frac" not in metrics["off"]
     with pytest.raises(ValueError, match="the batch carries no routes"):
         _trainer(copy.deepcopy(model), "rollout")[0].train_step(batch.replace(routes=None))
