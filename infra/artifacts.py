@@ -130,24 +130,14 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         build_tiny_model(TINY_INIT, **params["tiny_model"])
         built.append("tiny_model")
     if (_is(cfg.model.name_or_path, TINY_WARM) or wants_teacher) and not _model_complete(TINY_WARM, announce):
-        from rl_core.warm_start import warm_start
-
         params = params or load_params()
-        announce(f"warm-starting the tiny model into {TINY_WARM}/ (missing)")
-        metrics = warm_start(TINY_INIT, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_WARM,
-                             **params["warm_start"])
-        announce(f"warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> {metrics['val_accuracy']:.3f}")
-        built.append("warm_start")
+        built.append(_warm_start(TINY_INIT, TINY_WARM, "warm_start", params,
+                                 f"warm-starting the tiny model into {TINY_WARM}/ (missing)", announce))
     if wants_teacher:
-        from rl_core.warm_start import warm_start
-
         params = params or load_params()
-        announce(f"training the warm start further into the tiny teacher {TINY_TEACHER}/ (missing)")
-        metrics = warm_start(TINY_WARM, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_TEACHER,
-                             **params["teacher_warm_start"])
-        announce(f"teacher warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
-                 f"{metrics['val_accuracy']:.3f}")
-        built.append("teacher_warm_start")
+        built.append(_warm_start(TINY_WARM, TINY_TEACHER, "teacher_warm_start", params,
+                                 f"training the warm start further into the tiny teacher {TINY_TEACHER}/ (missing)",
+                                 announce))
     built += _ensure_moe(cfg, announce, params)
     if any(
             _is(source, ARITHMETIC_PAIRS_DIR / f"{split}.jsonl") and not _data_complete(source, announce)
@@ -180,15 +170,24 @@ def _ensure_moe(cfg: PosttrainConfig, announce: Callable[[str], None], params: d
         build_tiny_moe_model(TINY_MOE_INIT, **params["tiny_moe_model"])
         built.append("tiny_moe_model")
     if _is(name, TINY_MOE_WARM) and not _model_complete(TINY_MOE_WARM, announce):
-        from rl_core.warm_start import warm_start
-
         params = params or load_params()
-        announce(f"warm-starting the tiny mixture-of-experts model into {TINY_MOE_WARM}/ (missing)")
-        metrics = warm_start(TINY_MOE_INIT, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", TINY_MOE_WARM,
-                             **params["moe_warm_start"])
-        announce(f"warm start: held-out accuracy {metrics['val_accuracy_before']:.3f} -> {metrics['val_accuracy']:.3f}")
-        built.append("moe_warm_start")
+        built.append(_warm_start(TINY_MOE_INIT, TINY_MOE_WARM, "moe_warm_start", params,
+                                 f"warm-starting the tiny mixture-of-experts model into {TINY_MOE_WARM}/ (missing)",
+                                 announce))
     return built
+
+
+def _warm_start(start: Path, out: Path, stage: str, params: dict, saying: str,
+                announce: Callable[[str], None]) -> str:
+    """`out` trained from `start` on the arithmetic train split with params.yaml's `stage` values, as that DVC
+    stage does; returns `stage`."""
+    from rl_core.warm_start import warm_start
+
+    announce(saying)
+    metrics = warm_start(start, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", out, **params[stage])
+    announce(f"{stage.replace('_', ' ')}: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
+             f"{metrics['val_accuracy']:.3f}")
+    return stage
 
 
 def make_arithmetic_pair_splits(data_dir: str | Path, out_dir: str | Path, *, seed: int,

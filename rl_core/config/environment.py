@@ -310,18 +310,15 @@ def routing_problem(cfg: PosttrainConfig) -> str | None:
 
     mode = cfg.model.routing_replay
     if mode == "rollout" and cfg.rollout.backend == "vllm" and vllm_build() == "cpu":
-        return ("model.routing_replay=rollout with rollout.backend=vllm on vLLM's CPU build: vLLM returns routed "
-                "experts only from its V2 model runner, which needs Triton (GPU builds); use rollout.backend=hf, or "
-                "model.routing_replay=old")
+        from rl_core.model.routing import VLLM_CPU_HAS_NO_ROUTES
+
+        return VLLM_CPU_HAS_NO_ROUTES
     if mode == "off" or (shape := model_shape(cfg.model.name_or_path, cfg.model.trust_remote_code)) is None:
         return None
-    caps = shape.capabilities
-    if caps.routing_replay:
+    if (why := shape.capabilities.why_no_replay()) is None:
         return None
-    what = (f"its routers ({caps.unsupported_router}) are not of a family it can replay (docs/moe.md)"
-            if caps.unsupported_router else "it is a dense model, with no mixture-of-experts router")
     return (f"model.routing_replay={mode}: model.name_or_path={cfg.model.name_or_path!r} ({shape.architecture}) has no "
-            f"routes to replay, {what}; set model.routing_replay=off")
+            f"routes to replay, {why}; set model.routing_replay=off")
 
 
 def environment_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list[str]:

@@ -81,7 +81,8 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         if cfg.model.routing_replay == "old" and rl.async_steps:
             err(f"{replay} with rl.async_steps={rl.async_steps}: a stale batch's pi_old is its rollout log-probs, with "
                 "no trainer pass to record routes; use model.routing_replay=rollout")
-        if cfg.model.routing_replay == "old" and num_mini_batches(cfg) == 1 and not objective_certified(objective):
+        certified = getattr(objective, "certified_deterministic_forward", False)  # an ahead pi_old pass anyway
+        if cfg.model.routing_replay == "old" and num_mini_batches(cfg) == 1 and not certified:
             warn(f"{replay} with one mini-batch per step: the training forward is pi_old's own, so there is nothing to "
                  "replay; it matters with rl.mini_batch_per_replica below the batch (docs/moe.md)")
     if rl.reference is not None and not objective.reads_reference:
@@ -168,10 +169,6 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
         warn("rollout.backend=vllm with cluster.placement=colocated on CPU: vLLM's CPU build then runs inside the "
              "trainer process, which it changes (thread binding, the global seed); prefer cluster.placement=separate")
     return rep
-
-
-def objective_certified(objective) -> bool:
-    return bool(getattr(objective, "certified_deterministic_forward", False))
 
 
 def emit_warnings(report: PreflightReport) -> None:

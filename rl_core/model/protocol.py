@@ -44,6 +44,15 @@ class ModelCapabilities:
     def routing_replay(self) -> bool:
         return self.experts is not None
 
+    def why_no_replay(self) -> str | None:
+        """Why this model has no routes to replay (None: it has)."""
+        if self.routing_replay:
+            return None
+        if self.unsupported_router:
+            return (f"its routers ({self.unsupported_router}) are not of a family it can replay "
+                    f"({', '.join(routing.ROUTERS)}; docs/moe.md)")
+        return "it is a dense model, with no mixture-of-experts router"
+
 
 def capabilities(model: torch.nn.Module) -> ModelCapabilities:
     """What `model` (a transformers causal LM, possibly wrapped by PEFT or FSDP) can do."""
@@ -63,11 +72,9 @@ class RoutingReplay:
     def __init__(self, model: torch.nn.Module, mode: str = "off"):
         if mode not in ROUTING_REPLAY_MODES:
             raise ValueError(f"model.routing_replay={mode!r}; expected one of {ROUTING_REPLAY_MODES}")
-        caps = capabilities(model)
-        if mode != "off" and not caps.routing_replay:
-            what = f"its routers ({caps.unsupported_router}) are not of a supported family " \
-                   f"({', '.join(routing.ROUTERS)})" if caps.unsupported_router else "it has no mixture-of-experts router"
-            raise ValueError(f"model.routing_replay={mode}: the policy cannot replay routes, {what}; "
+        why = capabilities(model).why_no_replay()
+        if mode != "off" and why:
+            raise ValueError(f"model.routing_replay={mode}: the policy cannot replay routes, {why}; "
                              "set model.routing_replay=off")
         self.model, self.mode = model, mode
         self._old: dict[int, torch.Tensor] = {}  # sample id -> [T, L, k]: the π_old pass's routes (mode old)

@@ -158,9 +158,9 @@ class VLLMEngine(RolloutEngine):
         if self.record_routes:  # vLLM's routed-experts capture (Model Runner V2, Triton: GPU builds only); a
             # prefix-cache hit would skip a prompt's forward, and with it the prompt's routes
             if on_cpu:
-                raise RuntimeError("model.routing_replay=rollout with vLLM's CPU build: vLLM returns routed experts "
-                                   "only from its V2 model runner, which needs Triton (GPU builds); use "
-                                   "rollout.backend=hf, or model.routing_replay=old")
+                from rl_core.model.routing import VLLM_CPU_HAS_NO_ROUTES
+
+                raise RuntimeError(VLLM_CPU_HAS_NO_ROUTES)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(
