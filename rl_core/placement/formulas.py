@@ -18,7 +18,8 @@ ASSUMED_PROMPT_TOKENS = 512
 RUNTIME_BYTES = 1 * GIB
 # The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
 GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
-WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES: one weight broadcast to separate engines
+WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and
+# rl_core.rollout.vllm.RELOAD_CHUNK_BYTES (a tensor-parallel engine's host chunk)
 EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.evaluate_accuracy(batch_size=128): greedy held-out prompts
 REFERENCE_CHUNK_ROWS = 256  # flows.dpo.REFERENCE_CHUNK_ROWS: DPO reference rows per forward without a micro-batch
 FSDP_LAYERS_IN_FLIGHT = 2

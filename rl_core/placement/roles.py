@@ -204,8 +204,9 @@ def engine_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int
         elif tp > 1:
             role.add("received buckets, two in flight: copied to host memory as each arrives",
                      2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
-            role.notes.append(f"tensor parallel ({tp} GPUs per engine): a sync gathers the received weights in host "
-                              f"memory ({gib(s.state * c)} GiB) and hands them to the {tp} workers in one call")
+            role.notes.append(f"tensor parallel ({tp} GPUs per engine): a sync copies the received weights to host "
+                              f"memory a chunk of whole decoder layers at a time ({gib(WIRE_BUCKET_BYTES)} GiB and up "
+                              f"to the next layer boundary) and hands each chunk to the {tp} workers in one call")
         else:
             role.add("received buckets, two in flight: loaded by vLLM as each arrives",
                      2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))

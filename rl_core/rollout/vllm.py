@@ -24,9 +24,14 @@ Mapping from the config / `SamplingParams`:
   where vLLM repacks linear weights, as on GPU), then the prefix cache is reset so no KV computed
   with old weights is reused (stale rollout weights: the flow also logs the sampling-vs-trainer
   log-prob gap every step). With one worker in this process the iterator itself is handed to vLLM,
-  which loads each tensor as the sync delivers it (no second copy of the model); tensor-parallel
+  which loads each tensor as the sync delivers it (no second copy of the model). Tensor-parallel
   engines (`tensor_parallel_size > 1`: vLLM's worker processes, `distributed_executor_backend="mp"`)
-  take the whole list, in host memory, in one `collective_rpc` that reaches every worker.
+  are other processes, so the stream cannot be handed over: it is cut into chunks of whole decoder
+  layers (`layer_chunks`: closed at the first layer boundary past `RELOAD_CHUNK_BYTES`), each copied
+  to host memory and sent in one `collective_rpc` that reaches every worker, so the engine's host
+  holds one chunk at a time, never the model. A chunk never splits a layer, because vLLM reloads a
+  layer from what one call gives it (q, k and v fill one fused `qkv_proj`); the layers a call
+  leaves out keep their weights.
 - Sleep (colocated on GPU, `sleep_mode`): level 2 frees the weights and the KV cache without a copy
   to host memory, since the next call is always a weight sync: `update_weights` wakes the weights,
   streams the new ones in, then wakes the KV cache, so the KV cache never coexists with the sync.
@@ -44,10 +49,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -78,6 +84,49 @@ def generation_stop_ids(model_path: str, eos_token_id: int, trust_remote_code: b
     if ids is not None:
         stops.update(int(x) for x in (ids if isinstance(ids, (list, tuple)) else [ids]))
     return sorted(stops)
+
+
+RELOAD_CHUNK_BYTES = 256 * 2**20  # a tensor-parallel engine's host copy during a sync: one chunk of this size
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")  # `model.layers.7.` : a decoder layer's tensors share it
+
+
+def layer_chunks(pairs: Iterable[tuple[str, torch.Tensor]],
+                 limit: int = RELOAD_CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream `pairs` as lists of `(name, host copy)` that hold whole decoder layers: a list is closed at the
+    first layer boundary at or past `limit` bytes (so it holds less than `limit` plus one layer); tensors outside
+    the layers (embeddings, final norm, head) are groups of one. The tensors are copied, since a stream's tensors
+    may be views of a receive buffer that the next bucket refills."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size, group = 0, None
+    for name, tensor in pairs:
+        match = _LAYER.match(name)
+        key = match.group(1) if match else name
+        if chunk and key != group and size >= limit:
+            yield chunk
+            chunk, size = [], 0
+        group = key
+        host = tensor.detach().to("cpu", copy=True)
+        chunk.append((name, host))
+        size += host.numel() * host.element_size()
+    if chunk:
+        yield chunk
+
+
+def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Inside each vLLM worker: reload the layers of one chunk. vLLM's in-place reload warns once for every layer
+    the call leaves out (they keep their weights, as meant here), so its loaders' warnings are held back."""
+    import logging
+
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        worker.reload_weights(weights_iterator=weights)
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    return len(weights)
 
 
 def _parameter_sums(model) -> dict[str, tuple[float, float]]:
@@ -138,6 +187,8 @@ class VLLMEngine(RolloutEngine):
         self._discarded = False  # asleep at level 2: no weights until the next update_weights
         kwargs = dict(llm_kwargs)
         self.tensor_parallel_size = int(kwargs.get("tensor_parallel_size") or 1)
+        self.reload_chunk_bytes = RELOAD_CHUNK_BYTES  # tensor parallel: the host copy a sync holds at a time
+        self.reload_chunks: list[int] = []  # the bytes of each chunk the last sync sent (tensor parallel)
         if self.tensor_parallel_size > 1:  # vLLM's worker processes, on this actor's GPUs (CPUs)
             kwargs.setdefault("distributed_executor_backend", "mp")
         if on_cpu:
@@ -191,11 +242,14 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=["weights"])
         else:
             self.wake()
-        if self.tensor_parallel_size > 1:  # pickled to the worker processes: whole, from host memory
-            pairs = [(name, tensor.detach().cpu()) for name, tensor in pairs]
+        if self.tensor_parallel_size > 1:  # pickled to the worker processes: whole layers, a chunk at a time
+            self.reload_chunks = []
+            for chunk in layer_chunks(pairs, self.reload_chunk_bytes):
+                self.llm.collective_rpc(_reload_chunk, args=(chunk,))
+                self.reload_chunks.append(sum(t.numel() * t.element_size() for _, t in chunk))
         else:  # in process: vLLM's loader reads the stream as the tensors arrive
             pairs = ((name, tensor.detach()) for name, tensor in pairs)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
         if self._discarded:
             self.llm.wake_up(tags=["kv_cache"])
             self._discarded = self._asleep = False

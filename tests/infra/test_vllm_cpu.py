@@ -208,12 +208,14 @@ if __name__ == "__main__":  # vLLM's tensor-parallel workers are spawned process
     model.load_state_dict(new)
     trainer_new = probe_logprobs(model, probe)
     before = engine.held_weights(probe)
+    engine.reload_chunk_bytes = 1  # every chunk closed at the first layer boundary: one layer per worker call
     engine.update_weights(((k, v) for k, v in new.items()), version=1)  # a stream, read once
     after = engine.held_weights(probe)
     workers = engine.llm.collective_rpc(lambda self: __import__("os").getpid())
     print("RESULT " + json.dumps({"before": before["probe_logp"], "after": after["probe_logp"], "sums": after["sums"],
                                   "old": trainer_old, "new": trainer_new, "version": engine.policy_version,
-                                  "workers": workers}))
+                                  "workers": workers, "chunks": engine.reload_chunks,
+                                  "sizes": [[k, v.numel() * v.element_size()] for k, v in new.items()]}))
 """
 
 
@@ -238,3 +240,10 @@ def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_m
     assert gap(r["after"], r["new"]) < 1e-5 and r["version"] == 1  # the new weights, in both halves
     assert gap(r["after"], r["old"]) > 1e-2  # ... and not the old ones
     assert r["sums"] == {}  # each worker holds slices: the probe is the check
+    # the host copy went over a decoder layer at a time (the tensors outside the layers one each), never the model
+    groups: dict[str, int] = {}
+    for name, size in r["sizes"]:
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name  # model.layers.<i>
+        groups[key] = groups.get(key, 0) + size
+    assert r["chunks"] == list(groups.values())
+    assert max(r["chunks"]) < sum(size for _, size in r["sizes"]) / 2
