@@ -25,7 +25,9 @@ and checks, from each run's own outputs:
 - colocated: vLLM gave back its memory for the train step in every step's sleep/wake/reload cycle (sleep
   level 2: GPU memory in use once it sleeps is below what it was at rollout by at least half its
   reservation), the sync woke it, and the memory in use neither asleep nor at rollout grew from the first
-  cycle to the last (by more than `GROWTH_GIB`);
+  cycle to the last (by more than `GROWTH_GIB`), and what it keeps asleep (its CUDA graphs and buffers,
+  measured as it started: `placement.json`'s `vllm_asleep_resident_gib`) is within the memory plan's
+  `VLLM_ASLEEP_BYTES`;
 - every trainer rank trains with TF32 float32 matmuls (`placement.json`: precision "high"), a colocated
   vLLM's start notwithstanding;
 
@@ -51,6 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the probe's gap
+from rl_core.placement.formulas import VLLM_ASLEEP_BYTES  # what the memory plan counts for a sleeping engine
 
 LOGP_DIFF_MAX = 0.05  # nats, mean over response tokens, bf16 sampler vs bf16-autocast trainer
 UTILIZATION = 0.3  # rollout.gpu_memory_utilization of every run
@@ -134,6 +137,10 @@ def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float)
         if not all(f >= 0.5 * UTILIZATION * gpu_gib for f in freed):
             failures.append(f"colocated vLLM gave back only {freed} GiB for the train step; its reservation is "
                             f"{UTILIZATION * gpu_gib:.1f} GiB (sleep level 2 frees weights and KV cache)")
+        resident = [rank.get("vllm_asleep_resident_gib") for rank in placement.get("trainers", [])]
+        if not resident or not all(r is not None and r <= VLLM_ASLEEP_BYTES / 2**30 for r in resident):
+            failures.append(f"the colocated vLLM engine keeps {resident} GiB on the GPU asleep; the memory plan counts "
+                            f"{VLLM_ASLEEP_BYTES / 2**30:.2f} (rl_core.placement.formulas.VLLM_ASLEEP_BYTES)")
         for key, what in (("perf/gpu_asleep_used_gib", "asleep"), ("perf/gpu_rollout_used_gib", "at rollout")):
             used = [r.get(key, math.nan) for r in steps]
             if steps and not used[-1] - used[0] <= GROWTH_GIB:  # NaN fails too

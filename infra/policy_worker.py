@@ -74,9 +74,14 @@ class PolicyWorker:
         return time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
-        """Where the rank runs, and its float32 matmul precision as training uses it (after a colocated engine
-        started: "high", TF32, on CUDA)."""
-        return {**node_info(self.device), "float32_matmul_precision": torch.get_float32_matmul_precision()}
+        """Where the rank runs, its float32 matmul precision as training uses it (after a colocated engine started:
+        "high", TF32, on CUDA), and what a colocated vLLM engine keeps on the GPU while it sleeps (its CUDA graphs
+        and buffers, measured as it started; the memory plan's `VLLM_ASLEEP_BYTES`)."""
+        out = {**node_info(self.device), "float32_matmul_precision": torch.get_float32_matmul_precision()}
+        resident = getattr(self.engine, "asleep_resident_bytes", None)
+        if resident is not None:
+            out["vllm_asleep_resident_gib"] = round(resident / 2**30, 3)
+        return out
 
     def open_rendezvous(self) -> tuple[str, int]:
         """Rank 0: a TCP store on this node for the data-parallel group; `(node ip, port)`."""

@@ -1,6 +1,6 @@
 """benchmarks/gpu_smoke.py's reading of a finished run (`check_run`), on run outputs written here: a healthy
 colocated run passes; memory that grows over the sleep/wake cycles, a trainer rank without TF32, a vLLM that does
-not give back its memory are each named."""
+not give back its memory, and an engine that keeps more asleep than the memory plan counts are each named."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ finally:
 GPU_GIB = 80.0
 
 
-def write_run(run_dir: Path, *, asleep=(10.0, 10.1, 10.2), rollout=(40.0, 40.0, 40.1), precision="high") -> Path:
+def write_run(run_dir: Path, *, asleep=(10.0, 10.1, 10.2), rollout=(40.0, 40.0, 40.1), precision="high",
+              resident=0.6) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     steps = [{"step": s, "train/loss": 0.1, "train/grad_norm": 0.5, "rollout/logp_abs_diff": 0.01,
               "rollout/logp_abs_diff_max": 0.1, "rollout/sync_probe_logp_abs_diff": 0.02, "rollout/reward_mean": 0.5,
@@ -26,7 +27,8 @@ def write_run(run_dir: Path, *, asleep=(10.0, 10.1, 10.2), rollout=(40.0, 40.0, 
               "perf/tokens_per_s": 1000.0, "perf/gpu_rollout_used_gib": rollout[s - 1],
               "perf/gpu_asleep_used_gib": asleep[s - 1], "perf/gpu_train_peak_gib": 30.0} for s in (1, 2, 3)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-    placement = {"trainers": [{"device": "cuda:0", "float32_matmul_precision": precision}]}
+    placement = {"trainers": [{"device": "cuda:0", "float32_matmul_precision": precision,
+                               "vllm_asleep_resident_gib": resident}]}
     (run_dir / "placement.json").write_text(json.dumps(placement))
     return run_dir
 
@@ -45,3 +47,8 @@ def test_growth_over_the_cycles_a_trainer_without_tf32_and_memory_not_given_back
     # a reservation of 0.3 x 80 GiB = 24 GiB: sleeping must free at least half of it
     kept = gpu_smoke.check_run(write_run(tmp_path / "kept", asleep=(35.0, 35.0, 35.0)), 3, True, GPU_GIB)
     assert len(kept) == 1 and "gave back only [5.0, 5.0, 5.1" in kept[0]
+    # what sleep leaves (CUDA graphs, buffers) above the plan's 1 GiB for it, or not measured at all
+    graphs = gpu_smoke.check_run(write_run(tmp_path / "graphs", resident=1.5), 3, True, GPU_GIB)
+    assert len(graphs) == 1 and "keeps [1.5] GiB on the GPU asleep; the memory plan counts 1.00" in graphs[0]
+    unmeasured = gpu_smoke.check_run(write_run(tmp_path / "unmeasured", resident=None), 3, True, GPU_GIB)
+    assert len(unmeasured) == 1 and "[None]" in unmeasured[0]

@@ -16,6 +16,10 @@ MIB = 1024**2
 ASSUMED_PROMPT_TOKENS = 512
 # Per GPU process, outside the items: the CUDA context and kernels, cuBLAS/NCCL workspaces.
 RUNTIME_BYTES = 1 * GIB
+# A colocated vLLM engine asleep still holds its CUDA graphs (captured for every decode batch size) and persistent
+# buffers; rl_core.rollout.vllm measures it as the engine starts (placement.json: vllm_asleep_resident_gib) and
+# make gpu-smoke checks the measurement against this figure
+VLLM_ASLEEP_BYTES = 1 * GIB
 # The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
 GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
 WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and

@@ -19,6 +19,7 @@ from rl_core.placement.formulas import (
     SCORE,
     STEP,
     SYNC,
+    VLLM_ASLEEP_BYTES,
     WIRE_BUCKET_BYTES,
     activation_bytes,
     compute_bytes,
@@ -145,6 +146,10 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
             if on_gpu:
                 res = vllm_reservation(cfg, gpu_bytes)
                 role.vllm_reservation, role.vllm_weights = (res if gpu_bytes else None), s.n_params * c
+                asleep = tuple(p for p in role.phases if p != GENERATE)  # awake, the reservation holds them
+                role.add("vLLM asleep: CUDA graphs and persistent buffers (no sleep level frees them)",
+                         VLLM_ASLEEP_BYTES, asleep, "measured as the engine starts: placement.json's "
+                         "vllm_asleep_resident_gib")
                 if A:  # sleep level 1: the base weights wait in host memory; the sync wakes it whole to add adapters
                     role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
                              "(weights + KV cache)", res, (SYNC, GENERATE),

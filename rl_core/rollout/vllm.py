@@ -36,7 +36,11 @@ Mapping from the config / `SamplingParams`:
   to host memory, since the next call is always a weight sync: `update_weights` wakes the weights,
   streams the new ones in, then wakes the KV cache, so the KV cache never coexists with the sync.
   With LoRA the base weights are never reloaded, so the engine sleeps at level 1 (weights kept in
-  host memory). An engine whose weights were discarded refuses to generate before a sync.
+  host memory). An engine whose weights were discarded refuses to generate before a sync. The
+  engine falls asleep as soon as it has started (the run's first call is a sync) and measures what
+  sleep leaves on the GPU, `asleep_resident_bytes`: the CUDA graphs it captured and its persistent
+  buffers, which no sleep level frees. Every wake empties torch's CUDA cache (vLLM's allocator does),
+  so the trainer's cached blocks go back to the GPU then and its next step allocates them again.
 - LoRA (`lora_config`, the adapters' `adapter_config.json`): the engine starts with `enable_lora=True`
   and `max_lora_rank` the smallest rank vLLM offers that holds `r`; `update_weights` then takes the
   adapters' tensors (PEFT's saved names), writes them as a PEFT adapter directory of their own
@@ -129,6 +133,14 @@ def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
+def _free_gpu_bytes() -> int:
+    """This GPU's free bytes once torch's cache is given back (the trainer's cached blocks too: vLLM's allocator
+    empties the cache whenever the engine wakes, so only live tensors count)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
 def _parameter_sums(model) -> dict[str, tuple[float, float]]:
     """Inside vLLM's worker: `(sum, sum of |x|)` in float64 of every readable parameter, by the HF names it holds."""
     from rl_core.rollout.verify import fused_name, tensor_sum
@@ -214,6 +226,7 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError(VLLM_CPU_HAS_NO_ROUTES)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
+        free_before = _free_gpu_bytes() if self.sleep_mode else None
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -224,6 +237,10 @@ class VLLMEngine(RolloutEngine):
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
+        self.asleep_resident_bytes: int | None = None  # what the engine keeps on the GPU while asleep
+        if self.sleep_mode:  # asleep until the sync that always comes first; what stays is measured once
+            self.sleep()
+            self.asleep_resident_bytes = max(0, free_before - _free_gpu_bytes())
 
     @property
     def policy_version(self) -> int:

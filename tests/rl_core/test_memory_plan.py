@@ -142,7 +142,11 @@ def test_3b_plan_items(qwen3b_dir):
     assert t_sh.item("vLLM weights").bytes == 2 * P and t_sh.item("vLLM weights").phases == (mem.SYNC,)
     assert t_sh.phase_bytes()[mem.SYNC] == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes
                                             + mem.RUNTIME_BYTES + mem.NCCL_COMM_BYTES + t_sh.item("weight sync").bytes
-                                            + 2 * P)
+                                            + 2 * P + mem.VLLM_ASLEEP_BYTES)
+    # what sleep cannot free (CUDA graphs, buffers) is held in every phase but generation, inside the reservation then
+    asleep = t_sh.item("vLLM asleep")
+    assert asleep.bytes == mem.VLLM_ASLEEP_BYTES and mem.GENERATE not in asleep.phases
+    assert set(asleep.phases) == set(t_sh.phases) - {mem.GENERATE}
     # gradients never meet the rollout: the generation phase holds parameters, optimizer and vLLM
     gen = t_sh.phase_bytes()[mem.GENERATE]
     assert gen == (t_sh.item("parameters").bytes + t_sh.item("AdamW state").bytes + mem.RUNTIME_BYTES + mem.NCCL_COMM_BYTES
