@@ -17,8 +17,9 @@ vocabulary; random weights, so no download):
   less the CUDA runtime the allocator does not see);
 - `export`: the trained policy written as posttrain writes `final_model/` (`save_policy`, safetensors) and loaded
   back with `from_pretrained`: the same log-probs (float32, max |diff| <= 1e-5);
-- `fsdp`: one-rank FSDP2 over NCCL (gloo in the dry run): the meta-device sharded load (`load_sharded_policy`)
-  holds exactly the plain load's tensors, and a train step on it is finite;
+- `fsdp`: one-rank FSDP2 over NCCL (gloo in the dry run): the meta-device sharded load (`load_sharded_policy`,
+  the rank reading its own rows of the safetensors files) holds exactly the plain load's tensors, and a train step
+  on it is finite;
 - `dcp`: that trainer's state written with torch.distributed.checkpoint (`write_shards`) and read into a second
   trainer (`read_shards`): model and optimizer state bitwise equal.
 
@@ -244,7 +245,7 @@ def check_fsdp(c: Check) -> dict:
     import torch
     import torch.distributed as dist
 
-    from infra.distributed import load_sharded_policy
+    from infra.sharded_load import load_sharded_policy
     from rl_core.config import ModelConfig
     from rl_core.models import load_policy
 
@@ -263,7 +264,8 @@ def check_fsdp(c: Check) -> dict:
     sharded.train()
     m = c.sharded.train_step(c.batch(), None, None, c.b["budget"])
     finite = math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
-    return {"ok": not differ and finite, "backend": dist.get_backend(), "tensors": len(plain_state),
+    return {"ok": not differ and finite and sharded.posttrain_load == "own shards", "backend": dist.get_backend(),
+            "load": sharded.posttrain_load, "tensors": len(plain_state),
             "differ_from_plain_load": differ[:10], "loss": m["train/loss"], "grad_norm": m["train/grad_norm"]}
 
 
@@ -271,7 +273,7 @@ def check_dcp(c: Check) -> dict:
     import torch
 
     from infra.checkpoint_shards import read_shards, write_shards
-    from infra.distributed import load_sharded_policy
+    from infra.sharded_load import load_sharded_policy
     from rl_core.config import ModelConfig
 
     if c.sharded is None:

@@ -157,47 +157,6 @@ def shard_policy(model: torch.nn.Module, device: torch.device, compute_dtype: to
     return model
 
 
-def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dtype, mesh_shape: tuple[int, int],
-                        gradient_checkpointing: bool = False):
-    """`(model, tokenizer)`: the policy built sharded (`shard_policy`), float32 master weights.
-
-    Every rank builds the model's skeleton on the meta device and shards it; rank 0 alone loads the checkpoint,
-    into host memory, and each tensor is broadcast from it and kept by every rank as its shard (`set_model_state_dict`
-    with `broadcast_from_rank0`). So no rank holds the whole model on its device at start, and only rank 0 holds it
-    in host memory. Buffers left out of state dicts (rotary frequencies) are rank 0's, broadcast too.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rl_core.models import load_policy, load_tokenizer, resolve_model_path
-    from rl_core.model.protocol import enable_gradient_checkpointing
-
-    full = None
-    if dist.get_rank() == 0:
-        full, tokenizer = load_policy(model_cfg)  # float32, on CPU
-    else:
-        tokenizer = load_tokenizer(model_cfg)
-    trust = bool(model_cfg.trust_remote_code)
-    config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path), trust_remote_code=trust)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=torch.float32)
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    shard_policy(model, device, compute_dtype, mesh_shape)
-    model.to_empty(device=device)
-    set_model_state_dict(model, full.state_dict() if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    buffers = [None if full is None else {k: v.detach() for k, v in full.named_buffers()}]
-    dist.broadcast_object_list(buffers, src=0, device=device if device.type == "cuda" else None)
-    with torch.no_grad():
-        for name, value in model.named_buffers():
-            value.copy_(buffers[0][name])
-    if full is not None:
-        model.generation_config = full.generation_config  # what rank 0's export writes
-    model.eval()
-    return model, tokenizer
-
-
 class WeightGroup:
     """A standalone process group between trainer rank 0 (group rank 0) and the rollout engines."""
 

@@ -395,7 +395,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     torch.manual_seed(cfg.job.seed)
     enable_tf32(device or torch.device("cpu"))
     if mesh := shard_mesh(cfg):  # built sharded: rank 0 loads, every rank keeps its shards (float32 masters)
-        from infra.distributed import load_sharded_policy
+        from infra.sharded_load import load_sharded_policy
 
         model, tokenizer = load_sharded_policy(cfg.model, device or torch.device("cpu"),
                                                torch_dtype(cfg.model.compute_dtype), mesh,

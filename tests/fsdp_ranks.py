@@ -186,11 +186,12 @@ def bf16_main(rank: int, out: str, checkpointing: bool) -> None:
 
 
 def sharded_load(rank: int, model_dir: str, mesh) -> dict:
-    """`infra.distributed.load_sharded_policy` of a saved `base_model()`: every rank's shards, gathered, must be the
-    saved weights bit for bit, the rotary buffers too, and each rank must hold only its share."""
+    """`infra.sharded_load.load_sharded_policy` of a saved `base_model()`: every rank's shards, gathered, must be the
+    saved weights bit for bit, the rotary buffers too, and each rank must hold only its share, having read its own
+    rows of the saved file (no broadcast from rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from infra.distributed import load_sharded_policy
+    from infra.sharded_load import load_sharded_policy
     from rl_core.config.schema import ModelConfig
     from rl_core.models import build_tiny_tokenizer
 
@@ -205,7 +206,7 @@ def sharded_load(rank: int, model_dir: str, mesh) -> dict:
     buffers = {k: v for k, v in model.named_buffers()}
     return {"load_vs_saved": max_diff(full, saved.state_dict()) if rank == 0 else None,
             "load_buffers_equal": all(torch.equal(v, buffers[k]) for k, v in saved.named_buffers()),
-            "load_local_fraction": param.to_local().numel() / param.numel()}
+            "load_local_fraction": param.to_local().numel() / param.numel(), "load_path": model.posttrain_load}
 
 
 def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> dict:

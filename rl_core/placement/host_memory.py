@@ -5,8 +5,9 @@ as many as an 8-GPU node holds at `cluster.gpus_per_worker`). Each rank's proces
 transformers, the Ray worker) throughout, and host memory at three moments:
 
 - start-up: the model is read in float32 into host memory before it reaches the device. Unsharded, every rank
-  does this; sharded (`fsdp`/`hsdp`), rank 0 alone reads it and broadcasts it tensor by tensor
-  (`infra.distributed.load_sharded_policy`).
+  does this; sharded (`fsdp`/`hsdp`), each rank reads only its own rows of each tensor from the local safetensors
+  files (memory-mapped), and only where it cannot (a hub id, a converted layout) rank 0 reads the whole model and
+  broadcasts it tensor by tensor (`infra.sharded_load.load_sharded_policy`); the plan counts that case, the larger.
 - training with a checkpoint in flight: a save copies the rank's shards of the float32 weights (LoRA: the adapters)
   and of the AdamW state into host memory and writes them while the next steps run (`infra.checkpoint_shards`);
   unsharded, the replicas split the tensors between them. The copies are kept for the next save and released before
@@ -102,7 +103,8 @@ def host_plan(cfg: PosttrainConfig, n_params: int, n_tensors: int, linears, *, r
     each = f" x {k} ranks" if k > 1 else ""
     plan.add(f"rank processes: Python, torch, transformers, Ray worker{each}", k * PROCESS_BYTES)
     if mesh:
-        plan.add("start-up: rank 0 reads the float32 model and broadcasts it", 4 * n_params, START)
+        plan.add("start-up, at most: rank 0 reads the float32 model and broadcasts it (hub id, converted layout; "
+                 "else each rank reads its own rows)", 4 * n_params, START)
     else:
         plan.add(f"start-up: the float32 model read before it moves to the device{each}", k * 4 * n_params, START)
     staged = math.ceil((4 * G + 8 * G) / div) + 4 * TG

@@ -69,10 +69,11 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     role.add(f"parameters: float32 master weights{shard}" + (f" + LoRA adapters ({params_text(A)})" if A else ""),
              math.ceil(4 * (P + A) / div))
     if fsdp:
-        role.notes.append("built sharded (infra.distributed.load_sharded_policy): a meta-device skeleton on every "
-                          "rank, rank 0 loads the checkpoint into host memory and broadcasts it tensor by tensor, so "
-                          "no rank ever holds the whole model on its GPU; the final export gathers it tensor by tensor "
-                          "into rank 0's host memory (the host table)")
+        role.notes.append("built sharded (infra.sharded_load.load_sharded_policy): a meta-device skeleton on every "
+                          "rank, each rank reading its own rows of each tensor from the local safetensors (rank 0 "
+                          "loads and broadcasts tensor by tensor for a hub id or a converted layout), so no rank ever "
+                          "holds the whole model on its GPU; the final export gathers it tensor by tensor into rank "
+                          "0's host memory (the host table)")
     role.add(f"gradients: float32{shard}{what}", math.ceil(4 * G / div), (FORWARD, STEP),
              "released after each step")
     role.add(f"AdamW state: exp_avg + exp_avg_sq float32{shard}, step 4 B x {TG} tensors{what}",

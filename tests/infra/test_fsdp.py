@@ -47,6 +47,7 @@ def test_fsdp_matches_unsharded_training_and_resumes_across_modes(tmp_path, flag
     assert r["resume_fsdp_to_plain_optimizer"] <= TOL
     # built sharded from a saved model (meta skeleton, rank 0 loads and broadcasts): the saved weights, bit for bit
     assert r["load_vs_saved"] == 0.0 and r["load_buffers_equal"] and r["load_local_fraction"] == 0.5
+    assert r["load_path"] == "own shards"
     # a checkpoint written by both ranks while the 3rd step trained: each rank its own shard file, rank 0 the index
     ckpt = tmp_path / "result.json.ckpt"
     assert r["dcp_names"] == ["__0_0.distcp", "__1_0.distcp", "shards.json"]
@@ -149,3 +150,4 @@ def test_hsdp_on_a_2x2_mesh_matches_unsharded_training_and_resumes_unsharded(tmp
     assert r["hsdp_vs_plain"] <= TOL and r["hsdp_vs_plain_optimizer"] <= TOL
     assert r["resume_hsdp_to_plain"] <= TOL
     assert r["load_vs_saved"] == 0.0 and r["load_buffers_equal"] and r["load_local_fraction"] == 0.5
+    assert r["load_path"] == "own shards"
