@@ -2,10 +2,11 @@
 docs/agents.md).
 
 `dvc repro pipelines/guess_number/dvc.yaml` builds the rows and the warm start (`artifacts/tiny-model/guess-warm`:
-the game's format, from games half of which heed the replies). `data.task` names the environment class: each row is one game,
-`rollout.n` games per row a step, each at most `rollout.max_turns` guesses of `rollout.max_tokens` tokens (a digit
-and the end of the turn). The loss is on the policy's guesses only; the environment's replies ("higher",
-"lower") are read, not trained on.
+the game's format, from games a quarter of which heed the replies). `data.task` names the environment class: each
+row is one game, `rollout.n` games per row a step, each at most `rollout.max_turns` guesses of `rollout.max_tokens`
+tokens (a digit and the end of the turn). The loss is on the policy's guesses only; the environment's replies
+("higher: 4-6") are read, not trained on. Held-out greedy success rises from 0.36 to 1.00 in the 200 steps
+(docs/benchmarks.md).
 """
 
 from rl_core.config import PosttrainConfig
@@ -20,8 +21,8 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_episode_tokens = 256
     cfg.rollout.n = 8
     cfg.rollout.prompts_per_step = 16
-    cfg.rl.max_steps = 100
-    cfg.rl.optimizer.lr = 3e-4  # 1e-3 collapsed (held-out success 0.2 at step 100)
+    cfg.rl.max_steps = 200
+    cfg.rl.optimizer.lr = 5e-4
     cfg.rl.optimizer.max_grad_norm = 1.0
     cfg.rl.validation.every_steps = 20
     cfg.rl.validation.max_prompts = 200
@@ -30,4 +31,7 @@ def build_config() -> PosttrainConfig:
     cfg.data.train = "data/guess-number/train.jsonl"
     cfg.data.val = "data/guess-number/val.jsonl"
     cfg.data.prompt_template = "chat"
+    # the environment's reward (found it or not) decides the held-out success; a TRL-style reward over the
+    # conversation adds credit for each guess that heeds the replies
+    cfg.data.rewards = [{"path": "examples.guess_number:heeds_replies", "weight": 0.3}]
     return cfg

@@ -52,7 +52,9 @@ def test_guess_number_plays_multi_turn_games_trains_on_guesses_only_and_logs_the
     for r in steps:
         assert 1.0 <= r["rollout/turns_mean"] <= 4.0 and r["rollout/turns_max"] >= 2  # several turns a game
         assert r["rollout/env_reward_mean"] == pytest.approx(r["rollout/rewards/environment/mean"])
-        assert r["rollout/reward_mean"] == pytest.approx(r["rollout/env_reward_mean"], abs=1e-6)  # the only reward
+        # the environment's reward plus the recipe's conversation reward, weighted 0.3
+        heeds = r["rollout/rewards/heeds_replies/mean"]
+        assert r["rollout/reward_mean"] == pytest.approx(r["rollout/env_reward_mean"] + 0.3 * heeds, abs=1e-6)
         assert r["rollout/tool_calls_mean"] == 0.0 and r["rollout/env_errors"] == 0.0
         assert r["perf/env_s"] > 0
         # the trainer's log-probs of the episodes' ids equal the sampler's (HF in float32)
@@ -69,7 +71,7 @@ def test_guess_number_plays_multi_turn_games_trains_on_guesses_only_and_logs_the
     table = pd.read_json(client.download_artifacts(run_id, "completions.json", str(tmp_path)), orient="split")
     games = [t for t in table["completion"] if "\nuser: " in t]
     assert games and all(t.startswith("assistant: ") for t in table["completion"])
-    assert any(hint in t for t in games for hint in ("user: higher", "user: lower", "user: a number from 1 to 9"))
+    assert any(hint in t for t in games for hint in ("user: higher: ", "user: lower: ", "user: a number from 1 to 6"))
     # the Prefect run shows them too: the last step's sample, each game whole
     from tests.flows.test_flow import flow_run_artifacts
 
