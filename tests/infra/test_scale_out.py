@@ -164,6 +164,33 @@ def test_weight_sync_bytes_equal_the_policy_size(separate_cluster, warm_model):
 
 
 @pytest.mark.e2e
+def test_multi_turn_episodes_advance_over_two_separate_engines_token_exactly(separate_cluster, warm_model):
+    """Agent episodes (examples/guess_number.py) on two separate HF engines: each turn's live episodes are one batched
+    call split over the engines, the replies are appended as template deltas, and the trainer's float32 log-probs of
+    exactly the episodes' ids equal the engines' on every sampled token."""
+    from examples.guess_number import GuessNumber, prompt
+    from rl_core.agents.rollout import rollout_episodes
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import load_tokenizer
+    from rl_core.rollout import SamplingParams
+    from rl_core.tasks import Example
+    from rl_core.tasks.environment import EnvironmentTask
+    from tests.infra.test_vllm_cpu import trainer_logprobs
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(warm_model[0])))
+    task = EnvironmentTask(GuessNumber, "examples.guess_number:GuessNumber")
+    rows = [Example(prompt(6), str(secret), columns={"high": 6}) for secret in (2, 5, 6, 4)]
+    completions, _ = rollout_episodes(separate_cluster.engines, task, rows, tokenizer, 2,
+                                      SamplingParams(temperature=1.0, max_tokens=4, seed=3), max_turns=3,
+                                      max_episode_tokens=160)
+    assert max(e["stats"]["turns"] for e in completions.episodes) >= 2  # the sums' two-digit answers get replies
+    replies = (completions.attention_mask > 0) & (completions.response_mask == 0)
+    assert replies[:, completions.prompt_length:].any()  # real tokens after the prompt that nobody sampled
+    expected = trainer_logprobs(warm_model[0], completions, temperature=1.0)
+    assert (completions.sampling_logp - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.e2e
 def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(separate_cluster):
     """Engine 1 receives the right bytes but loads one tensor wrong (tests/faults.py): its own report of
     what it holds differs from rank 0's, and the sync stops naming the engine and the tensor; the next sync is
