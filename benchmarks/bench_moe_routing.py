@@ -204,9 +204,9 @@ def main() -> int:
                   "pairs routed elsewhere"]
         print(" | ".join(header))
         rows = gap_table(init, warm, data)
-        notes = ["Gap: |sampler log-prob - trainer log-prob| over the 128 completions' sampled tokens. Pairs routed "
-                 "elsewhere: of the (token, layer) pairs the engine recorded, those whose top-2 experts the trainer's "
-                 "routers would pick differently.",
+        notes = [("Gap: |sampler log-prob - trainer log-prob| over the 128 completions' sampled tokens. Pairs routed "
+                  "elsewhere: of the (token, layer) pairs the engine recorded, those whose top-2 experts the trainer's "
+                  "routers would pick differently."),
                  table(["R2", "second mini-batch's pairs moved"], [r2_row(warm, data)])]
         if args.recipe:
             recipe_header = ["`recipes/moe_arithmetic.py`", "held-out accuracy", "step",

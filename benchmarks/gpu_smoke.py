@@ -52,8 +52,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the probe's gap
 from rl_core.placement.formulas import VLLM_ASLEEP_BYTES  # what the memory plan counts for a sleeping engine
+from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the probe's gap
 
 LOGP_DIFF_MAX = 0.05  # nats, mean over response tokens, bf16 sampler vs bf16-autocast trainer
 UTILIZATION = 0.3  # rollout.gpu_memory_utilization of every run

@@ -79,8 +79,10 @@ def heeds_replies(completions, high, **kwargs) -> list[float]:
             if i:
                 inside.append(guess.isdigit() and low <= int(guess) <= top)
             reply = replies[i] if i < len(replies) else ""
-            if guess.isdigit() and reply.startswith(("higher", "lower")):  # the direction; the range is recomputed
-                low, top = narrowed(low, top, int(guess), int(guess) + (1 if reply.startswith("higher") else -1))
+            if guess.isdigit() and reply.startswith("higher"):  # the direction; the range is recomputed here
+                low = max(low, int(guess) + 1)
+            elif guess.isdigit() and reply.startswith("lower"):
+                top = min(top, int(guess) - 1)
         out.append(sum(inside) / len(inside) if inside else 1.0)
     return out
 

@@ -19,8 +19,8 @@ from infra.engines import actor_device, build_engine, engine_dtype, held_weights
 from infra.processes import use_threads
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.config.loader import config_dict
-from rl_core.models import enable_tf32, looks_local, matmul_precision_kept
 from rl_core.model.protocol import enable_gradient_checkpointing
+from rl_core.models import enable_tf32, looks_local, matmul_precision_kept
 from rl_core.registry import build_objective
 
 # ------------------------------------------------------------------------------------------ config
@@ -394,7 +394,7 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
 
     torch.manual_seed(cfg.job.seed)
     enable_tf32(device or torch.device("cpu"))
-    if mesh := shard_mesh(cfg):  # built sharded: rank 0 loads, every rank keeps its shards (float32 masters)
+    if mesh := shard_mesh(cfg):  # built sharded: every rank reads its own shards (float32 masters)
         from infra.sharded_load import load_sharded_policy
 
         model, tokenizer = load_sharded_policy(cfg.model, device or torch.device("cpu"),

@@ -30,7 +30,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
     if len(files) != 1:
         return {}
     with safe_open(str(files[0]), "pt") as f:
-        return {name: str(files[0]) for name in f.keys()}
+        return {name: str(files[0]) for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
 
 
 def read_own_shards(model: torch.nn.Module, files: dict[str, str]) -> bool:
@@ -51,28 +51,25 @@ def read_own_shards(model: torch.nn.Module, files: dict[str, str]) -> bool:
     if any(next(m.parameters(recurse=False), None) is not None for m in computed):
         return False
     handles: dict[str, Any] = {}
-    try:
+    for name, tensor in tensors:
+        if name not in files:
+            return False
+        handle = handles.setdefault(files[name], safe_open(files[name], "pt", device="cpu"))
+        if tuple(handle.get_slice(name).get_shape()) != tuple(tensor.shape):
+            return False
+    with torch.no_grad():
         for name, tensor in tensors:
-            if name not in files:
-                return False
-            handle = handles.setdefault(files[name], safe_open(files[name], "pt", device="cpu"))
-            if tuple(handle.get_slice(name).get_shape()) != tuple(tensor.shape):
-                return False
-        with torch.no_grad():
-            for name, tensor in tensors:
-                rows = handles[files[name]].get_slice(name)
-                if isinstance(tensor, DTensor):
-                    local = tensor.to_local()
-                    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                                          tensor.placements)
-                else:
-                    local, shape, offset = tensor, tuple(tensor.shape), (0,) * tensor.dim()
-                if local.numel():
-                    local.copy_(rows[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
-            for module in computed:
-                model._init_weights(module)
-    finally:
-        handles.clear()
+            rows = handles[files[name]].get_slice(name)
+            if isinstance(tensor, DTensor):
+                local = tensor.to_local()
+                shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                                      tensor.placements)
+            else:
+                local, shape, offset = tensor, tuple(tensor.shape), (0,) * tensor.dim()
+            if local.numel():
+                local.copy_(rows[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
+        for module in computed:
+            model._init_weights(module)
     return True
 
 
@@ -89,8 +86,8 @@ def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dt
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from rl_core.models import load_policy, load_tokenizer, resolve_model_path
     from rl_core.model.protocol import enable_gradient_checkpointing
+    from rl_core.models import load_policy, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model_cfg.name_or_path)
     trust = bool(model_cfg.trust_remote_code)

@@ -21,6 +21,20 @@ MATH = [*FAST, "rl.objective.kl_beta=0.1", "rl.reference=artifacts/tiny-model/re
 
 # ------------------------------------------------------------------------------------------ helpers
 
+def trainer_logprobs(model_dir: Path, completions, temperature: float):
+    """The trainer's fp32 recomputation of an engine's sampled tokens' log-probs (the loss's formula), 0 elsewhere."""
+    import torch
+
+    from rl_core.config.schema import ModelConfig
+    from rl_core.models import load_policy
+    from rl_core.primitives.logprobs import sequence_token_logprobs
+
+    model, _ = load_policy(ModelConfig(name_or_path=str(model_dir)))
+    with torch.no_grad():
+        lp = sequence_token_logprobs(model, completions.input_ids, completions.attention_mask, temperature=temperature)
+    return lp * completions.response_mask
+
+
 def run_flow(*overrides: str) -> dict:
     """The flow in-process (cwd is the working directory), with the MATH overrides first."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings

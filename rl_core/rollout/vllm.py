@@ -116,7 +116,7 @@ def layer_chunks(pairs: Iterable[tuple[str, torch.Tensor]],
         yield chunk
 
 
-def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Inside each vLLM worker: reload the layers of one chunk. vLLM's in-place reload warns once for every layer
     the call leaves out (they keep their weights, as meant here), so its loaders' warnings are held back."""
     import logging
@@ -130,7 +130,6 @@ def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
-    return len(weights)
 
 
 def _free_gpu_bytes() -> int:

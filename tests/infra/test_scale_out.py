@@ -175,7 +175,7 @@ def test_multi_turn_episodes_advance_over_two_separate_engines_token_exactly(sep
     from rl_core.rollout import SamplingParams
     from rl_core.tasks import Example
     from rl_core.tasks.environment import EnvironmentTask
-    from tests.infra.test_vllm_cpu import trainer_logprobs
+    from tests.run_helpers import trainer_logprobs
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(warm_model[0])))
     task = EnvironmentTask(GuessNumber, "examples.guess_number:GuessNumber")

@@ -15,20 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import FAST, recipe
+from tests.run_helpers import trainer_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def trainer_logprobs(model_dir: Path, completions, temperature: float) -> torch.Tensor:
-    """The trainer's fp32 recomputation of the sampled tokens' log-probs (the loss's formula)."""
-    from rl_core.config.schema import ModelConfig
-    from rl_core.models import load_policy
-    from rl_core.primitives.logprobs import sequence_token_logprobs
-
-    model, _ = load_policy(ModelConfig(name_or_path=str(model_dir)))
-    with torch.no_grad():
-        lp = sequence_token_logprobs(model, completions.input_ids, completions.attention_mask, temperature=temperature)
-    return lp * completions.response_mask
 
 
 @pytest.fixture(scope="module")
