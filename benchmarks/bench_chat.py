@@ -35,7 +35,7 @@ def build(workdir: Path) -> dict:
     from examples.chat_arithmetic import main as make_rows
     from infra.artifacts import ensure_quickstart_artifacts, load_params
     from rl_core.config import load_config
-    from rl_core.warm_start import warm_start_chats
+    from rl_core.training.warm_start import warm_start_chats
 
     os.chdir(REPO)
     ensure_quickstart_artifacts(load_config("recipes/arithmetic.py"))

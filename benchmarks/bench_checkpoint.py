@@ -9,7 +9,7 @@ state two ways; the parent process stands for the driver:
   queue, as an actor's return value travels), and the driver writes it (`CheckpointStore.save`: safetensors,
   fsync, sha256) before the step may go on.
 - `sharded`: every rank stages its shards and writes them in the background (`LLMTrainer.shard_state`,
-  `infra.checkpoint_shards.write_shards`); the driver gets only the small plain state, writes it, and publishes
+  `infra.checkpoints.shards.write_shards`); the driver gets only the small plain state, writes it, and publishes
   the checkpoint (`CheckpointStore.commit`) once the ranks report their files. This is a run's first save: the
   staging buffers are allocated.
 - `sharded, later save`: the same after an earlier save and one more step, as every save of a run after its first:
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = {  # Llama shapes: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "quickstart": None,  # the quickstart's tiny model: rl_core.models.TINY_ARCH and its character tokenizer
+    "quickstart": None,  # the quickstart's tiny model: rl_core.model.loading.TINY_ARCH and its character tokenizer
     "125m": (768, 2048, 12, 12, 4, 32000),  # 124.7M parameters
 }
 
@@ -48,7 +48,7 @@ MODELS = {  # Llama shapes: (hidden, intermediate, layers, heads, kv heads, voca
 def shape(name: str) -> tuple[int, int, int, int, int, int]:
     if MODELS[name] is not None:
         return MODELS[name]
-    from rl_core.models import TINY_ARCH, build_tiny_tokenizer
+    from rl_core.model.loading import TINY_ARCH, build_tiny_tokenizer
 
     a = TINY_ARCH
     return (a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], a["num_attention_heads"],
@@ -59,12 +59,12 @@ MIB = 1024 * 1024
 def build_trainer(name: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from infra.distributed import shard_policy
+    from infra.workers.distributed import shard_policy
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.data_parallel import ProcessGroupReducer
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.data_parallel import ProcessGroupReducer
+    from rl_core.training.trainer import LLMTrainer
 
     h, i, layers, heads, kv, vocab = shape(name)
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def build_trainer(name: str):
 
 
 def one_step(trainer, vocab: int) -> None:
-    from rl_core.trajectory import Trajectory
+    from rl_core.batch.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(dist.get_rank())
     rows, t = 2, 16
@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, name: str, directory: str, way: 
             down.get()  # the driver has written it: the step may go on
             up.put(("blocked", time.time() - t0))
     else:
-        from infra.checkpoint_shards import write_shards
+        from infra.checkpoints.shards import write_shards
 
         if way == "sharded, later save":  # a run's earlier save, then one more step: the measured save comes after
             write_shards(trainer.shard_state()[0], f"{directory}-earlier", group).result()
@@ -154,7 +154,7 @@ def measure(name: str, way: str, root: Path) -> dict:
     """One save of `name` the `way` way; the driver's side runs here."""
     import torch.multiprocessing as mp
 
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.store import CheckpointStore
 
     store = CheckpointStore(root / way / "checkpoints")
     ctx = mp.get_context("spawn")

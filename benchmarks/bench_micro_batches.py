@@ -47,7 +47,7 @@ def main() -> int:
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.trainer import LLMTrainer
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(

@@ -49,8 +49,8 @@ def moe_models(workdir: Path, data: Path) -> tuple[Path, Path]:
     """The checkout's MoE init and warm start when they are whole, else built in `workdir` as the DVC stages build
     them."""
     from infra.artifacts import load_params
-    from rl_core.models import build_tiny_moe_model, model_problem
-    from rl_core.warm_start import warm_start
+    from rl_core.model.loading import build_tiny_moe_model, model_problem
+    from rl_core.training.warm_start import warm_start
 
     init, warm = REPO / "artifacts" / "tiny-moe" / "init", REPO / "artifacts" / "tiny-moe" / "warm"
     if model_problem(init) is None and model_problem(warm) is None:
@@ -151,7 +151,7 @@ def r2_row(warm: Path, data: Path) -> list[str]:
     from rl_core.config import OptimizerConfig, RLConfig
     from rl_core.rollout.base import SamplingParams
     from rl_core.rollout.hf import HFEngine
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.trainer import LLMTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(warm)
     tokenizer.padding_side = "left"

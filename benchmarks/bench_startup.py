@@ -40,7 +40,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3, help="1-step runs per mode")
     args = parser.parse_args()
-    from infra.services import Services
+    from infra.services.supervisor import Services
 
     workdir = scratch_dir()
     services = Services.at(workdir / ".posttrain" / "services")

@@ -92,7 +92,7 @@ def tiny_model(workdir: Path) -> Path:
     if (warm / "config.json").is_file():
         return warm
     sys.path.insert(0, str(REPO))
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     build_tiny_model(workdir / "tiny", seed=0)
     return workdir / "tiny"

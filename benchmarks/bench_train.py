@@ -85,7 +85,7 @@ def random_batch(prompt_len: list[int], resp_len: list[int], vocab: int, n: int,
     import torch
 
     from rl_core.annotators.advantage import group_advantages
-    from rl_core.trajectory import Trajectory
+    from rl_core.batch.trajectory import Trajectory
 
     b, p, r = len(resp_len), max(prompt_len), max(resp_len)
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +114,7 @@ def posttrain_step(args, model, batch, variant):
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
     from rl_core.primitives.logprobs import forward_layout
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.trainer import LLMTrainer
 
     trainer = LLMTrainer(model, build_objective(RLConfig(), ObjectiveContext(MAX_TOKENS)),
                          OptimizerConfig(lr=1e-6))
@@ -148,7 +148,7 @@ def trl_step(args, model, batch):
                         use_cpu=True, bf16=False, fp16=False, per_device_train_batch_size=batch.batch_size,
                         gradient_accumulation_steps=1, num_generations=args.n, max_completion_length=MAX_TOKENS,
                         beta=0.0, loss_type="dapo", learning_rate=1e-6, max_grad_norm=1.0)
-    from rl_core.models import build_tiny_tokenizer
+    from rl_core.model.loading import build_tiny_tokenizer
 
     trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
                           train_dataset=Dataset.from_list([{"prompt": "x"}] * args.n),

@@ -5,7 +5,7 @@ the same prompts in the same order (posttrain's seeded `PromptSampler`, replayed
 the same batch (prompts_per_step x rollout.n completions of at most rollout.max_tokens tokens, temperature
 and top-p of the recipe), optimizer (AdamW at rl.optimizer.lr, constant schedule, max_grad_norm), seed,
 one update per batch and no KL, and are scored by the same code at the same steps: posttrain's own
-held-out evaluation, `rl_core.evaluation.evaluate_accuracy` (greedy, every held-out prompt, exact-match
+held-out evaluation, `rl_core.evaluation.heldout.evaluate_accuracy` (greedy, every held-out prompt, exact-match
 reward, rollout.max_tokens new tokens).
 
 - TRL runs in this process (`trl.GRPOTrainer`, float32 on CPU, torch's default thread count). A
@@ -63,7 +63,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "arithmetic.py"
 RUN_NAME = "bench-vs-trl"
-THRESHOLDS = (0.9, 0.95)
 EARLY_STEP = 25
 # posttrain rl.objective.loss_type -> TRL GRPOConfig.loss_type with the same reduction (seq-mean-token-sum has none)
 TRL_LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-fixed": "dr_grpo"}
@@ -85,8 +84,8 @@ def load_shared(steps: int, eval_every: int, seed: int, overrides: list[str]):
     fails here (ConfigError), before either system runs."""
     from infra.artifacts import ensure_quickstart_artifacts
     from rl_core.config import load_config
-    from rl_core.config.loader import ConfigError
-    from rl_core.config.preflight import preflight
+    from rl_core.config.explain import ConfigError
+    from rl_core.preflight.rules import preflight
 
     run_overrides = [f"job.name={RUN_NAME}", f"job.seed={seed}", f"rl.max_steps={steps}",
                      f"rl.validation.every_steps={eval_every}", "rl.validation.before_training=true",
@@ -125,7 +124,7 @@ def prompt_rows(cfg, n_train: int, steps: int) -> list[list[int]]:
 
 def scorer(cfg, tokenizer, val):
     """The one held-out scoring both systems get: posttrain's evaluation with posttrain's settings."""
-    from rl_core.evaluation import evaluate_accuracy
+    from rl_core.evaluation.heldout import evaluate_accuracy
 
     def score(model) -> float:
         return evaluate_accuracy(model, tokenizer, val, data=cfg.data, max_tokens=cfg.rollout.max_tokens)["accuracy"]
@@ -253,58 +252,9 @@ def run_posttrain(cfg, run_overrides: list[str], rows, score, workdir: Path) -> 
             "final_rescored": score(final)}
 
 
-# ------------------------------------------------------------------------------------------ report
-
-
-def summarize(result: dict, early_step: int) -> dict:
-    step_s, evals = result["step_s"], result["evals"]
-    steady = step_s[1:] or step_s
-    cumulative, total = [], 0.0
-    for s in step_s:
-        total += s
-        cumulative.append(total)
-    reached = {}
-    for threshold in THRESHOLDS:
-        hit = next((s for s in sorted(evals) if s > 0 and evals[s] >= threshold), None)
-        reached[str(threshold)] = None if hit is None else {"step": hit, "train_s": cumulative[hit - 1]}
-    trained = sorted(s for s in evals if s > 0)
-    early = next((s for s in trained if s >= early_step), trained[-1] if trained else None)
-    return {"step_s_median": statistics.median(steady) if steady else float("nan"), "steps": len(step_s),
-            "train_s": total, "early_step": early, "acc_early": evals.get(early) if early else None,
-            "final_step": trained[-1] if trained else None, "acc_final": evals[trained[-1]] if trained else None,
-            "reached": reached}
-
-
-def table_rows(results: dict[str, dict], summaries: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
-    early = {s["early_step"] for s in summaries.values()}
-    early_label = f"held-out @{early.pop()}" if len(early) == 1 else "held-out @~25"
-    header = ["system", "s/step (median)", early_label, "held-out @final",
-              *[f"to {t:.2f}: steps / train s" for t in THRESHOLDS], "train s (all steps)", "threads"]
-    rows = []
-    for name, s in summaries.items():
-        cells = [name, f"{s['step_s_median']:.3f}",
-                 "-" if s["acc_early"] is None else f"{s['acc_early']:.3f}",
-                 "-" if s["acc_final"] is None else f"{s['acc_final']:.3f} (step {s['final_step']})"]
-        for t in THRESHOLDS:
-            hit = s["reached"][str(t)]
-            cells.append("not reached" if hit is None else f"{hit['step']} / {hit['train_s']:.1f}")
-        cells += [f"{s['train_s']:.1f}", str(results[name]["threads"])]
-        rows.append(cells)
-    return header, rows
-
-
-def print_table(results: dict[str, dict], summaries: dict[str, dict]) -> None:
-    header, rows = table_rows(results, summaries)
-    print(" | ".join(header))
-    print(" | ".join("---" for _ in header))
-    for cells in rows:
-        print(" | ".join(cells))
-    if {"trl", "posttrain"} <= summaries.keys():
-        ratio = summaries["posttrain"]["step_s_median"] / summaries["trl"]["step_s_median"]
-        print(f"posttrain/TRL step time (median): {ratio:.2f}x")
-
-
 def main() -> int:
+    from vs_trl_report import print_table, summarize, table_rows  # benchmarks/ is this script's sys.path[0]
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation cadence (and the last step)")
@@ -348,7 +298,7 @@ def main() -> int:
     hf_logging.disable_progress_bar()
     default_threads = torch.get_num_threads()
 
-    from rl_core.config.loader import ConfigError
+    from rl_core.config.explain import ConfigError
 
     try:
         cfg, run_overrides = load_shared(args.steps, args.eval_every, args.seed, args.posttrain_overrides)

@@ -74,7 +74,7 @@ def build_model(out: Path, shape: dict, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rl_core.models import build_tiny_tokenizer
+    from rl_core.model.loading import build_tiny_tokenizer
 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)).float()
@@ -125,8 +125,8 @@ class Check:
     def make_trainer(self, model):
         from rl_core.algorithms.context import ObjectiveContext
         from rl_core.algorithms.grpo import build_objective
-        from rl_core.data_parallel import ProcessGroupReducer, is_sharded
-        from rl_core.trainer import LLMTrainer
+        from rl_core.training.data_parallel import ProcessGroupReducer, is_sharded
+        from rl_core.training.trainer import LLMTrainer
 
         objective = build_objective(self.cfg.rl, ObjectiveContext(self.cfg.rollout.max_tokens))
         reducer = ProcessGroupReducer() if is_sharded(model) else None  # the sharded weights' and metrics' group
@@ -144,7 +144,7 @@ class Check:
 def check_precision(c: Check) -> dict:
     import torch
 
-    from rl_core.models import enable_tf32, matmul_precision_kept
+    from rl_core.model.loading import enable_tf32, matmul_precision_kept
 
     enable_tf32(c.device)
     set_to = torch.get_float32_matmul_precision()
@@ -177,7 +177,7 @@ def check_train_step(c: Check) -> dict:
     import torch
 
     from rl_core.config import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
 
     model, c.tokenizer = load_policy(ModelConfig(name_or_path=str(c.model_dir)), device=c.device)
     trainer = c.make_trainer(model)
@@ -228,7 +228,7 @@ def check_export(c: Check) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_core.models import save_policy
+    from rl_core.model.loading import save_policy
 
     if c.trainer is None:
         raise RuntimeError("needs the trained policy of train_step, which failed")
@@ -245,9 +245,9 @@ def check_fsdp(c: Check) -> dict:
     import torch
     import torch.distributed as dist
 
-    from infra.sharded_load import load_sharded_policy
+    from infra.workers.sharded_load import load_sharded_policy
     from rl_core.config import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if c.on_gpu else "gloo", init_method=f"file://{c.work / 'pg'}",
@@ -272,8 +272,8 @@ def check_fsdp(c: Check) -> dict:
 def check_dcp(c: Check) -> dict:
     import torch
 
-    from infra.checkpoint_shards import read_shards, write_shards
-    from infra.sharded_load import load_sharded_policy
+    from infra.checkpoints.shards import read_shards, write_shards
+    from infra.workers.sharded_load import load_sharded_policy
     from rl_core.config import ModelConfig
 
     if c.sharded is None:

@@ -18,7 +18,7 @@ GSM8K_DIR = "data/gsm8k"
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from rl_core.models import build_tiny_model, build_tiny_moe_model, count_parameters
+    from rl_core.model.loading import build_tiny_model, build_tiny_moe_model, count_parameters
 
     if args.experts:
         out = build_tiny_moe_model(args.out, seed=args.seed, experts=args.experts, top_k=args.top_k)
@@ -33,7 +33,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_start(args: argparse.Namespace) -> int:
-    from rl_core.warm_start import warm_start, warm_start_chats
+    from rl_core.training.warm_start import warm_start, warm_start_chats
 
     if args.chats:
         template = Path(args.chat_template).read_text() if args.chat_template else None
@@ -97,7 +97,7 @@ def cmd_make_gsm8k(args: argparse.Namespace) -> int:
 
 def add_build_commands(subparsers) -> None:
     """Register `init-model`, `warm-start` and `make-data {arithmetic,gsm8k}` on `subparsers`."""
-    from rl_core.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
+    from rl_core.training.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 
     p = subparsers.add_parser(
         "init-model", help="build the tiny Llama + char tokenizer deterministically from a seed"

@@ -1,5 +1,5 @@
 """`posttrain export RUN [--step N] [--to DIR] [--merged] [--overwrite] [--trust-remote-code]`: a step's checkpoint as a transformers
-directory (`infra.export`), loadable with `from_pretrained`, vLLM `--model DIR` or lm-eval `pretrained=DIR`."""
+directory (`infra.checkpoints.export`), loadable with `from_pretrained`, vLLM `--model DIR` or lm-eval `pretrained=DIR`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ then: AutoModelForCausalLM.from_pretrained(DIR), vllm serve DIR, lm_eval --model
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from infra.export import ExportError, export_checkpoint
+    from infra.checkpoints.export import ExportError, export_checkpoint
     from rl_core.redact import redact_message
 
     try:

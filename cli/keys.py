@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from rl_core.config.loader import OBJECTIVE_KEY, section_model
+from rl_core.config.explain import OBJECTIVE_KEY, section_model
 
 
 def type_name(annotation: Any) -> str:
@@ -46,8 +46,8 @@ def default_text(field: Any) -> str:
 def key_rows(model: type[BaseModel] | None = None, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
     """`(key, objective type or '', type, default, description)` for every leaf of the config tree; the keys of
     `rl.objective` once per objective type that has them."""
+    from rl_core.algorithms.registry import OBJECTIVES
     from rl_core.config.schema import PosttrainConfig
-    from rl_core.registry import OBJECTIVES
 
     rows = []
     for name, field in (model or PosttrainConfig).model_fields.items():
@@ -81,7 +81,7 @@ def render(rows: list[tuple[str, str, str, str, str]]) -> str:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from rl_core.config.loader import closest_keys
+    from rl_core.config.explain import closest_keys
 
     rows = key_rows()
     if args.type:
@@ -99,7 +99,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def add_keys_command(subparsers) -> None:
-    from rl_core.registry import OBJECTIVES
+    from rl_core.algorithms.registry import OBJECTIVES
 
     p = subparsers.add_parser(
         "keys", help="list the config keys with type, default and description (what `-- key=value` may set)",

@@ -64,9 +64,9 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
     import yaml
 
     from rl_core.config import ConfigError, load_config
-    from rl_core.config.data_check import check_data
     from rl_core.config.loader import config_dict, config_hash
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rows import check_data
+    from rl_core.preflight.rules import preflight
     from rl_core.redact import redact, redact_message
 
     try:
@@ -75,10 +75,10 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
         print(redact_message(str(exc)), file=sys.stderr)
         return 1
     report = preflight(cfg)
-    if report.ok and not no_env:  # what `run` checks next (rl_core.config.preflight.check): this machine
-        from rl_core.config.environment import environment_problems
+    if report.ok and not no_env:  # what `run` checks next (rl_core.preflight.rules.check): this machine
+        from rl_core.preflight.machine import machine_problems
 
-        report.errors.extend(environment_problems(cfg))
+        report.errors.extend(machine_problems(cfg))
     # every value a URI may carry credentials in (data, models, addresses) is printed through the redactor
     print(yaml.safe_dump(redact(config_dict(cfg)), sort_keys=False, default_flow_style=False), end="")
     print(f"# config hash: {config_hash(cfg)}")
@@ -91,11 +91,11 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
 
 def print_memory_plan(cfg, reported: list[str] = ()) -> bool:
     """Print the preflight memory plan (or why there is none); False when a GPU role does not fit its GPU or a node's
-    host memory its RAM. A problem already in `reported` (the environment checks') is not printed twice."""
+    host memory its RAM. A problem already in `reported` (the machine checks') is not printed twice."""
     import os
 
-    from rl_core.config.environment import planned_memory
     from rl_core.placement.memory import plan_for_config
+    from rl_core.preflight.machine import planned_memory
     from rl_core.redact import redact_message
 
     remote = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
@@ -134,7 +134,7 @@ PRIVATE_UMASK = 0o077
 def summary_line(result: dict) -> str:
     """One line a person reads at the end of a run: held-out accuracy first -> last (and the reward whose full marks
     it counts, `data.success_reward`), and where things are."""
-    from infra.tracking import MetricsLog
+    from infra.tracking.tracker import MetricsLog
     from rl_core.rewards import SUCCESS_VALUE
 
     records = MetricsLog(result["metrics"]).read()

@@ -42,7 +42,7 @@ def flatten_section(tree: dict[str, Any]) -> list[str]:
 
     A mapping is descended into unless its dotted key is itself a config leaf (`rl.objective.kwargs`,
     a dict-valued field), which is passed whole."""
-    from rl_core.config.loader import all_keys
+    from rl_core.config.explain import all_keys
 
     leaves = set(all_keys())
     out: list[tuple[str, str]] = []

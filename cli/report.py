@@ -2,7 +2,7 @@
 
     posttrain summarize RUN_DIR [--out-summary PATH] [--out-curve PATH] [--out-png PATH]
         reads RUN_DIR/metrics.jsonl; writes a flat summary JSON (DVC metrics), a curve JSON, one
-        {step, <metric>...} point per step for the panels of `infra.plots` (DVC plots; a metric key's
+        {step, <metric>...} point per step for the panels of `infra.tracking.plots` (DVC plots; a metric key's
         `/` becomes `_`: `rollout/reward_mean` -> `rollout_reward_mean`), and optionally the figure
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infra.plots import PANELS, curve_title, plot_curve, series
+from infra.tracking.plots import PANELS, curve_title, plot_curve, series
 from rl_core.data.jsonl import iter_jsonl
 
 REWARD_KEY = "rollout/reward_mean"
@@ -96,7 +96,7 @@ def curve_field(key: str) -> str:
 
 
 def curve_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One point per logged step: `{step, <field>: value}` for every metric of the figure's panels (`infra.plots`),
+    """One point per logged step: `{step, <field>: value}` for every metric of the figure's panels (`infra.tracking.plots`),
     None where the step has no such value: every run has the same fields, so `dvc plots` compares any two."""
     keys = [k for p in PANELS for k in (*p.keys, *((p.band,) if p.band else ()))]
     values = {k: dict(zip(*series(records, k), strict=True)) for k in keys}

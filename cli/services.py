@@ -6,7 +6,7 @@
     posttrain deploy             `prefect deploy --all` (prefect.yaml) against the services' Prefect API
 
 State (pid files, logs, databases, services.env) lives in $POSTTRAIN_STATE_DIR, default
-`.posttrain/services/`; see infra/services.py.
+`.posttrain/services/`; see infra/services/supervisor.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from infra.services import PROJECT_DIR_ENV, Services, ServicesError, project_dir, venv_bin
+from infra.services.supervisor import PROJECT_DIR_ENV, Services, ServicesError, project_dir, venv_bin
 
 
 def cmd_services(args: argparse.Namespace) -> int:
@@ -60,7 +60,7 @@ def deployment_pools(names: list[str] | None = None) -> list[str]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from infra.work_pools import pool_warnings
+    from infra.services.work_pools import pool_warnings
 
     services = Services.at(args.state_dir)
     try:

@@ -23,14 +23,14 @@ from prefect import flow, get_run_logger
 
 from flows.params import NO_KNOBS, RunKnobs, open_run
 from flows.progress import RunProgress
-from flows.runner import Timer, TrainingRun, mean_over_ranks, run_with_restarts
+from flows.restarts import run_with_restarts
+from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
-from infra.cluster import Cluster
-from infra.rewards import RewardPool
-from infra.tracking import RunTracker
+from infra.cluster.cluster import Cluster
+from infra.tracking.tracker import RunTracker
+from infra.workers.rewards import RewardPool
 from rl_core.config import PosttrainConfig
-from rl_core.config.environment import check_memory
-from rl_core.config.loader import ConfigError
+from rl_core.config.explain import ConfigError
 from rl_core.data import PromptSampler
 from rl_core.data.preferences import (
     load_preference_pairs,
@@ -38,7 +38,8 @@ from rl_core.data.preferences import (
     pairs_to_trajectory,
     validate_preference_pairs,
 )
-from rl_core.models import load_tokenizer
+from rl_core.model.loading import load_tokenizer
+from rl_core.preflight.machine import check_memory
 from rl_core.tasks import Example, get_task
 from tasks.dpo import evaluate_pairs_task, validate_pairs_task
 from tasks.evaluate import evaluate_task

@@ -9,8 +9,8 @@ import threading
 
 from flows import startup
 from infra.processes import child_listening_on
-from infra.services import use_prefect_server_defaults
-from rl_core.config.preflight import load_checked
+from infra.services.prefect_api import use_prefect_server_defaults
+from rl_core.preflight.rules import load_checked
 from rl_core.redact import redact_text
 
 log = logging.getLogger("posttrain.startup")
@@ -54,7 +54,7 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
     # 'pydantic.v1', 1 `posttrain run` in ~25): it is imported here, before any thread starts (13 ms).
     import pydantic.v1  # noqa: F401
 
-    from infra.placement import Placement
+    from infra.cluster.placement import Placement
 
     placement = Placement(cfg)
     api = _start_temporary_api()

@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from flows.on_policy import run_on_policy
 from flows.params import NO_KNOBS, RunKnobs, open_run
-from flows.runner import run_with_restarts
+from flows.restarts import run_with_restarts
 
 
 @flow(name="grpo", log_prints=True)

@@ -13,7 +13,7 @@ subflows that a checked flow starts itself:
   (the worker's credentials go to them), output paths and names, pruning. The typed `knobs`
   (flows/params.py) are overrides by the time they are judged, the same way. The one allowed key
   that names a place, `tracking.experiment`, cannot move the run's artifacts: the tracker refuses an
-  experiment whose artifact location is not the store's own (`infra.experiments.check_artifact_location`).
+  experiment whose artifact location is not the store's own (`infra.tracking.experiments.check_artifact_location`).
 - The regression flow's own parameters: thresholds and reference under `regression/`, its output
   directory and MLflow store from the operator only, its overrides under the same allowlist.
 
@@ -22,7 +22,7 @@ The operator may lift the allowlist (never the recipe rule) for one deployment w
 flow run's own tags are the caller's to choose), or for every deployment with
 `POSTTRAIN_ALLOW_UNSAFE_OVERRIDES=1` in the worker's own environment. A flow run's job variables
 cannot set that variable or change the command that runs: the work pool's base job template
-(`infra.services.process_pool_template`) has no `command`, `env` or `working_dir` variable and refuses
+(`infra.services.prefect_api.process_pool_template`) has no `command`, `env` or `working_dir` variable and refuses
 unknown ones, and the guard refuses a run that carries job variables all the same (a pool created
 with Prefect's default template).
 
@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
-from rl_core.config.loader import ConfigError, objective_keys
+from rl_core.config.explain import ConfigError, objective_keys
 from rl_core.redact import redact_text
 
 OPT_IN_TAG = "posttrain:allow-unsafe-overrides"

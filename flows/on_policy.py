@@ -1,5 +1,5 @@
 """The on-policy step loop, shared by the GRPO-family flow and the OPD flow (the `on_policy` and `teacher`
-topologies of rl_core.registry).
+topologies of rl_core.algorithms.registry).
 
 Each step runs `rollout (an agent task: episodes) -> reward -> annotate [-> teacher -> distill] -> validate -> train -> sync`, then the
 checkpoint and the evaluation on cadence (`TrainingRun.end_step`). It only orders phases; the work is in
@@ -28,15 +28,15 @@ from flows import startup
 from flows.progress import RunProgress
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
-from infra.cluster import Cluster
-from infra.environments import EnvironmentPool
-from infra.rewards import RewardPool
-from infra.roles import RolloutRole
-from infra.teacher import TeacherRole
-from infra.tracking import RunTracker
+from infra.cluster.cluster import Cluster
+from infra.cluster.roles import RolloutRole
+from infra.tracking.tracker import RunTracker
+from infra.workers.environments import EnvironmentPool
+from infra.workers.rewards import RewardPool
+from infra.workers.teacher import TeacherRole
 from rl_core.agents.rollout import display_texts
 from rl_core.config import PosttrainConfig
-from rl_core.config.environment import check_memory
+from rl_core.preflight.machine import check_memory
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task

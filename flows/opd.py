@@ -2,7 +2,7 @@
 
 Each step runs `rollout -> reward -> annotate -> teacher -> distill -> validate -> train -> sync`,
 then `evaluate` and `checkpoint` on cadence. The student (the policy workers, synced to the rollout
-engine) samples; the teacher (`cluster.teacher_replicas` `infra.teacher.TeacherWorker` actors beside the
+engine) samples; the teacher (`cluster.teacher_replicas` `infra.workers.teacher.TeacherWorker` actors beside the
 trainer ranks, never synced) scores the sampled tokens at the loss temperature, each replica a contiguous
 share of the rows in parallel; the scores travel as `batch.teacher_logp`, checked by the
 gate; `distill` turns them into per-token advantages (`rl.objective.distillation_mode=advantage`) or leaves
@@ -18,9 +18,9 @@ from prefect import flow, get_run_logger
 
 from flows.on_policy import run_on_policy
 from flows.params import NO_KNOBS, RunKnobs, open_run
-from flows.runner import run_with_restarts
+from flows.restarts import run_with_restarts
 from rl_core.config import PosttrainConfig
-from rl_core.config.loader import ConfigError
+from rl_core.config.explain import ConfigError
 
 
 def require_teacher(cfg: PosttrainConfig) -> None:

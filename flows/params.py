@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from rl_core.config import PosttrainConfig
-from rl_core.config.loader import ConfigError
+from rl_core.config.explain import ConfigError
 from rl_core.redact import redact_text
 
 log = logging.getLogger("posttrain")
@@ -78,7 +78,7 @@ def open_run(recipe: str, overrides: list[str] | None, knobs: RunKnobs | dict | 
     from flows.guard import check_run_parameters
     from flows.logs import redact_run_logs
     from infra.processes import DRIVER_THREADS, use_threads
-    from rl_core.config.preflight import load_checked
+    from rl_core.preflight.rules import load_checked
 
     redact_run_logs()  # before anything is logged: no credential reaches the run's log rows or stderr
     use_threads(DRIVER_THREADS)  # the driver holds no model; the actors' threads get the cores

@@ -13,7 +13,7 @@ as a subflow) feeds checks 1, 2 and 5; checks 3 and 4 need no run:
    `regression/reference_trajectory.json`, |x - ref| <= atol + rtol |ref| (CPU float32 runs are
    bitwise repeatable on one machine and torch version; the tolerance absorbs nothing else).
 3. `objectives.*`: the rl_core.primitives / annotators formulas on fixed float64 tensors against
-   the plain-Python closed forms of `rl_core.closed_forms` (the ones the test suite uses).
+   the plain-Python closed forms of `rl_core.evaluation.closed_forms` (the ones the test suite uses).
 4. `gsm8k_reward.*`: `gsm8k_reward` on fixed completions against their known scores.
 5. `timing.*`: median step time and tokens/s against a baseline: a warning, never a failure.
 
@@ -22,8 +22,8 @@ run in experiment `posttrain-regression`, with the previous nights' results read
 as a trend table, and a Prefect table artifact; then it fails, naming every check that regressed.
 
 This module only orders the phases (the fixed run, the checks, the report, its MLflow run, the
-Prefect artifacts). The checks are `rl_core/regression_checks.py` (pure); the report, the trend and
-the MLflow run are `infra/regression_report.py`.
+Prefect artifacts). The checks are `rl_core/evaluation/regression_checks.py` (pure); the report, the trend and
+the MLflow run are `infra/tracking/regression_report.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 from prefect import flow, get_run_logger
 
-from infra.regression_report import (
+from infra.tracking.regression_report import (
     EXPERIMENT,
     KIND_TAG,
     log_report_run,
@@ -49,9 +49,8 @@ from infra.regression_report import (
     tonight_row,
     write_report,
 )
-from infra.tracking import MetricsLog
-from rl_core.redact import redact_uri
-from rl_core.regression_checks import (
+from infra.tracking.tracker import MetricsLog
+from rl_core.evaluation.regression_checks import (
     RECIPE,
     RUN_OVERRIDES,
     TRAJECTORY_KEYS,
@@ -65,6 +64,7 @@ from rl_core.regression_checks import (
     timing_checks,
     trajectory_checks,
 )
+from rl_core.redact import redact_uri
 
 __all__ = ["EXPERIMENT", "KIND_TAG", "RECIPE", "REFERENCE", "RUN_OVERRIDES", "THRESHOLDS", "Check",
            "RegressionFailed", "load_thresholds", "main", "regression", "run_overrides", "write_reference"]
@@ -109,7 +109,7 @@ def regression(thresholds: str = THRESHOLDS, reference: str = REFERENCE, out_dir
     from flows.grpo import grpo
     from flows.guard import check_regression_parameters, trusted_subflows
     from flows.logs import redact_run_logs
-    from infra.tracking import git_revision, resolve_tracking_uri
+    from infra.tracking.tracker import git_revision, resolve_tracking_uri
     from rl_core.config import load_config
     from rl_core.user_code import user_error
 
@@ -191,7 +191,7 @@ def write_reference(path: str | os.PathLike = REPO_ROOT / REFERENCE, out_dir: st
     import torch
 
     from flows.entry import run_recipe
-    from infra.tracking import git_revision, package_versions
+    from infra.tracking.tracker import git_revision, package_versions
     from rl_core.config import load_config
 
     out = Path(out_dir).resolve()

@@ -29,10 +29,8 @@ from typing import Any, Self
 from prefect.runtime import flow_run
 
 from flows.artifacts import RunArtifacts
-from infra.lease import S3Lease
-from infra.plots import curve_title
-from infra.provenance import dvc_hashes
-from infra.resume import (
+from infra.checkpoints.lease import S3Lease
+from infra.checkpoints.resume import (
     ResumePlan,
     RunLock,
     checkpoint_meta,
@@ -43,11 +41,13 @@ from infra.resume import (
     run_identity,
     write_run_state,
 )
-from infra.storage import FINAL_MODEL, CheckpointError, CheckpointStore
-from infra.tracking import MetricsLog, RunTracker, ui_command
+from infra.checkpoints.store import FINAL_MODEL, CheckpointError, CheckpointStore
+from infra.tracking.plots import curve_title
+from infra.tracking.provenance import dvc_hashes
+from infra.tracking.tracker import MetricsLog, RunTracker, ui_command
 from rl_core.algorithms.context import ObjectiveContext
+from rl_core.algorithms.registry import build_objective
 from rl_core.config import PosttrainConfig, config_hash, write_resolved
-from rl_core.registry import build_objective
 from rl_core.rewards import success_reward
 from rl_core.rewards.configured import reward_names
 from tasks.checkpoint import commit_checkpoint_task, save_model_task, start_checkpoint_task
@@ -104,58 +104,6 @@ class Timer:
         return time.perf_counter() - self.started
 
 
-def lost_actor(exc: BaseException) -> bool:
-    """Whether `exc` (or what it was raised from) is a Ray actor or node that died: what a restart survives.
-
-    What it was raised from is the chain Python prints: the cause, else the context unless `raise ... from None`
-    suppressed it. An error of user code (a reward, whose worker may have died under it; a task, environment or
-    custom objective) is never a lost actor: re-placing the trainers would not fix it, the task's retries are its
-    remedy."""
-    import ray.exceptions as rex
-
-    from rl_core.rewards import RewardError
-    from rl_core.user_code import UserCodeError
-
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, (RewardError, UserCodeError)):
-            return False
-        if isinstance(exc, (rex.RayActorError, rex.NodeDiedError, rex.OwnerDiedError)):
-            return True
-        chained = exc.__cause__ if exc.__cause__ is not None else \
-            (None if exc.__suppress_context__ else exc.__context__)
-        exc, seen = chained, seen + 1
-    return False
-
-
-def run_with_restarts(cfg: PosttrainConfig, body: Callable[[PosttrainConfig], dict],
-                      announce: Callable[..., None]) -> dict:
-    """`body(cfg)`, started again (at most `job.max_restarts` times) when a Ray actor or node dies under it.
-
-    A restart places every role anew and resumes from the newest checkpoint (`rl.resume=auto`, also when
-    the run was started with `off`: its own directory is now the run to continue), so it loses at most the
-    `rl.save_every` steps since that checkpoint; those steps are redone exactly. After the last restart the
-    flow fails with the actor error, saying how many restarts were made.
-    """
-    attempt_cfg = cfg
-    for restart in range(cfg.job.max_restarts + 1):
-        try:
-            result = body(attempt_cfg)
-            return {**result, "restarts": restart}
-        except Exception as exc:
-            if not lost_actor(exc):
-                raise
-            if restart == cfg.job.max_restarts:
-                raise RuntimeError(f"a Ray actor died again after {restart} automatic restart(s) "
-                                   f"(job.max_restarts={cfg.job.max_restarts}): {type(exc).__name__}: {exc}; "
-                                   "the run can be continued with rl.resume=auto once the cluster is healthy") from exc
-            announce("a Ray actor died (%s: %s); restart %d of %d from the newest checkpoint",
-                     type(exc).__name__, str(exc).splitlines()[0][:200], restart + 1, cfg.job.max_restarts)
-            attempt_cfg = cfg.model_copy(deep=True)
-            attempt_cfg.rl.resume = "auto"
-    raise AssertionError("unreachable")
-
-
 def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """The ranks' public metrics averaged (the ranks hold identical weights; their shards differ); GPU memory
     (`perf/gpu_*`) is the largest rank's."""
@@ -192,7 +140,7 @@ class TrainingRun:
     @classmethod
     def prepare(cls, cfg: PosttrainConfig, recipe: str, overrides: list[str],
                 announce: Callable[[str], None]) -> TrainingRun:
-        """Lock the run directory, lease its S3 prefix (`infra.lease`), plan the resume, write the resolved config;
+        """Lock the run directory, lease its S3 prefix (`infra.checkpoints.lease`), plan the resume, write the resolved config;
         use the result as a context manager (`with run, ...:`), whose exit releases the lease and the lock."""
         lock = RunLock(cfg).acquire()  # before anything in the run directory is read, deleted or written
         try:

@@ -8,7 +8,7 @@ example's tiny model and warm start).
 Each artifact is written beside its place and renamed into it (`rl_core.atomic`), under one lock per
 working directory (`artifacts/.build.lock`), so two first runs build each artifact once and neither
 reads the other's half-written files. A model directory counts as present only when its content is
-whole (`rl_core.models.model_problem`: JSON files parse, safetensors headers match their sizes), a
+whole (`rl_core.model.loading.model_problem`: JSON files parse, safetensors headers match their sizes), a
 data file only when every line reads back; a damaged one is rebuilt, saying why.
 """
 
@@ -66,7 +66,7 @@ def _data_complete(path: str | Path, announce: Callable[[str], None] = lambda _:
 
 
 def _model_complete(path: Path, announce: Callable[[str], None] = lambda _: None) -> bool:
-    from rl_core.models import model_problem
+    from rl_core.model.loading import model_problem
 
     if not path.exists():
         return False
@@ -123,7 +123,7 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         built.append("arithmetic_data")
     wants_tiny = _is(cfg.model.name_or_path, TINY_WARM) or _is(cfg.model.name_or_path, TINY_INIT) or wants_teacher
     if wants_tiny and not _model_complete(TINY_INIT, announce):
-        from rl_core.models import build_tiny_model
+        from rl_core.model.loading import build_tiny_model
 
         params = params or load_params()
         announce(f"building the tiny model in {TINY_INIT}/ (missing)")
@@ -163,7 +163,7 @@ def _ensure_moe(cfg: PosttrainConfig, announce: Callable[[str], None], params: d
     if not (_is(name, TINY_MOE_INIT) or _is(name, TINY_MOE_WARM)):
         return built
     if not _model_complete(TINY_MOE_INIT, announce):
-        from rl_core.models import build_tiny_moe_model
+        from rl_core.model.loading import build_tiny_moe_model
 
         params = params or load_params()
         announce(f"building the tiny mixture-of-experts model in {TINY_MOE_INIT}/ (missing)")
@@ -181,7 +181,7 @@ def _warm_start(start: Path, out: Path, stage: str, params: dict, saying: str,
                 announce: Callable[[str], None]) -> str:
     """`out` trained from `start` on the arithmetic train split with params.yaml's `stage` values, as that DVC
     stage does; returns `stage`."""
-    from rl_core.warm_start import warm_start
+    from rl_core.training.warm_start import warm_start
 
     announce(saying)
     metrics = warm_start(start, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", out, **params[stage])

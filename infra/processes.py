@@ -4,7 +4,7 @@ its process group signalled and awaited, free TCP ports on 127.0.0.1, and the CP
 Threads per role (docs/benchmarks.md, the threads table): the driver uses `DRIVER_THREADS`; a trainer rank, a
 rollout engine and a teacher use `cluster.cpus_per_worker` / `cpus_per_engine` (what Ray reserves for them); a
 reward worker one. Every one of them runs OpenMP with `OPENMP_ENV` (idle threads sleep instead of spinning), set by
-`posttrain` before torch loads and passed to the Ray actors in their runtime_env (`infra.ray_connect`).
+`posttrain` before torch loads and passed to the Ray actors in their runtime_env (`infra.cluster.ray_connect`).
 """
 
 from __future__ import annotations

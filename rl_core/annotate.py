@@ -15,8 +15,8 @@ import torch
 from rl_core.agents.rollout import episode_stats
 from rl_core.annotators.advantage import group_advantages
 from rl_core.annotators.shared_prefix import shared_prefix_loss_mask
+from rl_core.batch.trajectory import Trajectory
 from rl_core.config import RLConfig
-from rl_core.trajectory import Trajectory
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The one redactor: keeps credentials out of everything posttrain prints, logs, raises or uploads.
 
 Pure text and dict handling (no Prefect, Ray, MLflow or boto3 imports), used by the config loader,
-checkpoint storage (`infra.storage`), MLflow tracking (`infra.tracking`) and the flows.
+checkpoint storage (`infra.checkpoints.store`), MLflow tracking (`infra.tracking.tracker`) and the flows.
 
   * `redact_uri(text)`: the userinfo of every `scheme://user[:password]@host` in free text becomes
     `***` (`s3://***@bucket/p`, `https://***@host`). A password may hold unencoded `/`, `#`, `?`, `@`

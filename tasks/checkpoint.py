@@ -10,7 +10,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.storage import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 
 
 @task(name="checkpoint", task_run_name="checkpoint step {step}", cache_policy=NO_CACHE)

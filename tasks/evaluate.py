@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.evaluation import evaluate_accuracy
+from rl_core.evaluation.heldout import evaluate_accuracy
 
 
 @task(name="evaluate", task_run_name="evaluate step {step}", cache_policy=NO_CACHE)
@@ -15,7 +15,7 @@ def evaluate_task(engine: Any, tokenizer: Any, examples: list, data_cfg: Any, ma
                   rewards: Any = None, *, step: int, max_turns: int = 1,
                   max_episode_tokens: int | None = None, environments: Any = None) -> dict[str, float]:
     """`max_turns` / `max_episode_tokens`: an agent task's episode limits (`rollout.*`); `environments`: where its
-    environments live (`infra.environments.EnvironmentPool`)."""
+    environments live (`infra.workers.environments.EnvironmentPool`)."""
     result = evaluate_accuracy(None, tokenizer, examples, data=data_cfg, max_tokens=max_tokens, engine=engine,
                                scorer=rewards.scores if rewards is not None else None, max_turns=max_turns,
                                max_episode_tokens=max_episode_tokens, environments=environments)

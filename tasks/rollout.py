@@ -77,7 +77,7 @@ def episodes_task(engine: Any, agent_task: Any, examples: list, tokenizer: Any, 
                   environments: Any = None, *, step: int) -> tuple[Any, float]:
     """An agent task's rollout: `n` episodes of its environment per example, turn by turn on the engines
     (`rl_core.agents.rollout_episodes`, `limits` the episode's `max_turns` / `max_episode_tokens`), the environments
-    in `environments` (`infra.environments.EnvironmentPool`); cached like `rollout_task`, the episodes'
+    in `environments` (`infra.workers.environments.EnvironmentPool`); cached like `rollout_task`, the episodes'
     conversations and rewards included."""
     from rl_core.agents.rollout import rollout_episodes
 

@@ -9,8 +9,8 @@ from prefect.cache_policies import NO_CACHE
 
 from rl_core.algorithms.opd import opd_annotate
 from rl_core.annotate import Annotated
+from rl_core.batch.gate import validate_teacher_logp
 from rl_core.config import RLConfig
-from rl_core.gate import validate_teacher_logp
 
 
 @task(name="teacher", task_run_name="teacher step {step}", cache_policy=NO_CACHE)

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rl_core.annotate import Annotated
-from rl_core.gate import validate_annotations, validate_batch_tensors
+from rl_core.batch.gate import validate_annotations, validate_batch_tensors
 
 
 @task(name="validate", task_run_name="validate step {step}", cache_policy=NO_CACHE)

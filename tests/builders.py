@@ -54,7 +54,7 @@ def grpo_batch(resp, prompt, seed: int = 0, policy_version: int = 0, vocab_size:
     import torch
 
     from rl_core.annotators.advantage import group_advantages
-    from rl_core.trajectory import Trajectory
+    from rl_core.batch.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(seed)
     ids, att, loss = rollout_layout(prompt, resp, g, vocab_size)
@@ -70,7 +70,7 @@ def grpo_batch(resp, prompt, seed: int = 0, policy_version: int = 0, vocab_size:
 def objective_problems(**objective) -> list[str]:
     """The config errors of an `rl.objective` (its own rules, or preflight's), each naming its key."""
     from rl_core.config import ConfigError, config_from_dict
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     try:
         cfg = config_from_dict({"rl": {"objective": objective}})

@@ -34,7 +34,7 @@ from infra.processes import passive_openmp
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 passive_openmp()
 
-from infra.services import use_prefect_server_defaults
+from infra.services.prefect_api import use_prefect_server_defaults
 from tests.builders import STARTUP_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ platform.processor()
 def workdir(tmp_path_factory) -> Path:
     """A working directory with the arithmetic data and the tiny random-init model (no warm start)."""
     from rl_core.data.arithmetic import make_arithmetic_data
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     root = tmp_path_factory.mktemp("work")
     make_arithmetic_data(root / "data" / "arithmetic", seed=0)
@@ -97,12 +97,12 @@ def pytest_configure(config):
 # handed out last would run alone at the end.
 HEAVIEST_FIRST = (
     "tests/flows/test_deployments.py", "tests/flows/test_resume_after_kill.py", "tests/flows/test_dpo_flow.py",
-    "tests/flows/test_opd_flow.py", "tests/flows/test_resume.py", "tests/infra/test_scale_out.py",
-    "tests/infra/test_vllm_cpu.py", "tests/flows/test_dvc.py", "tests/infra/test_faults.py",
-    "tests/infra/test_ray_cluster.py", "tests/infra/test_fsdp.py", "tests/flows/test_lora_flow.py",
+    "tests/flows/test_opd_flow.py", "tests/flows/test_resume.py", "tests/infra/cluster/test_scale_out.py",
+    "tests/infra/workers/test_vllm_cpu.py", "tests/flows/test_dvc.py", "tests/infra/cluster/test_faults.py",
+    "tests/infra/cluster/test_ray_cluster.py", "tests/infra/workers/test_fsdp.py", "tests/flows/test_lora_flow.py",
     "tests/test_front_door.py", "tests/flows/test_regression.py",
     "tests/flows/test_flow.py", "tests/flows/test_gsm8k_recipes.py", "tests/flows/test_posttrain_run.py",
-    "tests/infra/test_tracking_e2e.py",
+    "tests/infra/tracking/test_tracking_e2e.py",
 )
 
 
@@ -189,7 +189,7 @@ def _build_warm(start: Path, root: Path, workdir: Path, which: str) -> tuple[Pat
     """`which` in {"warm_start", "teacher_warm_start"} of params.yaml, trained from `start` on the workdir's data
     exactly as `infra.artifacts.ensure_quickstart_artifacts` builds a missing artifact."""
     from infra.artifacts import load_params
-    from rl_core.warm_start import warm_start
+    from rl_core.training.warm_start import warm_start
 
     params = load_params(REPO / "params.yaml")
     data = workdir / "data" / "arithmetic"
@@ -299,8 +299,8 @@ def recipe(name: str) -> str:
 
 
 # What a short test run leaves out unless it is what the test is about: the reward actors (rewards run in the driver;
-# tests/infra/test_reward_pool.py has the pool), MLflow's system-metrics sampler and the completions table
-# (tests/infra/test_tracking*.py turn them on).
+# tests/infra/workers/test_reward_pool.py has the pool), MLflow's system-metrics sampler and the completions table
+# (tests/infra/tracking/test_tracking*.py turn them on).
 LEAN = [
     "data.reward_workers=0",
     "tracking.system_metrics=false",
@@ -322,7 +322,7 @@ FAST = [
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory) -> Path:
     """A second random-init tiny model (another seed): the KL reference."""
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     path = tmp_path_factory.mktemp("ref") / "ref"
     build_tiny_model(path, seed=1)

@@ -89,7 +89,7 @@ def load_one_weight_wrong(worker: Any) -> str:
     engine = worker.engine
     hf_model = getattr(engine, "model", None)
     if hf_model is not None:  # HF: the stream is received straight into the engine's parameters
-        from infra import distributed
+        from infra.workers import distributed
 
         receive_into = distributed.receive_into
 

@@ -1,4 +1,4 @@
-"""Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/infra/test_fsdp.py.
+"""Two gloo ranks on CPU that train the same batches unsharded and with FSDP2; run by tests/infra/workers/test_fsdp.py.
 
     python tests/fsdp_ranks.py OUT.json [--checkpointing] [--bf16] [--hsdp] | OUT.json --one-rank DIR
 
@@ -46,7 +46,7 @@ def base_model():
 def batch(step: int, rank: int, world: int | None = None):
     """Rank `rank`'s contiguous share of step `step`'s batch (the same batch on every rank before the split)."""
     from rl_core.annotators.advantage import group_advantages
-    from rl_core.trajectory import Trajectory
+    from rl_core.batch.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(100 + step)
     prompt, resp = 3, 6
@@ -69,12 +69,12 @@ def batch(step: int, rank: int, world: int | None = None):
 
 
 def make_trainer(sharded: bool, checkpointing: bool, compute=torch.float32, mesh=None):
-    from infra.distributed import shard_policy
+    from infra.workers.distributed import shard_policy
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.data_parallel import ProcessGroupReducer
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.data_parallel import ProcessGroupReducer
+    from rl_core.training.trainer import LLMTrainer
 
     model = base_model()
     if checkpointing:
@@ -186,14 +186,14 @@ def bf16_main(rank: int, out: str, checkpointing: bool) -> None:
 
 
 def sharded_load(rank: int, model_dir: str, mesh) -> dict:
-    """`infra.sharded_load.load_sharded_policy` of a saved `base_model()`: every rank's shards, gathered, must be the
+    """`infra.workers.sharded_load.load_sharded_policy` of a saved `base_model()`: every rank's shards, gathered, must be the
     saved weights bit for bit, the rotary buffers too, and each rank must hold only its share, having read its own
     rows of the saved file (no broadcast from rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from infra.sharded_load import load_sharded_policy
+    from infra.workers.sharded_load import load_sharded_policy
     from rl_core.config.schema import ModelConfig
-    from rl_core.models import build_tiny_tokenizer
+    from rl_core.model.loading import build_tiny_tokenizer
 
     saved = base_model()
     if rank == 0:
@@ -211,11 +211,11 @@ def sharded_load(rank: int, model_dir: str, mesh) -> dict:
 
 def rank_written_checkpoint(rank: int, directory: str, checkpointing: bool) -> dict:
     """A sharded checkpoint after 2 steps, written by both ranks in the background while the 3rd step trains
-    (`infra.checkpoint_shards`), then resumed on two sharded ranks for the 3rd step. Rank 0 leaves in `directory`
+    (`infra.checkpoints.shards`), then resumed on two sharded ranks for the 3rd step. Rank 0 leaves in `directory`
     what a one-rank resume needs (`one_rank_main`): the shards, rank 0's plain state, the straight run's weights."""
     from safetensors.torch import save_file
 
-    from infra.checkpoint_shards import read_shards, write_shards
+    from infra.checkpoints.shards import read_shards, write_shards
 
     group = dist.new_group(backend="gloo")  # the checkpoint's collectives, apart from training's
 
@@ -271,8 +271,8 @@ def one_rank_main(out: str, directory: str) -> None:
     ranks' did; against the two ranks' straight run."""
     from safetensors.torch import load_file
 
-    from infra.checkpoint_shards import read_shards
-    from rl_core.trainer import LLMTrainer
+    from infra.checkpoints.shards import read_shards
+    from rl_core.training.trainer import LLMTrainer
 
     trainer = make_trainer(False, False)
     trainer.dp_reducer = None

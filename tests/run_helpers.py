@@ -26,7 +26,7 @@ def trainer_logprobs(model_dir: Path, completions, temperature: float):
     import torch
 
     from rl_core.config.schema import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
     from rl_core.primitives.logprobs import sequence_token_logprobs
 
     model, _ = load_policy(ModelConfig(name_or_path=str(model_dir)))
@@ -90,7 +90,7 @@ def provenance(client, run_id: str, attempt: int, dst: Path) -> dict:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    from infra.storage import CheckpointStore, checkpoint_step
+    from infra.checkpoints.store import CheckpointStore, checkpoint_step
 
     return [checkpoint_step(p) for p in CheckpointStore(run_dir / "checkpoints").list_valid()]
 
@@ -110,7 +110,7 @@ def small_config(*overrides: str):
 def save_checkpoint(store, cfg, step: int, run_id: str = "run-abc") -> None:
     import torch
 
-    from infra.resume import checkpoint_meta
+    from infra.checkpoints.resume import checkpoint_meta
 
     store.save(step, {"trainer": {"w": torch.full((2, 3), float(step))}, "driver": {"step": step}},
                checkpoint_meta(cfg, mlflow_run_id=run_id))
@@ -124,7 +124,7 @@ def phase(task_run_name: str) -> str:
 
 def task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 60.0) -> list:
     """The flow run's task runs as the API has recorded them. The server records task-run states from events, in
-    batches (infra.services.PREFECT_SERVER_DEFAULTS: at least once a second), so read until two reads `settle_s`
+    batches (infra.services.supervisor.PREFECT_SERVER_DEFAULTS: at least once a second), so read until two reads `settle_s`
     apart agree and every run is in a final state."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId

@@ -2,7 +2,7 @@
 Prefect API server.
 
 Fixtures in `conftest.py` wrap these (`moto_server` and `prefect_api` per test module, `mlflow_server` per
-test). Ports, console scripts, polling and process-group signals are `infra.services`' (what `posttrain
+test). Ports, console scripts, polling and process-group signals are `infra.services.supervisor`' (what `posttrain
 services` uses).
 """
 
@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.processes import free_port, signal_group, wait_until
-from infra.services import PREFECT_SERVER_DEFAULTS, QUIET, http_ok, venv_bin
+from infra.services.prefect_api import PREFECT_SERVER_DEFAULTS, http_ok
+from infra.services.supervisor import QUIET, venv_bin
 from tests.builders import STARTUP_TIMEOUT_S
 
 

@@ -63,7 +63,7 @@ def not_an_objective(rl, context):
 NOT_A_FUNCTION = 3
 
 
-# ---- an environment whose tool can hang, raise or crash its process (tests/infra/test_environment_pool.py)
+# ---- an environment whose tool can hang, raise or crash its process (tests/infra/workers/test_environment_pool.py)
 def wait(seconds: float) -> str:
     """Wait, then say so.
 

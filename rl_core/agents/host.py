@@ -1,7 +1,7 @@
 """Where a step's environments live, and the three calls a rollout makes on them, each over a batch of episodes.
 
 Episode `k` (a key the rollout chooses, unique among the episodes in flight) has one environment, built from its
-dataset row by `open` and dropped by `finish`. `LocalEnvironments` keeps them in this process; `infra.environments.EnvironmentPool`
+dataset row by `open` and dropped by `finish`. `LocalEnvironments` keeps them in this process; `infra.workers.environments.EnvironmentPool`
 keeps them in Ray actors, one share per actor, and bounds every call by `data.env_timeout_s`. Both answer with
 the same records, so the rollout (`rl_core.agents.rollout`) does not know where its environments run:
 
@@ -56,7 +56,7 @@ def _failure(what: str, exc: BaseException) -> str:
 
 class LocalEnvironments:
     """The episodes' environments in this process: no timeout (a hanging tool hangs the rollout), no isolation.
-    `infra.environments.EnvironmentPool` runs one of these in each of its actors."""
+    `infra.workers.environments.EnvironmentPool` runs one of these in each of its actors."""
 
     def __init__(self) -> None:
         self.live: dict[Hashable, Environment] = {}

@@ -97,7 +97,7 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
                      sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int,
                      host: Any = None) -> tuple[Completions, float]:
     """`n` episodes of `task.environment` per example, sampled to their ends; `(completions, seconds inside the
-    engines)`. The environments live in `host` (`infra.environments.EnvironmentPool`: Ray actors, with timeouts),
+    engines)`. The environments live in `host` (`infra.workers.environments.EnvironmentPool`: Ray actors, with timeouts),
     or in this process (`LocalEnvironments`). The completions carry every episode's record (`Episode.record`:
     conversation, the environment's reward, counts) in `episodes`.
 

@@ -1,9 +1,10 @@
 """Typed configuration: the schema and loading recipes + dotlists (docs/config.md). The checks of a loaded config
-are `rl_core.config.preflight` (the config alone: `preflight`, `check`, `load_checked`),
-`rl_core.config.environment` (this machine) and `rl_core.config.data_check` (the rows of the data splits)."""
+are `rl_core.preflight.rules` (the config alone: `preflight`, `check`, `load_checked`),
+`rl_core.preflight.machine` (this machine) and `rl_core.preflight.rows` (the rows of the data splits).
+`rl_core.config.explain` turns every problem into a line naming its dotted key."""
 
+from rl_core.config.explain import ConfigError
 from rl_core.config.loader import (
-    ConfigError,
     config_from_dict,
     config_hash,
     flatten,

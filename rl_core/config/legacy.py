@@ -71,7 +71,7 @@ def folded_key_message(dotted: str, value: Any) -> str:
 
 def _samples_nothing(objective: Any) -> bool:
     """The objective section (a dict) names an offline objective: DPO, or a custom one with step_loop=offline."""
-    from rl_core.registry import OBJECTIVES
+    from rl_core.algorithms.registry import OBJECTIVES
 
     if not isinstance(objective, dict) or objective.get("type") not in OBJECTIVES:
         return False
@@ -113,7 +113,7 @@ def translate_rl(rl: dict[str, Any], algorithm: str | None = None) -> dict[str, 
     flat = {k: rl[k] for k in RL_KEYS if k in rl}
     if not flat and algorithm is None:
         return rl
-    from rl_core.registry import OBJECTIVES
+    from rl_core.algorithms.registry import OBJECTIVES
 
     out = {k: v for k, v in rl.items() if k not in RL_KEYS}
     if out.get("objective") is not None and not isinstance(out["objective"], dict):

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from rl_core.algorithms.grpo import GRPO
+from rl_core.algorithms.registry import ObjectiveSpec
 from rl_core.config.legacy import translate, translate_rl
 from rl_core.redact import has_userinfo
-from rl_core.registry import ObjectiveSpec
 from rl_core.user_code import IMPORT_PATH, ImportPathError, import_path_of
 
 # The most seconds any timeout or delay may be (a week): every `*_s` field is bounded by it, so a value reaches

@@ -34,7 +34,7 @@ def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
 def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them."""
     from rl_core.config import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
     from rl_core.rollout.base import SamplingParams
     from rl_core.rollout.hf import HFEngine
     from rl_core.tasks import Example, encode_prompts

@@ -5,11 +5,11 @@ A pair is `{"prompt": str, "chosen": str, "rejected": str}` (optional `"pair_id"
 JSONL file, or a Hugging Face dataset id `org/name[:split]` with the same columns (needs the
 optional `datasets` package).
 
-The gate (`validate_preference_pairs`, schema `PreferencePairs` in `rl_core.gate`): non-empty (after stripping)
+The gate (`validate_preference_pairs`, schema `PreferencePairs` in `rl_core.batch.gate`): non-empty (after stripping)
 prompt/chosen/rejected, `chosen != rejected`, unique pair ids, and — with a tokenizer — token
 lengths within the limits given as parameters (`prompt_tokens <= max_prompt_tokens`,
 `chosen_tokens`/`rejected_tokens <= max_response_tokens`, responses counted with their EOS). A
-refusal raises `rl_core.gate.PreferencePairsError` naming every failing check and a few rows.
+refusal raises `rl_core.batch.gate.PreferencePairsError` naming every failing check and a few rows.
 
 Batch layout (`pairs_to_trajectory`). The trainer takes a `Trajectory`, so a DPO batch is one, with
 two rows per pair: pair k of the batch is rows `2k` (chosen) and `2k + 1` (rejected). Each row is the
@@ -84,7 +84,7 @@ def validate_preference_pairs(pairs: pd.DataFrame | Iterable[dict], *, tokenizer
     `field_uniqueness` on pair_id, `chosen_tokens<=max_response_tokens(N)`, ...). Token limits need a
     tokenizer (ValueError otherwise).
     """
-    from rl_core.gate import validate_pair_table
+    from rl_core.batch.gate import validate_pair_table
 
     df = _as_frame(pairs)
     if (max_prompt_tokens is not None or max_response_tokens is not None) and tokenizer is None:
@@ -162,7 +162,7 @@ def pairs_to_trajectory(pairs: pd.DataFrame | Iterable[dict], tokenizer, *, task
     Prompts are encoded exactly as the rollout encodes them (`encode_prompts` with `task`, `template` and
     the `data` config section's system prompt and instruction), responses as `tokenizer(text, add_special_tokens=False) + [EOS]`.
     """
-    from rl_core.trajectory import Trajectory
+    from rl_core.batch.trajectory import Trajectory
 
     df = _as_frame(pairs)
     if len(df) == 0:

@@ -31,7 +31,7 @@ import torch
 
 ROUTE_DTYPE = torch.uint8
 NOT_ROUTED = 255  # no recorded route: the router's own choice stands
-# what the vLLM engine and the environment check say of model.routing_replay=rollout on vLLM's CPU build
+# what the vLLM engine and the machine check say of model.routing_replay=rollout on vLLM's CPU build
 VLLM_CPU_HAS_NO_ROUTES = ("model.routing_replay=rollout with vLLM's CPU build: vLLM returns routed experts only from "
                           "its V2 model runner, which needs Triton (GPU builds); use rollout.backend=hf, or "
                           "model.routing_replay=old")

@@ -21,10 +21,10 @@ RUNTIME_BYTES = 1 * GIB
 # make gpu-smoke checks the measurement against this figure
 VLLM_ASLEEP_BYTES = 1 * GIB
 # The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
-GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
-WIRE_BUCKET_BYTES = 256 * MIB  # infra.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and
+GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.training.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
+WIRE_BUCKET_BYTES = 256 * MIB  # infra.workers.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and
 # rl_core.rollout.vllm.RELOAD_CHUNK_BYTES (a tensor-parallel engine's host chunk)
-EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.evaluate_accuracy(batch_size=128): greedy held-out prompts
+EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.heldout.evaluate_accuracy(batch_size=128): greedy held-out prompts
 REFERENCE_CHUNK_ROWS = 256  # flows.dpo.REFERENCE_CHUNK_ROWS: DPO reference rows per forward without a micro-batch
 FSDP_LAYERS_IN_FLIGHT = 2
 # NCCL's default buffers (NCCL_BUFFSIZE 4 MiB) on 16 channels, to and from both ring neighbours, per communicator
@@ -102,7 +102,7 @@ def logits_bytes(shape: ModelShape, read_tokens: int, c: int, backward: bool, he
     trained (not under LoRA, whose adapters leave the head frozen). bf16: the head weight cast to bf16
     (`2·V·h`) while the head runs.
     """
-    from rl_core.primitives.logprobs import CHUNK_ELEMENTS
+    from rl_core.primitives.chunked_softmax import CHUNK_ELEMENTS
 
     vh = shape.vocab_size * shape.hidden_size
     chunk = min(CHUNK_ELEMENTS // shape.vocab_size, read_tokens) * shape.vocab_size

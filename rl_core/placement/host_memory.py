@@ -7,9 +7,9 @@ transformers, the Ray worker) throughout, and host memory at three moments:
 - start-up: the model is read in float32 into host memory before it reaches the device. Unsharded, every rank
   does this; sharded (`fsdp`/`hsdp`), each rank reads only its own rows of each tensor from the local safetensors
   files (memory-mapped), and only where it cannot (a hub id, a converted layout) rank 0 reads the whole model and
-  broadcasts it tensor by tensor (`infra.sharded_load.load_sharded_policy`); the plan counts that case, the larger.
+  broadcasts it tensor by tensor (`infra.workers.sharded_load.load_sharded_policy`); the plan counts that case, the larger.
 - training with a checkpoint in flight: a save copies the rank's shards of the float32 weights (LoRA: the adapters)
-  and of the AdamW state into host memory and writes them while the next steps run (`infra.checkpoint_shards`);
+  and of the AdamW state into host memory and writes them while the next steps run (`infra.checkpoints.shards`);
   unsharded, the replicas split the tensors between them. The copies are kept for the next save and released before
   the final export.
   Colocated vLLM under LoRA sleeps at level 1 and keeps its base weights in pinned host memory meanwhile.
@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 
 from rl_core.config.schema import PosttrainConfig
-from rl_core.lora import adapter_counts
+from rl_core.model.lora import adapter_counts
 from rl_core.placement.run_shape import shard_mesh
 
 GIB = 1024**3

@@ -115,7 +115,7 @@ def shape_from_config(config, trust_remote_code: bool = False) -> ModelShape:
 
 def probe_model_shape(name_or_path: str, trust_remote_code: bool = False) -> tuple[ModelShape | None, str]:
     """`(shape, "")`, or `(None, why not)`: config.json from a local directory or the HF cache only, never a download."""
-    from rl_core.models import looks_local
+    from rl_core.model.loading import looks_local
 
     if looks_local(name_or_path):
         path = Path(name_or_path).expanduser()

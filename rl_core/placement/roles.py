@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from rl_core.config.schema import PosttrainConfig
-from rl_core.lora import adapter_counts
+from rl_core.model.lora import adapter_counts
 from rl_core.placement.formulas import (
     FORWARD,
     FSDP_LAYERS_IN_FLIGHT,
@@ -53,7 +53,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     rollout engine; `ref` is the frozen reference's shape."""
     cl, offline = cfg.cluster, cfg.rl.objective.topology == "offline"
     n = cl.num_workers
-    mesh = shard_mesh(cfg)  # None: one full replica per rank (infra.policy_worker.build_trainer)
+    mesh = shard_mesh(cfg)  # None: one full replica per rank (infra.workers.policy.build_trainer)
     fsdp = mesh is not None
     div = mesh[1] if fsdp else 1  # the state is split over a shard group (every rank under fsdp)
     c, seq, rows = compute_bytes(cfg), prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
@@ -69,7 +69,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     role.add(f"parameters: float32 master weights{shard}" + (f" + LoRA adapters ({params_text(A)})" if A else ""),
              math.ceil(4 * (P + A) / div))
     if fsdp:
-        role.notes.append("built sharded (infra.sharded_load.load_sharded_policy): a meta-device skeleton on every "
+        role.notes.append("built sharded (infra.workers.sharded_load.load_sharded_policy): a meta-device skeleton on every "
                           "rank, each rank reading its own rows of each tensor from the local safetensors (rank 0 "
                           "loads and broadcasts tensor by tensor for a hub id or a converted layout), so no rank ever "
                           "holds the whole model on its GPU; the final export gathers it tensor by tensor into rank "
@@ -90,7 +90,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     if c == 2 and not fsdp:
         role.add("bf16 weight copies: autocast casts of every Linear weight", 2 * s.matmul, (FORWARD,),
                  "held from forward to backward")
-    if fsdp:  # infra.distributed.shard_policy: MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)
+    if fsdp:  # infra.workers.distributed.shard_policy: MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)
         per = 2 * c + (4 if c == 2 else 0)
         role.add(f"FSDP gathered: root + {FSDP_LAYERS_IN_FLIGHT} layers' params and grads in "
                  f"{cfg.model.compute_dtype}{', + float32 reduce-scatter input' if c == 2 else ''}",
@@ -129,7 +129,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     elif A and (not colocated or fsdp):
         role.add(f"LoRA merged weights: full state in {cfg.model.compute_dtype}", state_c, (SYNC,),
                  "W + (alpha/r) B A of every adapted weight, sent to the HF engines")
-    # infra.distributed.WeightStream: one bucket packed for a colocated engine; two to separate engines (the next
+    # infra.workers.distributed.WeightStream: one bucket packed for a colocated engine; two to separate engines (the next
     # is packed while one is broadcast)
     bucket = (1 if colocated else 2) * min(WIRE_BUCKET_BYTES, state_c)
     packed = f"one {cfg.model.compute_dtype} bucket" if colocated else f"two {cfg.model.compute_dtype} buckets"

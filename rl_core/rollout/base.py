@@ -13,11 +13,10 @@ and `R` the longest response in the batch (≤ `max_tokens`):
 Masks come from the EOS position, never from pad ids: a model may sample the pad token as an
 ordinary response token.
 
-Multi-turn episodes (`rl_core.agents`) use the same layout with holes in the response mask: after
-the opening prompt come the policy's turns and the environment's messages, and `response_mask` is
-1 on the sampled tokens only. `episodes` then holds one JSON record per row: the conversation
-(`prompt` messages, `completion` messages with tool calls and results), the environment's
-`reward` and the episode's counts (`stats`).
+Multi-turn episodes (`rl_core.agents`) use the same layout with holes in the response mask: after the opening prompt
+come the policy's turns and the environment's messages, and `response_mask` is 1 on the sampled tokens only.
+`episodes` then holds one JSON record per row: the conversation (`prompt` messages, `completion` messages with tool
+calls and results), the environment's `reward` and the episode's counts (`stats`).
 """
 
 from __future__ import annotations
@@ -33,17 +32,15 @@ import torch
 class SamplingParams:
     """How to sample. `greedy=True` (or `temperature == 0`) takes the argmax token.
 
-    `seed`: the step's sampling seed. Every completion gets its own seed derived from it, from its
-    prompt's position in the step's whole batch and from its sample index (`completion_seeds`), so
-    a completion depends only on (seed, prompt position, sample index, prompt, weights): the same
-    whatever the number of engines the prompts were sharded across (`generate(...,
-    prompt_offset=)` gives the shard's first position). Global RNG state is never read. `None`
-    uses the engine's own generator, which advances from call to call.
+    `seed`: the step's sampling seed. Every completion gets its own seed derived from it, from its prompt's position
+    in the step's whole batch and from its sample index (`completion_seeds`), so a completion depends only on (seed,
+    prompt position, sample index, prompt, weights): the same whatever the number of engines the prompts were
+    sharded across (`generate(..., prompt_offset=)` gives the shard's first position). Global RNG state is never
+    read. `None` uses the engine's own generator, which advances from call to call.
 
-    `top_p < 1` samples from the nucleus, but `sampling_logp` stays the log-prob under the full
-    temperature-scaled distribution — the quantity the trainer computes — so it is not the
-    probability with which the token was actually drawn (preflight warns about this under
-    ratio-based surrogates).
+    `top_p < 1` samples from the nucleus, but `sampling_logp` stays the log-prob under the full temperature-scaled
+    distribution — the quantity the trainer computes — so it is not the probability with which the token was
+    actually drawn (preflight warns about this under ratio-based surrogates).
     """
 
     temperature: float = 1.0
@@ -355,14 +352,13 @@ class RolloutEngine(abc.ABC):
     """Samples completions from the current policy weights.
 
     `last_generate_s`: seconds the most recent `generate` call spent sampling (for perf metrics).
-    `generate(prompt_ids, n, sampling, prompt_offset=0)`: `prompt_ids` are unpadded token-id lists
-    (as the tokenizer returns them, special tokens included); returns `n` completions per prompt.
-    `prompt_offset` is the position of `prompt_ids[0]` in the step's whole batch when the prompts
-    are a shard of it (seeds per completion, see `SamplingParams`).
-    `update_weights(state_dict, version)`: load the trainer's weights; completions sampled
-    afterwards carry `policy_version == version`.
-    `sleep()` / `wake()`: free and take back the engine's memory around a colocated training step
-    (a no-op where the engine cannot).
+    `generate(prompt_ids, n, sampling, prompt_offset=0)`: `prompt_ids` are unpadded token-id lists (as the
+    tokenizer returns them, special tokens included); returns `n` completions per prompt. `prompt_offset` is the
+    position of `prompt_ids[0]` in the step's whole batch when the prompts are a shard of it (seeds per completion,
+    see `SamplingParams`).
+    `update_weights(state_dict, version)`: load the trainer's weights; later completions carry `policy_version ==
+    version`. `sleep()` / `wake()`: free and take back the engine's memory around a colocated training step (a
+    no-op where the engine cannot).
     `held_weights(probe)`: what the engine holds after a load, for the driver to check against the trainer
     (`rl_core.rollout.verify`): per-tensor float64 sums of the weights it can read back, keyed by HF names,
     and its own log-probs of the token sequence `probe`.

@@ -2,7 +2,7 @@
 
 vLLM is imported inside the methods only: importing this module, or `rl_core.rollout`, never
 imports vLLM. The engine runs in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless you set it),
-so it belongs in a process of its own: a rollout-engine Ray actor (`infra.engines`), or, colocated,
+so it belongs in a process of its own: a rollout-engine Ray actor (`infra.workers.engines`), or, colocated,
 a trainer rank. In-process vLLM changes its host process (thread binding on CPU, the global seed).
 
 Install (see docs/rollout.md): `pip install -c constraints-gpu.txt -e '.[gpu]'` on a CUDA machine (vllm==0.32.0,
@@ -212,7 +212,7 @@ class VLLMEngine(RolloutEngine):
         self.lora_request = None
         self._lora_ids = 0
         if self.lora_config:
-            from rl_core.lora import vllm_rank
+            from rl_core.model.lora import vllm_rank
 
             kwargs.update(enable_lora=True, max_lora_rank=vllm_rank(int(self.lora_config["r"])), max_loras=1)
             self._lora_root = tempfile.mkdtemp(prefix="posttrain-vllm-lora-")

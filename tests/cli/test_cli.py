@@ -1,4 +1,4 @@
-"""The `posttrain` command's help, hints, version, key listing and validate's environment checks (in process)."""
+"""The `posttrain` command's help, hints, version, key listing and validate's machine checks (in process)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_help_shows_the_override_form_with_real_keys(capsys, command):
-    from rl_core.config.loader import all_keys
+    from rl_core.config.explain import all_keys
 
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0
@@ -85,8 +85,8 @@ def _schema_leaves():
     """Every leaf key of the schema, walked here independently of cli/keys.py: `(key, objective type, field)`."""
     from pydantic import BaseModel
 
+    from rl_core.algorithms.registry import OBJECTIVES
     from rl_core.config.schema import PosttrainConfig
-    from rl_core.registry import OBJECTIVES
 
     out = []
 
@@ -136,7 +136,7 @@ def test_keys_prefix_and_objective_type_filter(capsys):
     rc, out, _ = run(capsys, "keys", "rl.optimizer")
     assert rc == 0 and {k for k, _ in _listed(out)} == {k for k, _, _ in _schema_leaves() if k.startswith("rl.optimizer.")}
     rc, out, _ = run(capsys, "keys", "rl.objective", "--type", "gspo")
-    from rl_core.registry import OBJECTIVES
+    from rl_core.algorithms.registry import OBJECTIVES
 
     assert rc == 0 and set(_listed(out)) == {(f"rl.objective.{k}", "gspo") for k in OBJECTIVES["gspo"].model_fields}
     rc, _, err = run(capsys, "keys", "rl.lr")
@@ -149,7 +149,7 @@ def test_keys_prefix_and_objective_type_filter(capsys):
 def test_validate_makes_the_environment_checks_that_run_makes(capsys, monkeypatch):
     """A missing data file stops `run` (preflight.check); validate reports it too, and --no-env skips it."""
     from rl_core.config import ConfigError, load_config
-    from rl_core.config.preflight import check
+    from rl_core.preflight.rules import check
 
     bad = ["data.train=missing/train.jsonl", "model.name_or_path=./missing/model"]
     with pytest.raises(ConfigError) as stopped:  # what `run` does before the flow
@@ -219,10 +219,10 @@ def test_run_reports_bad_rows_once_in_one_block_before_anything_starts(tmp_path)
 
 
 def test_validate_a_gpu_recipe_on_a_cpu_machine(capsys, monkeypatch):
-    from rl_core.config import environment
+    from rl_core.preflight import machine
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(environment, "visible_gpus", lambda: 0)  # this machine's GPUs, as torch would report none
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 0)  # this machine's GPUs, as torch would report none
     rc, _, err = run(capsys, "validate", recipe("grpo_gsm8k"))
     assert rc == 1 and "no GPU on this machine" in err and "recipes/grpo_gsm8k_cpu.py" in err
     rc, _, _ = run(capsys, "validate", "--no-env", recipe("grpo_gsm8k"))

@@ -37,7 +37,7 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
     import shutil
 
     from flows.grpo import grpo
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.store import CheckpointStore
     from rl_core.data import PromptSampler
 
     overrides = [*ASYNC, f"model.name_or_path={warm_model[0]}", "rl.max_steps=5", "rl.save_every=2",
@@ -108,9 +108,9 @@ def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_
     losses and final weights equal those of that loop, written out here in-process with rl_core (one thread, as
     the trainer actor), bit for bit."""
     from flows.grpo import grpo
-    from infra.engines import build_engine
-    from infra.policy_worker import build_trainer
-    from infra.roles import RolloutRole
+    from infra.cluster.roles import RolloutRole
+    from infra.workers.engines import build_engine
+    from infra.workers.policy import build_trainer
     from rl_core.annotate import annotate
     from rl_core.config import load_config
     from rl_core.rewards import reward_inputs, score

@@ -1,10 +1,10 @@
 """Deployments (prefect.yaml) on a real Prefect server and worker, and an MLflow server, on loopback.
 
-The services are started and stopped by `infra.services` with a temporary state directory; the
+The services are started and stopped by `infra.services.supervisor` with a temporary state directory; the
 deployments are created by `posttrain deploy` (`prefect deploy --all`) and run with
 `prefect deployment run ... --param overrides=...`. The worker runs flows in the project directory
 (the deployments' pull step), so the quickstart run points model, data and outputs at absolute paths
-of the test's work directory. Also here: the environment preflight (rl_core/config/environment.py).
+of the test's work directory. Also here: the machine preflight (rl_core/preflight/machine.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.services import WORK_POOL, Services, http_ok, venv_bin
+from infra.services.prefect_api import http_ok
+from infra.services.supervisor import WORK_POOL, Services, venv_bin
 from rl_core.config import ConfigError, load_config
-from rl_core.config.environment import environment_problems, visible_gpus
-from rl_core.config.preflight import check
+from rl_core.preflight.machine import machine_problems, visible_gpus
+from rl_core.preflight.rules import check
 from tests.conftest import FAST, LEAN, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
@@ -41,7 +42,7 @@ OPTED_IN = ("grpo/arithmetic", "dpo/dpo-arithmetic", "opd/opd-arithmetic")  # se
 def test_prefect_yaml_declares_the_deployments():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     assert not spec.get("build") and not spec.get("push")
-    assert spec["pull"] == [{"infra.deploy_steps.enter_project": {"directory": "{{ $POSTTRAIN_PROJECT_DIR }}"}}]
+    assert spec["pull"] == [{"infra.services.deploy_steps.enter_project": {"directory": "{{ $POSTTRAIN_PROJECT_DIR }}"}}]
     by_name = {d["name"]: d for d in spec["deployments"]}
     assert set(by_name) == {d.split("/")[1] for d in DEPLOYMENTS}
     for name, file in (("gspo-gsm8k", "gspo_gsm8k"), ("grpo-gsm8k", "grpo_gsm8k"), ("dr-grpo-gsm8k", "dr_grpo_gsm8k"),
@@ -62,7 +63,7 @@ def test_prefect_yaml_declares_the_deployments():
     assert nightly["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}]
     for d in spec["deployments"]:
         assert d["work_pool"]["name"] == WORK_POOL
-        assert not d["work_pool"].get("job_variables")  # the pool's template refuses them (infra.services)
+        assert not d["work_pool"].get("job_variables")  # the pool's template refuses them (infra.services.supervisor)
 
 
 def test_deployments_run_one_at_a_time_and_the_gpu_pool_example_deploys():
@@ -75,8 +76,8 @@ def test_deployments_run_one_at_a_time_and_the_gpu_pool_example_deploys():
     from prefect.client.schemas.objects import ConcurrencyLimitStrategy
     from prefect.utilities.templating import apply_values
 
-    from infra.services import process_pool_template
-    from infra.work_pools import GPU_POOL, gpu_pool_template
+    from infra.services.prefect_api import process_pool_template
+    from infra.services.work_pools import GPU_POOL, gpu_pool_template
 
     def read(text: str):
         spec = yaml.safe_load(text)  # the schedule is checked above (reading one imports croniter, which runs `file`)
@@ -111,7 +112,7 @@ def test_deployments_run_one_at_a_time_and_the_gpu_pool_example_deploys():
         jsonschema.validate(variables, process_pool_template()["variables"])
 
 
-# --------------------------------------------------------------------- environment preflight
+# ------------------------------------------------------------------------- machine preflight
 
 
 @pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
@@ -124,7 +125,7 @@ def test_gpu_recipe_without_gpu_fails_preflight_naming_the_fix(monkeypatch):
         check(cfg)
     assert time.monotonic() - started < 30
     problems = info.value.problems
-    from rl_core.config.environment import vllm_build
+    from rl_core.preflight.machine import vllm_build
 
     gpu = [p for p in problems if "no GPU on this machine" in p]
     assert gpu and "cluster.gpus_per_worker=1" in gpu[0]
@@ -146,29 +147,29 @@ def test_environment_is_probed_only_after_the_config_is_clean():
 
 
 def test_quickstart_and_local_models_pass_and_a_missing_directory_is_named(in_workdir):
-    assert environment_problems(load_config(recipe("arithmetic"), [])) == []  # warm model: built on demand
-    assert environment_problems(load_config(recipe("arithmetic"), FAST)) == []
+    assert machine_problems(load_config(recipe("arithmetic"), [])) == []  # warm model: built on demand
+    assert machine_problems(load_config(recipe("arithmetic"), FAST)) == []
     cfg = load_config(recipe("arithmetic"), ["model.name_or_path=./no/such/model"])
-    (problem,) = environment_problems(cfg)
+    (problem,) = machine_problems(cfg)
     assert problem.startswith("model.name_or_path='./no/such/model': no such local directory")
 
 
 def test_an_existing_ray_cluster_is_not_judged_by_this_machine(monkeypatch, in_workdir):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config(recipe("arithmetic"), [*FAST, "cluster.gpus_per_worker=1", "cluster.address=ray://head:10001"])
-    assert environment_problems(cfg) == []
+    assert machine_problems(cfg) == []
 
 
 def test_too_few_gpus_and_a_missing_vllm_are_named(monkeypatch, in_workdir):
     import importlib.util
 
-    from rl_core.config import environment
+    from rl_core.preflight import machine
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(environment, "visible_gpus", lambda: 1)  # what torch.cuda.device_count() would say
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 1)  # what torch.cuda.device_count() would say
     cfg = load_config(recipe("arithmetic"), [*FAST, "cluster.num_workers=4", "cluster.gpus_per_worker=1",
                                              "rollout.prompts_per_step=4", "rollout.backend=vllm"])
-    problems = environment_problems(cfg)
+    problems = machine_problems(cfg)
     assert any("need 4 GPUs; this machine has 1; set cluster.num_workers=1" in p for p in problems), problems
     has_vllm = importlib.util.find_spec("vllm") is not None
     assert any(p.startswith("rollout.backend=vllm: the vllm package is not installed") for p in problems) != has_vllm
@@ -318,7 +319,7 @@ def test_the_api_wants_its_password_and_csrf_tokens_and_the_secret_files_are_pri
     assert call("/deployments/filter", method="POST") in (401, 403)
     # authenticated, but without the CSRF token the Prefect client fetches first: refused too; with both, served
     assert call("/flow_runs/filter", method="POST", headers=basic) == 403
-    from infra.services import csrf_headers
+    from infra.services.prefect_api import csrf_headers
 
     assert call("/flow_runs/filter", method="POST", headers={**basic, **csrf_headers(api, auth)}) == 200
     # a browser on another origin gets no CORS permission
@@ -346,7 +347,7 @@ def test_deploy_creates_every_deployment_in_the_process_pool(services, deployed)
         flow = api(env["PREFECT_API_URL"], lambda c, fid=d.flow_id: c.read_flow(fid))
         names.add(f"{flow.name}/{d.name}")
         assert d.work_pool_name == WORK_POOL
-        assert d.pull_steps == [{"infra.deploy_steps.enter_project": {"directory": str(REPO)}}]
+        assert d.pull_steps == [{"infra.services.deploy_steps.enter_project": {"directory": str(REPO)}}]
         # one run at a time (prefect.yaml's concurrency_limit, as the server keeps it)
         assert d.global_concurrency_limit.limit == 1
         assert d.concurrency_options.collision_strategy.value == (
@@ -364,7 +365,7 @@ def test_a_pool_with_prefects_default_template_is_named_by_deploy(services, depl
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.workers.process import ProcessWorker
 
-    from infra.work_pools import pool_warnings
+    from infra.services.work_pools import pool_warnings
 
     assert "warning" not in deployed.stderr, deployed.stderr[-2000:]
     url, auth = services[1]["PREFECT_API_URL"], services[1]["PREFECT_API_AUTH_STRING"]
@@ -490,7 +491,7 @@ def test_dpo_deployment_run_completes(services, deployed, client_env, workdir, t
 @pytest.mark.slow
 def test_opd_deployment_run_completes(services, deployed, client_env, workdir, tmp_path):
     """The OPD entry through the worker: its own flow (`opd`), the teacher Ray actor scoring the student's samples."""
-    from rl_core.warm_start import warm_start
+    from rl_core.training.warm_start import warm_start
 
     data = workdir / "data" / "arithmetic"
     warm_start(workdir / "artifacts" / "tiny-model" / "init", data / "train.jsonl", data / "val.jsonl",
@@ -748,7 +749,7 @@ def test_the_pull_step_enters_the_checkout_with_or_without_posttrain_project_dir
 
 
 def test_the_pull_step_refuses_a_directory_that_is_not_a_checkout(tmp_path, monkeypatch):
-    from infra.deploy_steps import enter_project
+    from infra.services.deploy_steps import enter_project
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("POSTTRAIN_PROJECT_DIR", str(tmp_path))
@@ -762,7 +763,7 @@ def test_the_pull_step_refuses_a_directory_that_is_not_a_checkout(tmp_path, monk
 
 def test_deployment_parameters_run_project_recipes_only_and_overrides_from_an_allowlist(tmp_path):
     from flows.guard import API_OVERRIDES, deployment_problems
-    from rl_core.config.loader import all_keys
+    from rl_core.config.explain import all_keys
 
     ok = deployment_problems("recipes/arithmetic.py", ["rl.max_steps=3", " rl.optimizer.lr = 1e-5", "job.seed=1",
                                                        "rollout.prompts_per_step=4"], project=REPO, allow_unsafe=False)
@@ -805,8 +806,8 @@ def test_pool_templates_that_let_a_run_choose_its_command_are_named():
     from prefect.workers.process import ProcessWorker
 
     from cli.services import deployment_pools
-    from infra.services import process_pool_template
-    from infra.work_pools import gpu_pool_template, template_problems
+    from infra.services.prefect_api import process_pool_template
+    from infra.services.work_pools import gpu_pool_template, template_problems
 
     problems = template_problems(ProcessWorker.get_default_base_job_template())
     for field in ("command", "env", "working_dir"):
@@ -830,7 +831,7 @@ def test_the_work_pool_template_fixes_the_command_and_environment(monkeypatch):
     import jsonschema
     from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
-    from infra.services import process_pool_template
+    from infra.services.prefect_api import process_pool_template
 
     attack = {"command": "touch /tmp/pwned", "env": {"POSTTRAIN_ALLOW_UNSAFE_OVERRIDES": "1"}, "working_dir": "/tmp"}
 
@@ -870,7 +871,7 @@ def test_posttrain_starts_prefect_servers_with_batched_task_run_recording(user_v
     """The temporary API server of `posttrain run` (flows.entry) and the `prefect server` of `posttrain services`
     record task-run states in batches (about 40% less server CPU per task run), unless the user set the
     value."""
-    from infra.services import PREFECT_SERVER_DEFAULTS
+    from infra.services.prefect_api import PREFECT_SERVER_DEFAULTS
 
     key = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
     env = {k: v for k, v in os.environ.items() if k not in PREFECT_SERVER_DEFAULTS}

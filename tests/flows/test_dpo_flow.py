@@ -145,7 +145,7 @@ def test_pair_gate_refuses_bad_pairs(dpo_dir, monkeypatch):
 
 def test_preflight_needs_whole_pairs_per_worker():
     from rl_core.config import load_config
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     cfg = load_config(recipe("dpo_arithmetic"), ["rollout.prompts_per_step=3", "cluster.num_workers=2"])
     assert any("whole pairs" in e for e in preflight(cfg).errors)

@@ -475,7 +475,7 @@ HAND_WRITTEN = [
 
 def test_summarize_a_hand_written_metrics_file(tmp_path, capsys):
     from cli.main import main
-    from infra.plots import PANELS
+    from infra.tracking.plots import PANELS
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

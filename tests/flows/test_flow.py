@@ -31,7 +31,7 @@ def faulty_run(workdir):
     """One short run with an injected failure in rollout and in reward (each fails once, then retries)."""
     import flows.on_policy
     from flows.grpo import grpo
-    from infra.engines import EnginePool
+    from infra.workers.engines import EnginePool
 
     cwd = os.getcwd()
     os.chdir(workdir)
@@ -96,7 +96,7 @@ def test_the_mlflow_link_has_no_credentials_and_the_progress_follows_the_steps()
     from prefect.runtime import flow_run
 
     from flows.artifacts import RunArtifacts
-    from infra.tracking_items import server_run_url
+    from infra.tracking.items import server_run_url
 
     @flow
     def linked() -> str:
@@ -195,9 +195,9 @@ def test_a_second_identical_rollout_hits_the_cache_and_a_planted_file_is_never_e
 
     from prefect import flow
 
-    from infra.roles import RolloutRole
+    from infra.cluster.roles import RolloutRole
     from rl_core.config import load_config
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
     from rl_core.rollout import HFEngine
     from tasks.rollout import rollout_cache_file, rollout_task
 
@@ -270,7 +270,7 @@ def test_gate_refuses_a_nan_reward_before_any_worker_trains(in_workdir, monkeypa
 @pytest.mark.e2e
 def test_one_and_two_workers_agree(in_workdir, tmp_path):
     from flows.grpo import grpo
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     # The random-init policy earns no reward (zero advantages), so a KL anchor to another random
     # model gives the step a non-zero gradient to compare.

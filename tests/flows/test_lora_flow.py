@@ -19,10 +19,10 @@ LORA = ["model.lora.r=4", "model.lora.alpha=8", "cluster.placement=separate", "r
 
 
 def test_lora_grpo_checkpoints_adapters_resumes_exactly_and_saves_merged_and_adapter(cwd):
-    from infra.checkpoint_shards import full_tensors
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.shards import full_tensors
+    from infra.checkpoints.store import CheckpointStore
     from rl_core.config.schema import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
     from rl_core.primitives.logprobs import sequence_token_logprobs
 
     run_flow("job.name=straight", "rl.max_steps=4", *LORA)
@@ -62,7 +62,7 @@ def test_lora_grpo_checkpoints_adapters_resumes_exactly_and_saves_merged_and_ada
 
 def _merged_vs_base_gap(cwd, run_dir) -> float:
     from rl_core.config.schema import ModelConfig
-    from rl_core.models import load_policy
+    from rl_core.model.loading import load_policy
     from rl_core.primitives.logprobs import sequence_token_logprobs
 
     ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(0))

@@ -22,7 +22,7 @@ def test_moe_grpo_replays_the_engines_routes_across_actors(in_workdir):
 
     from flows.grpo import grpo
     from rl_core.model import routing
-    from rl_core.models import build_tiny_moe_model
+    from rl_core.model.loading import build_tiny_moe_model
 
     init = build_tiny_moe_model(in_workdir / "artifacts" / "tiny-moe" / "near-tie-init", seed=0)
     model = AutoModelForCausalLM.from_pretrained(init)

@@ -32,7 +32,7 @@ OPD_RUN = [*OPD_FAST, "rl.save_every=2", "cluster.teacher_replicas=2"]
 @pytest.fixture(scope="module")
 def opd_dir(workdir, tmp_path_factory) -> Path:
     """A copy of the work directory with a fast teacher (20 supervised steps from the init)."""
-    from rl_core.warm_start import warm_start
+    from rl_core.training.warm_start import warm_start
 
     root = tmp_path_factory.mktemp("opd")
     shutil.copytree(workdir / "data", root / "data")
@@ -158,8 +158,8 @@ def test_opd_moves_the_student_toward_the_teacher(workdir, warm_model, teacher_m
     from flows.opd import opd
     from infra.artifacts import load_params
     from rl_core.config import ModelConfig
-    from rl_core.evaluation import evaluate_accuracy
-    from rl_core.models import load_policy
+    from rl_core.evaluation.heldout import evaluate_accuracy
+    from rl_core.model.loading import load_policy
     from rl_core.tasks import load_examples
 
     shutil.copytree(workdir / "data", tmp_path / "data")
@@ -188,7 +188,7 @@ def test_missing_teacher_is_built_from_the_warm_start(workdir, tmp_path, monkeyp
 
     from infra.artifacts import ensure_quickstart_artifacts
     from rl_core.config import load_config
-    from rl_core.warm_start import warm_start
+    from rl_core.training.warm_start import warm_start
 
     shutil.copytree(workdir / "data", tmp_path / "data")
     shutil.copytree(workdir / "artifacts", tmp_path / "artifacts")

@@ -35,7 +35,7 @@ def test_own_data_trains_lora_with_weighted_rewards_and_a_bad_row_loses_nothing(
     # the completions table of the last step: the rows' data columns by name, each reward's own value beside the total
     import mlflow
 
-    from infra.tracking import resolve_experiment, resolve_tracking_uri
+    from infra.tracking.tracker import resolve_experiment, resolve_tracking_uri
     from rl_core.config import load_config
 
     cfg = load_config(recipe("own_data_lora"), SHORT)

@@ -42,8 +42,8 @@ from tests.run_helpers import (
 
 
 def test_plan_resume_policies(tmp_path, monkeypatch):
-    from infra.resume import plan_resume, write_run_state
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.resume import plan_resume, write_run_state
+    from infra.checkpoints.store import CheckpointStore
     from rl_core.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
@@ -103,8 +103,8 @@ def test_plan_resume_passes_over_a_checkpoint_whose_meta_json_is_100k_deep(tmp_p
     out of `plan_resume`; it is a damaged checkpoint, and the run resumes from the step before it."""
     import hashlib
 
-    from infra.resume import plan_resume
-    from infra.storage import MANIFEST, CheckpointStore
+    from infra.checkpoints.resume import plan_resume
+    from infra.checkpoints.store import MANIFEST, CheckpointStore
 
     monkeypatch.chdir(tmp_path)
     cfg = small_config()
@@ -127,7 +127,7 @@ def test_the_run_lock_never_writes_through_a_planted_link_in_a_shared_out_dir(tm
     import os
     import socket
 
-    from infra.resume import RunLock, RunLocked
+    from infra.checkpoints.resume import RunLock, RunLocked
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -208,7 +208,7 @@ def test_flow_resume_policies(cwd, tmp_path):
 
     # the newest checkpoint corrupted (one bit of the weights): it is skipped, never loaded; the run resumes from
     # the one before, redoes step 7 to the same values and saves it again, valid
-    from infra.storage import CheckpointError, CheckpointStore
+    from infra.checkpoints.store import CheckpointError, CheckpointStore
 
     part = run_dir / "checkpoints" / "step_00000007" / "trainer.safetensors"
     intact = part.read_bytes()
@@ -342,7 +342,7 @@ def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
 
 def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
     from flows.runner import restore_metrics
-    from infra.tracking import MetricsLog
+    from infra.tracking.tracker import MetricsLog
 
     saved = [{"step": 0, "val/accuracy": 0.5}, {"step": 1, "train/loss": 0.25}]
     text = "".join(MetricsLog.line(r) + "\n" for r in saved)
@@ -360,8 +360,8 @@ def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
 
 @pytest.mark.e2e
 def test_overwrite_does_not_leave_the_old_runs_checkpoints_in_s3(bucket, tmp_path, monkeypatch):
-    from infra.resume import plan_resume
-    from infra.storage import CheckpointStore, checkpoint_step
+    from infra.checkpoints.resume import plan_resume
+    from infra.checkpoints.store import CheckpointStore, checkpoint_step
 
     monkeypatch.chdir(tmp_path)
     remote = [f"tracking.checkpoint_uri=s3://{bucket}/run1", "tracking.keep_checkpoints=2"]
@@ -381,8 +381,8 @@ def test_overwrite_does_not_leave_the_old_runs_checkpoints_in_s3(bucket, tmp_pat
 
 
 def test_changed_math_key_is_refused_before_the_first_checkpoint_too(tmp_path, monkeypatch):
-    from infra.resume import plan_resume, write_run_state
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.resume import plan_resume, write_run_state
+    from infra.checkpoints.store import CheckpointStore
     from rl_core.config import ConfigError, config_hash, write_resolved
 
     monkeypatch.chdir(tmp_path)
@@ -398,8 +398,8 @@ def test_changed_math_key_is_refused_before_the_first_checkpoint_too(tmp_path, m
 
 def test_overwrite_deletes_only_a_recognisable_run_directory(tmp_path, monkeypatch):
     """job.overwrite=true with a job.out_dir/job.name that points at other data refuses and deletes nothing."""
-    from infra.resume import plan_resume
-    from infra.storage import CheckpointStore
+    from infra.checkpoints.resume import plan_resume
+    from infra.checkpoints.store import CheckpointStore
     from rl_core.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
@@ -430,7 +430,7 @@ def test_overwrite_deletes_only_a_recognisable_run_directory(tmp_path, monkeypat
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path):
     """A crash mid-append leaves a last line without its newline: it is skipped (its step is redone);
     a bad line in the middle is an error naming the file and line."""
-    from infra.tracking import MetricsLog
+    from infra.tracking.tracker import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
@@ -464,8 +464,8 @@ def test_bad_data_fails_before_an_overwrite_deletes_the_previous_run(cwd, tmp_pa
 @pytest.mark.e2e
 def test_runs_sharing_a_checkpoint_uri_keep_their_checkpoints_apart(bucket, tmp_path, monkeypatch):
     """Two jobs with one tracking.checkpoint_uri: each lists, loads and prunes only its own steps."""
-    from infra.resume import checkpoint_prefix, plan_resume
-    from infra.storage import CheckpointStore, checkpoint_step
+    from infra.checkpoints.resume import checkpoint_prefix, plan_resume
+    from infra.checkpoints.store import CheckpointStore, checkpoint_step
 
     monkeypatch.chdir(tmp_path)
     shared = [f"tracking.checkpoint_uri=s3://{bucket}/team", "tracking.keep_checkpoints=1"]
@@ -491,7 +491,7 @@ def test_two_runs_of_one_job_name_in_two_directories_never_prune_or_resume_each_
     run locks are per directory). Each run's steps live under its own run id: the second's pruning (keep=2) leaves
     the first's steps, and the first, after losing its disk, resumes from its own newest step, not the other's."""
     from flows.runner import TrainingRun
-    from infra.storage import checkpoint_step
+    from infra.checkpoints.store import checkpoint_step
 
     monkeypatch.chdir(tmp_path)
     shared = [f"tracking.checkpoint_uri=s3://{bucket}/team", "tracking.keep_checkpoints=2", "job.name=same"]
@@ -537,12 +537,12 @@ def test_one_s3_prefix_has_one_writer_leased_renewed_released_and_taken_over_whe
     import boto3
 
     from flows.runner import TrainingRun
-    from infra.lease import LeaseHeld, LeaseLost
-    from infra.resume import checkpoint_prefix
-    from infra.storage import CheckpointError
+    from infra.checkpoints.lease import LeaseHeld, LeaseLost
+    from infra.checkpoints.resume import checkpoint_prefix
+    from infra.checkpoints.store import CheckpointError
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("infra.lease.RENEW_S", 0.2)
+    monkeypatch.setattr("infra.checkpoints.lease.RENEW_S", 0.2)
     s3 = boto3.client("s3")
     cfg = small_config(f"tracking.checkpoint_uri=s3://{bucket}/team", "job.name=shared")
     run_id = "00c0ffee00c0ffee"
@@ -617,7 +617,7 @@ def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(
     naming the holder, with the first run's files untouched; a kill -9 of the holder frees it."""
 
     from flows.runner import TrainingRun
-    from infra.resume import RunLocked
+    from infra.checkpoints.resume import RunLocked
 
     monkeypatch.chdir(tmp_path)
     cfg = small_config("job.name=locked")
@@ -626,7 +626,7 @@ def test_a_second_run_of_the_same_directory_is_refused_while_the_first_holds_it(
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     holder = subprocess.Popen(
         [sys.executable, "-c", ("import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from infra.resume import RunLock; from rl_core.config import load_config; "
+         "from infra.checkpoints.resume import RunLock; from rl_core.config import load_config; "
          "cfg = load_config(sys.argv[2], ['job.name=locked']); lock = RunLock(cfg).acquire(); print('held', flush=True); "
          "time.sleep(120)"), str(Path(__file__).resolve().parents[2]), recipe("arithmetic")],
         cwd=tmp_path, stdout=subprocess.PIPE, text=True)

@@ -220,7 +220,7 @@ def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_i
     lost; the resumed run does not train step 2 again, it evaluates it (with step 2's weights) and completes the
     step's metrics line."""
     import tasks.evaluate
-    from rl_core.evaluation import evaluate_accuracy
+    from rl_core.evaluation.heldout import evaluate_accuracy
 
     calls = {"failed": 0, "ran": 0}
 
@@ -254,9 +254,9 @@ def test_a_failing_evaluation_keeps_its_steps_checkpoint_and_a_resume_finishes_i
 
 TEARDOWN_SCRIPT = """
 import ray
-from infra.actor import ActorGroup
-from infra.cluster import Cluster
-from infra.placement import Placement
+from infra.workers.actor import ActorGroup
+from infra.cluster.cluster import Cluster
+from infra.cluster.placement import Placement
 from rl_core.config import load_config
 
 class Actor:
@@ -306,7 +306,7 @@ def test_cluster_teardown_survives_dead_actors_and_a_ray_that_is_already_gone(tm
 def test_the_restart_budget_is_bounded_and_only_actor_deaths_restart():
     from ray.exceptions import ActorDiedError
 
-    from flows.runner import run_with_restarts
+    from flows.restarts import run_with_restarts
     from rl_core.config import ConfigError
 
     cfg = small_config("job.max_restarts=2", "rl.resume=off")
@@ -337,7 +337,7 @@ def test_a_reward_whose_worker_died_fails_as_a_reward_error_and_never_restarts_t
     raised while handling another error, still is."""
     from ray.exceptions import ActorDiedError
 
-    from flows.runner import lost_actor, run_with_restarts
+    from flows.restarts import lost_actor, run_with_restarts
     from rl_core.rewards import RewardError
 
     def reward_worker_died():

@@ -11,7 +11,7 @@ import pytest
 
 
 def test_the_mlflow_link_is_for_a_server_only_and_never_carries_credentials():
-    from infra.tracking_items import server_run_url as _mlflow_run_url
+    from infra.tracking.items import server_run_url as _mlflow_run_url
 
     assert _mlflow_run_url("http://127.0.0.1:5000", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
     assert _mlflow_run_url("https://me:s3cret@mlflow.example.org/base/", "3", "abc") == \
@@ -54,7 +54,7 @@ def test_the_summary_names_steps_reward_accuracy_and_where_things_are(tmp_path):
 def test_the_summary_and_the_end_of_run_line_name_the_reward_that_decides_accuracy(tmp_path):
     from cli.main import summary_line
     from flows.artifacts import summary_markdown
-    from infra.tracking import MetricsLog
+    from infra.tracking.tracker import MetricsLog
 
     records = [{"step": 0, "val/accuracy": 0.05, "val/mean_reward": 0.3},
                {"step": 4, "rollout/reward_mean": 0.9, "val/accuracy": 0.5, "val/mean_reward": 0.7}]

@@ -1,4 +1,4 @@
-"""Group advantages (against worked examples and `rl_core.closed_forms`) and the shared-prefix mask."""
+"""Group advantages (against worked examples and `rl_core.evaluation.closed_forms`) and the shared-prefix mask."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from rl_core import closed_forms
 from rl_core.annotators import annotate_group_advantages
 from rl_core.annotators.advantage import group_advantages, zero_advantage_group_fraction
 from rl_core.annotators.shared_prefix import shared_prefix_loss_mask
+from rl_core.batch.trajectory import Trajectory
 from rl_core.config import RLConfig
-from rl_core.trajectory import Trajectory
+from rl_core.evaluation import closed_forms
 
 EPS = 1e-6
 

@@ -17,7 +17,7 @@ from rl_core.agents import (
     template_delta,
 )
 from rl_core.agents.tools import tool_schema, tool_table
-from rl_core.models import build_tiny_tokenizer
+from rl_core.model.loading import build_tiny_tokenizer
 from rl_core.tasks import Example
 
 # A Hermes-style template for the character tokenizer: tools listed up front, calls as <tool_call>{json}</tool_call>,
@@ -410,7 +410,7 @@ def test_preflight_refuses_episode_limits_on_a_prompt_task_and_a_plain_template_
     from pathlib import Path
 
     from rl_core.config import load_config
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     recipe = Path(__file__).parents[2] / "recipes" / "arithmetic.py"
     errors = preflight(load_config(recipe, ["rollout.max_turns=3"])).errors
@@ -450,7 +450,7 @@ def test_a_chat_warm_start_trains_on_the_episode_layout_and_only_the_assistant_t
     import json
 
     from examples.tool_arithmetic import TEMPLATE, ToolArithmetic, make_transcripts
-    from rl_core.warm_start import _conversations, encode_chat_batch
+    from rl_core.training.warm_start import _conversations, encode_chat_batch
 
     tok = tokenizer(TEMPLATE)
     calling, direct = (next(t for t in make_transcripts([{"prompt": "123+456+789", "answer": "1368"}] * 8, seed, 0.5)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from rl_core.config import ConfigError, PosttrainConfig, config_hash, load_config, write_resolved
-from rl_core.config.loader import all_keys, config_from_dict
-from rl_core.config.preflight import PreflightReport, PreflightWarning, check, emit_warnings, preflight
+from rl_core.config.explain import all_keys
+from rl_core.config.loader import config_from_dict
+from rl_core.preflight.rules import PreflightReport, PreflightWarning, check, emit_warnings, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
@@ -219,11 +220,11 @@ def test_a_timeout_beyond_a_week_is_refused_naming_its_key(key):
 
 
 def test_every_seconds_field_is_bounded_by_a_week_and_retries_by_a_hundred():
-    from rl_core.config.loader import _field_for
+    from rl_core.config.explain import field_for
     from rl_core.config.schema import MAX_SECONDS
 
     def upper(key: str):
-        return next((m.le for m in _field_for(key).metadata if getattr(m, "le", None) is not None), None)
+        return next((m.le for m in field_for(key).metadata if getattr(m, "le", None) is not None), None)
 
     seconds = [k for k in all_keys() if k.endswith("_s")]
     assert sorted(seconds) == sorted(SECONDS)  # a new *_s field joins the list above, and gets the bound
@@ -280,7 +281,7 @@ def test_every_field_has_a_description():
 def test_one_temperature_the_trainer_follows_the_rollout():
     """rollout.temperature is the only temperature: the trainer's log-probs, pi_old and the KL reference use it."""
     from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.registry import build_objective
+    from rl_core.algorithms.registry import build_objective
 
     assert preflight_of(GRPO, "rollout.temperature=0.7").ok
     cfg = load_config(GRPO, ["rollout.temperature=0.7", "rl.objective.kl_beta=0.1"])
@@ -471,8 +472,8 @@ def test_in_flight_updates_need_rollouts_in_flight_the_hf_engine_and_a_prompt_ta
 def test_engines_over_several_gpus_are_vllm_tensor_parallel_of_a_size_that_splits_the_heads(tmp_path):
     from transformers import LlamaConfig
 
-    from rl_core.config.environment import tensor_parallel_problem
     from rl_core.placement.run_shape import tensor_parallel_size
+    from rl_core.preflight.machine import tensor_parallel_problem
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)

@@ -9,7 +9,7 @@ import pytest
 
 from rl_core.data import PromptSampler, make_arithmetic_data, prepare_gsm8k, split_arithmetic
 from rl_core.data.gsm8k import GSM8K_INSTRUCTION
-from rl_core.models import build_tiny_tokenizer
+from rl_core.model.loading import build_tiny_tokenizer
 from rl_core.tasks import Example, encode_prompts, format_prompt, load_examples
 
 
@@ -230,9 +230,9 @@ def test_numeric_answers_are_accepted_as_text(tmp_path):
 
 
 def test_rollout_role_names_the_key_of_an_empty_split_and_a_prompt_beyond_the_context(tmp_path):
-    from infra.roles import RolloutRole
+    from infra.cluster.roles import RolloutRole
     from rl_core.config import ConfigError, load_config
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model")  # context: 2048 positions
     good = tmp_path / "good.jsonl"

@@ -1,4 +1,4 @@
-"""The data check (rl_core/config/data_check.py): both splits read as the run reads them, every bad row reported at
+"""The data check (rl_core/preflight/rows.py): both splits read as the run reads them, every bad row reported at
 once (up to a cap, then counted), each naming the key, the file and the row; what it does not read, said with why;
 and `run`'s preflight (`check`) stopping on it before anything starts."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from rl_core.config import load_config
-from rl_core.config.data_check import MAX_LISTED, DataError, check_data
 from rl_core.data.jsonl import RowErrors
+from rl_core.preflight.rows import MAX_LISTED, DataError, check_data
 from rl_core.tasks import Task
 from tests.conftest import recipe
 
@@ -154,7 +154,7 @@ def test_run_preflight_stops_on_bad_rows_before_anything_starts(tmp_path):
     """`posttrain run` checks the config, this machine, then the rows (`check`, before the flow): a DataError (a
     ConfigError, printed by the CLI as one block) listing every bad row."""
     from rl_core.config import ConfigError
-    from rl_core.config.preflight import check
+    from rl_core.preflight.rules import check
 
     bad = jsonl(tmp_path / "bad.jsonl", [GOOD, {"answer": "1", "max_chars": 1}, {**GOOD, "prompt": []}])
     with pytest.raises(DataError) as raised:

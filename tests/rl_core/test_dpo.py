@@ -24,8 +24,8 @@ from rl_core.algorithms.dpo import (
     sequence_logps,
     with_reference_logps,
 )
+from rl_core.batch.gate import PreferencePairsError
 from rl_core.config import OptimizerConfig, RLConfig, config_from_dict
-from rl_core.config.preflight import preflight
 from rl_core.data.pair_building import make_arithmetic_pairs, off_by_one_digit
 from rl_core.data.preferences import (
     check_pair_layout,
@@ -34,11 +34,11 @@ from rl_core.data.preferences import (
     pairs_to_trajectory,
     validate_preference_pairs,
 )
-from rl_core.gate import PreferencePairsError
-from rl_core.models import build_tiny_tokenizer
+from rl_core.model.loading import build_tiny_tokenizer
+from rl_core.preflight.rules import preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
-from rl_core.trainer import LLMTrainer
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import objective_problems
 from tests.builders import tiny_model as build_tiny_model
 from tests.ranks import run_ranks

@@ -1,4 +1,4 @@
-"""Held-out accuracy (rl_core/evaluation.py): the share of completions the success reward (`data.success_reward`,
+"""Held-out accuracy (rl_core/evaluation/heldout.py): the share of completions the success reward (`data.success_reward`,
 default the first reward) gives full marks by its own value, whatever the weights; checked before the run
 (preflight) and the same through the reward pool's scorer.
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from rl_core.config import load_config
-from rl_core.config.preflight import data_problems
 from rl_core.config.schema import DataConfig
-from rl_core.evaluation import evaluate_accuracy
-from rl_core.models import build_tiny_tokenizer
+from rl_core.evaluation.heldout import evaluate_accuracy
+from rl_core.model.loading import build_tiny_tokenizer
+from rl_core.preflight.rules import data_problems
 from rl_core.rewards import RewardFunction, reward_inputs, score_batch, success_reward, successes
 from rl_core.tasks import Example
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.resume import math_changes
+from infra.checkpoints.resume import math_changes
 from rl_core.algorithms.context import ObjectiveContext
+from rl_core.algorithms.registry import build_objective
 from rl_core.config import ConfigError, config_from_dict, load_config
 from rl_core.config.legacy import LegacyConfigWarning
-from rl_core.registry import build_objective
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flat_configs"
 CUSTOM = "rl.objective={type: custom, import_path: 'examples.custom_objective:build_objective'}"

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from rl_core.annotate import annotate
-from rl_core.config import RLConfig
-from rl_core.gate import (
+from rl_core.batch.gate import (
     BatchValidationError,
     annotations_schema,
     validate_annotations,
     validate_batch_tensors,
 )
+from rl_core.config import RLConfig
 from rl_core.rollout.base import build_completions
 
 EOS, PAD = 2, 0
@@ -199,9 +199,9 @@ def test_a_step_whose_every_completion_is_cut_passes_the_gate_and_skips_its_upda
     the gate): the random-init model samples to rollout.max_tokens, so every completion is cut and left out of the
     loss; the gate takes the batch and the trainer skips its update, weights unchanged. Without the knob the same
     batch is trained on (an optimizer step applied)."""
-    from infra.engines import build_engine
-    from infra.policy_worker import build_trainer
-    from infra.roles import RolloutRole
+    from infra.cluster.roles import RolloutRole
+    from infra.workers.engines import build_engine
+    from infra.workers.policy import build_trainer
     from rl_core.config import load_config
     from rl_core.rewards import reward_inputs, score
     from rl_core.rewards.configured import reward_functions

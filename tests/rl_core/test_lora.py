@@ -1,4 +1,4 @@
-"""LoRA through PEFT (rl_core/lora.py, docs/lora.md): what is trained, the reference with the adapter disabled,
+"""LoRA through PEFT (rl_core/model/lora.py, docs/lora.md): what is trained, the reference with the adapter disabled,
 adapter-only checkpoints with exact resume and the base model's identity, merged weights, the adapter count of
 the memory plan, and the refused configurations. Tiny random Llama on CPU; no Ray, no Prefect."""
 
@@ -11,13 +11,13 @@ from functools import partial
 import pytest
 import torch
 
-from rl_core import lora
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
 from rl_core.config import LoRAConfig, OptimizerConfig, RLConfig, load_config
-from rl_core.config.preflight import preflight
+from rl_core.model import lora
+from rl_core.preflight.rules import preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
-from rl_core.trainer import LLMTrainer
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import tiny_model
 from tests.rl_core.test_trainer import MAX_LEN, make_batch
 

@@ -1,12 +1,12 @@
-"""The memory plan with LoRA (rl_core/placement/memory.py, rl_core/lora.py): adapter parameters counted by hand against
+"""The memory plan with LoRA (rl_core/placement/memory.py, rl_core/model/lora.py): adapter parameters counted by hand against
 a real PEFT-wrapped model, and the Qwen2.5-3B plan's items with LoRA r=16 against the same formula."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl_core import lora
 from rl_core.config import LoRAConfig, load_config
+from rl_core.model import lora
 from rl_core.placement.formulas import ASSUMED_PROMPT_TOKENS, GIB
 from rl_core.placement.memory import memory_plan
 from rl_core.placement.model_shape import model_shape, shape_from_config

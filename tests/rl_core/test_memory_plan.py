@@ -1,4 +1,4 @@
-"""The preflight memory plan (rl_core/placement/memory.py) and the GPU-role count (rl_core/config/environment.py).
+"""The preflight memory plan (rl_core/placement/memory.py) and the GPU-role count (rl_core/preflight/machine.py).
 
 Real computations: the model shapes come from models built on the meta device, the parameter and
 AdamW bytes are compared with what a real model and optimizer allocate, the activation formula with
@@ -53,7 +53,7 @@ def qwen3b_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -361,7 +361,7 @@ def test_activation_formula_matches_what_the_forward_keeps(arch, compute, checkp
             vocab_size=100, tie_word_embeddings=True, max_position_embeddings=64))
     model.config._attn_implementation = "sdpa"
     model.train()
-    if checkpointing:  # as infra.policy_worker.build_trainer does
+    if checkpointing:  # as infra.workers.policy.build_trainer does
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shape = shape_from_config(model.config)
     rows, seq, c = 3, 12, 2 if compute == "bfloat16" else 4
@@ -418,9 +418,9 @@ def test_num_engines_rule():
 
 
 def test_the_plan_constants_are_the_code_s():
-    from infra.distributed import BUCKET_BYTES
-    from rl_core.evaluation import evaluate_accuracy
-    from rl_core.trainer import LLMTrainer
+    from infra.workers.distributed import BUCKET_BYTES
+    from rl_core.evaluation.heldout import evaluate_accuracy
+    from rl_core.training.trainer import LLMTrainer
 
     assert mem.GRAD_BUCKET_BYTES == LLMTrainer.GRAD_BUCKET_BYTES
     assert mem.WIRE_BUCKET_BYTES == BUCKET_BYTES
@@ -464,7 +464,7 @@ def test_validate_says_why_there_is_no_plan(capsys):
 def test_the_flow_rechecks_the_plan_with_the_data_s_longest_prompt(qwen3b_dir):
     """A config that fits at the assumed prompt length is refused once the data's prompts turn out long."""
     from rl_core.config import ConfigError
-    from rl_core.config.environment import check_memory
+    from rl_core.preflight.machine import check_memory
 
     cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT)
     assert memory_problems(cfg, probe=no_gpu) == []  # 512 assumed prompt tokens: fits

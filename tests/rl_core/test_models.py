@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.config.schema import ModelConfig
-from rl_core.models import build_tiny_model, count_parameters, load_policy
+from rl_core.model.loading import build_tiny_model, count_parameters, load_policy
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_a_damaged_tiny_model_is_detected_by_content_and_rebuilt(tmp_path, monke
     from infra.artifacts import TINY_INIT, ensure_quickstart_artifacts
     from rl_core.config import load_config
     from rl_core.data.arithmetic import make_arithmetic_data
-    from rl_core.models import model_problem
+    from rl_core.model.loading import model_problem
     from tests.conftest import recipe
 
     monkeypatch.chdir(tmp_path)
@@ -174,12 +174,12 @@ def test_a_torn_quickstart_data_file_is_rebuilt(tmp_path, monkeypatch):
 
 def test_a_damaged_model_directory_given_by_the_user_is_refused_naming_the_file(tmp_path):
     from rl_core.config import load_config
-    from rl_core.config.environment import environment_problems
+    from rl_core.preflight.machine import machine_problems
     from tests.conftest import recipe
 
     model = build_tiny_model(tmp_path / "mine", seed=0)
     _truncate(model / "model.safetensors", 100)
-    (problem,) = environment_problems(load_config(recipe("arithmetic"), [f"model.name_or_path={model}"]))
+    (problem,) = machine_problems(load_config(recipe("arithmetic"), [f"model.name_or_path={model}"]))
     assert str(model / "model.safetensors") in problem and "damaged" in problem and "posttrain init-model" in problem
 
 
@@ -189,7 +189,7 @@ def test_two_first_runs_build_each_artifact_once_and_never_see_half_of_it(tmp_pa
 
     from infra.artifacts import TINY_INIT, ensure_quickstart_artifacts
     from rl_core.config import load_config
-    from rl_core.models import model_problem
+    from rl_core.model.loading import model_problem
     from tests.conftest import recipe
 
     monkeypatch.chdir(tmp_path)
@@ -230,7 +230,7 @@ def test_an_existing_local_directory_with_one_slash_is_local_and_made_absolute(t
     """`ckpt/warm` has the shape of a hub id (`org/name`); it exists here, so it is a local directory."""
     import shutil
 
-    from rl_core.models import looks_local, resolve_model_path
+    from rl_core.model.loading import looks_local, resolve_model_path
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tiny_dir, tmp_path / "ckpt" / "warm")

@@ -15,6 +15,7 @@ from rl_core.algorithms import grpo
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import GRPO, GSPO, build_objective
 from rl_core.annotators.advantage import group_advantages
+from rl_core.batch.trajectory import Trajectory, TrajectoryError
 from rl_core.config import OptimizerConfig, RLConfig
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
@@ -25,8 +26,7 @@ from rl_core.primitives.objective import (
     OldLogpCacheError,
     Reduction,
 )
-from rl_core.trainer import LLMTrainer
-from rl_core.trajectory import Trajectory, TrajectoryError
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import tiny_model
 
 CTX = ObjectiveContext(max_response_length=24, policy_identity={"name_or_path": "tiny", "compute_dtype": "float32"})

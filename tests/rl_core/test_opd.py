@@ -21,13 +21,13 @@ from rl_core.algorithms.opd import (
     reverse_kl_surrogate,
     teacher_logprobs,
 )
+from rl_core.batch.gate import BatchValidationError, validate_teacher_logp
+from rl_core.batch.trajectory import Trajectory
 from rl_core.config import OptimizerConfig, PosttrainConfig, RLConfig, config_from_dict
-from rl_core.config.preflight import preflight
-from rl_core.gate import BatchValidationError, validate_teacher_logp
+from rl_core.preflight.rules import preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss
-from rl_core.trainer import LLMTrainer
-from rl_core.trajectory import Trajectory
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import objective_problems, rollout_layout, tiny_model
 from tests.ranks import run_ranks
 

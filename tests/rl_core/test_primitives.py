@@ -1,4 +1,4 @@
-"""The loss formulas (docs/objectives.md) against the plain-Python closed forms of `rl_core.closed_forms`
+"""The loss formulas (docs/objectives.md) against the plain-Python closed forms of `rl_core.evaluation.closed_forms`
 (scalar by scalar, in float64); gradient closed forms specific to a test are written in the test."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rl_core import closed_forms
+from rl_core.evaluation import closed_forms
 from rl_core.primitives.kl import kl_penalty
 from rl_core.primitives.policy_gradient import (
     clipped_policy_gradient_loss,
@@ -37,7 +37,7 @@ def ragged(lengths=LENGTHS, prompt=2, seed=0, spread=0.3):
 
 
 def scalar_reduce(per_token, mask, loss_type):
-    """The closed-form step loss (`rl_core.closed_forms.reduce_loss`) at this file's MAX_LEN."""
+    """The closed-form step loss (`rl_core.evaluation.closed_forms.reduce_loss`) at this file's MAX_LEN."""
     return closed_forms.reduce_loss(per_token, mask, loss_type, max_response_length=MAX_LEN)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from rl_core.config import ConfigError, load_config, to_yaml
 from rl_core.config.loader import config_dict
-from rl_core.config.preflight import preflight
+from rl_core.preflight.rules import preflight
 from rl_core.user_code import ImportPathError, import_path_of
 
 HEAD = "from rl_core.config import PosttrainConfig\n"

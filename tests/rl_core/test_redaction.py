@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from infra.storage import CheckpointStore, CheckpointUploadError
+from infra.checkpoints.store import CheckpointStore, CheckpointUploadError
 from rl_core.config import ConfigError, S3Config, load_config
 from rl_core.config.loader import config_from_dict
 from rl_core.redact import has_userinfo, redact, redact_environment_values, redact_message, redact_uri
@@ -186,7 +186,7 @@ class PrintingClient:
 def test_terminating_a_run_prints_the_tracking_uri_scrubbed(capsys):
     """What MLflow prints on set_terminated (RunTracker.finish and the regression flow, whose prints are logged)
     names the server without the token of a credentialed $MLFLOW_TRACKING_URI."""
-    from infra.tracking import set_terminated
+    from infra.tracking.tracker import set_terminated
 
     set_terminated(PrintingClient("https://TOKEN0123456789@mlflow.example"), "abc", "FINISHED")
     out = capsys.readouterr().out
@@ -284,7 +284,7 @@ def test_what_user_code_raises_is_redacted_at_one_point_and_chains_nothing(tmp_p
     from rl_core.agents.host import LocalEnvironments
     from rl_core.agents.tools import ToolCall, run_tool_call
     from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.registry import build_objective
+    from rl_core.algorithms.registry import build_objective
     from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward, score
     from rl_core.tasks import Example, Task, load_examples
     from rl_core.user_code import ImportPathError, UserCodeError, load_object

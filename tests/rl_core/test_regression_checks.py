@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from rl_core.regression_checks import RUN_OVERRIDES, TRAJECTORY_KEYS, reference_for, trajectory_checks
+from rl_core.evaluation.regression_checks import (
+    RUN_OVERRIDES,
+    TRAJECTORY_KEYS,
+    reference_for,
+    trajectory_checks,
+)
 
 LIMITS = {"rtol": 1e-4, "atol": 1e-6}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl_core.config.schema import ModelConfig, RolloutConfig
-from rl_core.models import build_tiny_model, load_policy
+from rl_core.model.loading import build_tiny_model, load_policy
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rollout import HFEngine, SamplingParams, build_completions, make_engine
 

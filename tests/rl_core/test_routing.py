@@ -11,24 +11,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_core.batch.trajectory import Trajectory, TrajectoryError
 from rl_core.model import routing
 from rl_core.model.protocol import ModelCapabilities, RoutingReplay, capabilities
 from rl_core.primitives.logprobs import forward_layout, sequence_token_logprobs
 from rl_core.rollout.base import Completions, SamplingParams, concat_completions
 from rl_core.rollout.hf import HFEngine
-from rl_core.trajectory import Trajectory, TrajectoryError
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from rl_core.models import build_tiny_moe_model
+    from rl_core.model.loading import build_tiny_moe_model
 
     return build_tiny_moe_model(tmp_path_factory.mktemp("moe") / "init", seed=0)
 
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    from rl_core.models import build_tiny_model
+    from rl_core.model.loading import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("dense") / "init", seed=0)
 
@@ -207,7 +207,7 @@ def _trainer(model, mode: str, mini_batch_rows=None):
     from rl_core.algorithms.context import ObjectiveContext
     from rl_core.algorithms.grpo import build_objective
     from rl_core.config import OptimizerConfig, RLConfig
-    from rl_core.trainer import LLMTrainer
+    from rl_core.training.trainer import LLMTrainer
 
     objective = build_objective(RLConfig(), ObjectiveContext(max_response_length=32))
     seen = []
@@ -294,8 +294,8 @@ def test_preflight_refuses_routing_replay_where_there_are_no_routes(moe_dir, den
     from pathlib import Path
 
     from rl_core.config import load_config
-    from rl_core.config.environment import routing_problem, vllm_build
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.machine import routing_problem, vllm_build
+    from rl_core.preflight.rules import preflight
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -336,8 +336,8 @@ def test_a_run_of_the_moe_recipe_builds_its_missing_model_and_warm_start(tmp_pat
 
     from infra.artifacts import TINY_MOE_INIT, TINY_MOE_WARM, ensure_quickstart_artifacts
     from rl_core.config import load_config
-    from rl_core.config.environment import environment_problems
-    from rl_core.models import model_problem
+    from rl_core.model.loading import model_problem
+    from rl_core.preflight.machine import machine_problems
 
     repo = Path(__file__).resolve().parents[2]
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -345,7 +345,7 @@ def test_a_run_of_the_moe_recipe_builds_its_missing_model_and_warm_start(tmp_pat
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(repo / "recipes" / "moe_arithmetic.py"), [])
-    assert not [p for p in environment_problems(cfg) if "model.name_or_path" in p]  # missing, but built by the run
+    assert not [p for p in machine_problems(cfg) if "model.name_or_path" in p]  # missing, but built by the run
     assert ensure_quickstart_artifacts(cfg, announce=lambda _: None) == ["arithmetic_data", "tiny_moe_model",
                                                                         "moe_warm_start"]
     assert model_problem(TINY_MOE_INIT) is None and model_problem(TINY_MOE_WARM) is None

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from rl_core.config.schema import DataConfig
-from rl_core.models import build_tiny_tokenizer
+from rl_core.model.loading import build_tiny_tokenizer
 from rl_core.tasks import Example, Task, encode_prompts, format_prompt, get_task, load_examples
 
 ROWS = [
@@ -202,7 +202,7 @@ def test_auto_renders_an_environments_episodes_as_chat():
 
 def test_preflight_names_a_task_without_rewards_and_unread_keys():
     from rl_core.config import load_config
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     def problems(*overrides):
         return preflight(load_config("recipes/arithmetic.py", list(overrides))).errors

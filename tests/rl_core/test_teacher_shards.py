@@ -9,8 +9,8 @@ import torch
 
 from rl_core.algorithms.opd import row_shards, score_in_shards, teacher_logprobs
 from rl_core.config import load_config
-from rl_core.config.preflight import preflight
 from rl_core.placement.run_shape import TEACHER_GPU_SHARE, teacher_replicas, teachers_per_rank, trainer_gpus
+from rl_core.preflight.rules import preflight
 from tests.builders import tiny_model
 from tests.rl_core.test_opd import make_batch
 

@@ -13,11 +13,11 @@ import torch
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
+from rl_core.batch.trajectory import Trajectory
 from rl_core.config import OptimizerConfig, RLConfig
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.primitives.objective import MetricAdapter, Objective, Reduction
-from rl_core.trainer import LLMTrainer
-from rl_core.trajectory import Trajectory
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import grpo_batch, tiny_model
 from tests.ranks import RankReducer, run_ranks
 
@@ -367,7 +367,7 @@ def test_state_dict_resume_is_bitwise_identical():
 def test_process_group_reducer_over_gloo_single_rank(tmp_path):
     import torch.distributed as dist
 
-    from rl_core.data_parallel import ProcessGroupReducer
+    from rl_core.training.data_parallel import ProcessGroupReducer
 
     model, batch = tiny_model(0), make_batch()
     plain = grpo_trainer(model, RLConfig())

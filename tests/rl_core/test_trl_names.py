@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from rl_core.algorithms.registry import OBJECTIVES
 from rl_core.config import ConfigError, flatten, load_config
 from rl_core.config.aliases import ALIASES
-from rl_core.config.loader import all_keys, closest_keys, parse_value
-from rl_core.registry import OBJECTIVES
+from rl_core.config.explain import all_keys, closest_keys
+from rl_core.config.loader import parse_value
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "coming_from_trl.md"

@@ -14,16 +14,16 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.grpo import build_objective
+from rl_core.batch.trajectory import Trajectory, TrajectoryError
 from rl_core.config import OptimizerConfig, RLConfig, load_config
+from rl_core.primitives.chunked_softmax import token_logprobs_and_entropy
 from rl_core.primitives.logprobs import (
     forward_layout,
     position_ids_from_mask,
     sequence_token_logprobs,
-    token_logprobs_and_entropy,
 )
 from rl_core.primitives.policy_gradient import clipped_policy_gradient_loss, reduce_policy_gradient_loss
-from rl_core.trainer import LLMTrainer
-from rl_core.trajectory import Trajectory, TrajectoryError
+from rl_core.training.trainer import LLMTrainer
 from tests.builders import grpo_batch, tiny_model
 from tests.ranks import run_ranks
 
@@ -185,10 +185,11 @@ def test_the_fused_head_holds_chunks_and_the_unfused_head_equals_it(monkeypatch)
     """The fused LM head never holds more than a chunk of the vocabulary; a head it cannot fuse (a model that
     transforms its logits, or another module type) returns the read positions' logits, with the same values."""
     import rl_core.primitives.logprobs as lp_module
+    from rl_core.primitives import chunked_softmax
 
     batch = make_batch()
     read = int(batch.loss_mask[:, 1:].sum())
-    monkeypatch.setattr(lp_module, "CHUNK_ELEMENTS", 8 * V)  # chunks of 8 positions
+    monkeypatch.setattr(chunked_softmax, "CHUNK_ELEMENTS", 8 * V)  # chunks of 8 positions
     results = {}
     for fused in (True, False):
         monkeypatch.setattr(lp_module, "_fusable", lambda model, head, fused=fused: fused)
@@ -272,7 +273,7 @@ def test_a_mean_objective_refuses_a_token_budget():
 
 
 def test_preflight_refuses_budgets_that_cannot_work():
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     grpo = ROOT / "recipes" / "grpo_gsm8k.py"
     cfg = load_config(grpo, ["rollout.max_tokens=256", "rl.micro_batch_max_tokens=256"])
@@ -360,7 +361,7 @@ def test_gspo_recipe_computes_in_bf16_with_ratios_within_tolerance_of_float32():
 
 
 def test_engines_never_run_vllm_in_float32_unless_asked():
-    from infra.engines import engine_dtype
+    from infra.workers.engines import engine_dtype
 
     gsm8k = ROOT / "recipes" / "gspo_gsm8k.py"
     f32 = ["model.compute_dtype=float32"]

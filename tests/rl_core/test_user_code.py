@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_core.algorithms.registry import OBJECTIVES, build_objective
 from rl_core.config import ConfigError, load_config
-from rl_core.config.preflight import check, preflight
-from rl_core.registry import OBJECTIVES, build_objective
+from rl_core.preflight.rules import check, preflight
 from tests.conftest import FAST, recipe
 
 ARITH = recipe("arithmetic")

@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 from rl_core.config.schema import ModelConfig
 from rl_core.data import make_arithmetic_data
-from rl_core.evaluation import evaluate_accuracy
-from rl_core.models import build_tiny_model, load_policy
+from rl_core.evaluation.heldout import evaluate_accuracy
+from rl_core.model.loading import build_tiny_model, load_policy
 from rl_core.tasks import Example, load_examples
-from rl_core.warm_start import encode_supervised_batch, warm_start
+from rl_core.training.warm_start import encode_supervised_batch, warm_start
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_evaluate_accuracy_scores_greedy_completions(setup):
 
 
 def test_supervised_batch_scores_answer_and_eos_only():
-    from rl_core.models import build_tiny_tokenizer
+    from rl_core.model.loading import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     ids, mask, labels = encode_supervised_batch(tok, [Example("1+2=", "3"), Example("12+34=", "46")])
@@ -86,7 +86,7 @@ def test_default_warm_start_lands_in_target_band(warm_model, workdir):
     (0.6-0.85): well below the 0.9 RL reaches. Built once per session (conftest `warm_model`). The exact value
     depends on the CPU's float kernels (0.722 and 0.802 were measured on two 2-core machines)."""
     from infra.artifacts import load_params
-    from rl_core.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
+    from rl_core.training.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 
     params = load_params()["warm_start"]
     assert (params["steps"], params["lr"], params["batch_size"]) == (DEFAULT_STEPS, DEFAULT_LR, DEFAULT_BATCH_SIZE)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl_core.config.schema import ModelConfig
-from rl_core.models import build_tiny_model, load_policy
+from rl_core.model.loading import build_tiny_model, load_policy
 from rl_core.rollout.verify import (
     PROBE_ATOL,
     compare_held,
@@ -136,14 +136,14 @@ def test_the_hf_engine_reports_what_it_holds(tiny):
 def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_workdir):
     """rollout.max_logp_abs_diff: a batch whose sampling log-probs are 0.01 off the trainer's is refused, naming
     the key, the bound and the gap, with the weights untouched; the same batch under a looser bound trains."""
-    from infra.engines import build_engine
-    from infra.policy_worker import build_trainer
-    from infra.roles import RolloutRole
+    from infra.cluster.roles import RolloutRole
+    from infra.workers.engines import build_engine
+    from infra.workers.policy import build_trainer
     from rl_core.annotate import annotate
     from rl_core.config import load_config
     from rl_core.rewards import reward_inputs, score
     from rl_core.rewards.configured import reward_functions
-    from rl_core.trainer import SamplerGapError
+    from rl_core.training.trainer import SamplerGapError
 
     def trainer_and_batch(bound: float):
         cfg = load_config(recipe("arithmetic"), ["model.name_or_path=artifacts/tiny-model/init", "rollout.prompts_per_step=2",
@@ -176,7 +176,7 @@ def test_a_sampler_gap_above_the_bound_refuses_the_step_before_its_update(in_wor
 
 def test_the_bound_is_a_positive_number_and_dpo_refuses_it():
     from rl_core.config import ConfigError, load_config
-    from rl_core.config.preflight import preflight
+    from rl_core.preflight.rules import preflight
 
     assert load_config(recipe("arithmetic")).rollout.max_logp_abs_diff is None  # off unless a recipe sets it
     with pytest.raises(ConfigError, match="rollout.max_logp_abs_diff"):
