@@ -11,12 +11,17 @@ The config is a recipe path or a `PosttrainConfig` (None: the defaults), then th
 functions are passed as function objects (TRL's `reward_funcs` / `reward_weights`); each must be importable by
 its module and name, because the run records it by import path and its reward workers import it. A dataset is a
 `datasets.Dataset`, a list of row dicts, or anything `data.train` takes (a path or a hub id). An in-memory dataset
-is written once as Parquet under `artifacts/datasets/<sha256 of its bytes>/`, so the run, its resume and its
-provenance name a file whose content cannot change.
+is written as Parquet under `artifacts/datasets/<sha256 of its bytes>/`, so the run, its resume and its
+provenance name a file whose content the name states.
 
-The whole config is then written as a resolved YAML recipe (`artifacts/api/<config hash>.yaml`) and run through
-`flows.entry.run_recipe`: the same checks (a `ConfigError` listing every problem), tracking and checkpoints as a
-recipe file, and the flow's parameters name a file a later run or a deployment can take again.
+The whole config is then written as a resolved YAML recipe (`artifacts/api/<sha256 of the YAML>.yaml`) and run
+through `flows.entry.run_recipe`: the same checks (a `ConfigError` listing every problem), tracking and checkpoints
+as a recipe file, and the flow's parameters name a file a later run or a deployment can take again.
+
+A name is trusted only as far as the bytes under it: an existing file is reused when its content is what its name
+says, and otherwise (changed since, or planted under a name that claims other content) written again whole,
+through a temporary sibling and a rename. A symlink at `artifacts/datasets`, `artifacts/api` or anywhere below
+them is refused naming it: these files are written by this module alone, never through a link to elsewhere.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def resolved_recipe(config: Any = None, overrides: Sequence[str] = (), *, reward
     checked (`ConfigError`, every problem at once)."""
     from rl_core.atomic import write_text_atomic
     from rl_core.config import ConfigError, PosttrainConfig, load_config
-    from rl_core.config.loader import config_dict, config_from_dict, config_hash, to_yaml
+    from rl_core.config.loader import config_dict, config_from_dict, to_yaml
 
     if config is None:
         cfg = PosttrainConfig()
@@ -76,10 +81,14 @@ def resolved_recipe(config: Any = None, overrides: Sequence[str] = (), *, reward
         raise ConfigError(problems)
     # the dotlist last, as on the command line: an override wins over what the arguments set
     cfg = config_from_dict(data, list(overrides), "posttrain.train()")
-    out = CONFIGS_DIR / f"{config_hash(cfg)[:16]}.yaml"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, to_yaml(cfg))
+    text = to_yaml(cfg).encode()
+    out = CONFIGS_DIR / f"{hashlib.sha256(text).hexdigest()}.yaml"
+    try:
+        _refuse_links(CONFIGS_DIR, out)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    if not (out.is_file() and out.read_bytes() == text):  # missing, changed or planted: written again, whole
+        write_text_atomic(out, text.decode())
     return out
 
 
@@ -125,16 +134,34 @@ def dataset_source(dataset: Any, split: str) -> str:
                          f"{type(dataset).__name__}")
     if len(dataset) == 0:
         raise ValueError(f"{_argument(split)}: the dataset has no rows")
+    _refuse_links(DATASETS_DIR)
     DATASETS_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=DATASETS_DIR) as tmp:
         staged = Path(tmp) / f"{split}.parquet"
         dataset.to_parquet(str(staged))
-        digest = hashlib.sha256(staged.read_bytes()).hexdigest()
-        out = DATASETS_DIR / digest[:16] / f"{split}.parquet"
-        if not out.is_file():  # the same bytes under the same name: a rename within one file system is atomic
+        digest = _sha256(staged)
+        out = DATASETS_DIR / digest / f"{split}.parquet"
+        _refuse_links(out.parent, out)
+        if not (out.is_file() and _sha256(out) == digest):  # missing, changed or planted: written again, whole
             out.parent.mkdir(exist_ok=True)
-            os.replace(staged, out)
+            os.replace(staged, out)  # a rename within one file system: atomic
     return str(out)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _refuse_links(*paths: Path) -> None:
+    """ValueError naming the first of `paths` that is a symlink (module docstring)."""
+    for path in paths:
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symlink: the content-addressed files of posttrain's Python API are written "
+                             "into directories it made, never through a link; remove the link")
 
 
 def _argument(split: str) -> str:

@@ -19,17 +19,81 @@ turns differently once more messages follow cannot give a delta, and is refused 
 Limits: `max_turns` assistant turns, and `max_tokens` for the whole episode (prompt included). A turn that runs
 out of tokens before its stop token, or an episode that reaches a limit before the environment ends it, is
 `truncated`.
+
+The budget before the template: the environment's messages (a tool's output, a reply, the opening) are rendered
+and tokenized only as far as the budget left can need (`bounded`). Their text is cut to `CHARS_PER_TOKEN`
+characters per token left, plus `MARGIN_TOKENS`, and that prefix is rendered; when it already overflows the
+budget by the margin, the whole does too (a text never has fewer tokens than its prefix, less those the cut
+splits: the margin), and it is never rendered. When the prefix fits, the bound was too tight for this tokenizer
+or template (tokens that span many characters, a template that shows part of a message): the prefix doubles
+until it overflows or is the whole. So a reply that fits is never cut, whatever the tokenizer, and one that
+does not costs about as much as the budget it overflows, not as much as its length: 20 MB of tool output is
+not tokenized whole in the driver. The cut text is only ever measured; a reply that does not fit ends the
+episode unrendered (`oversized_replies`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl_core.agents.environment import Environment, Turn
 from rl_core.agents.host import Answer, LocalEnvironments, Opening
 
 ANCHOR = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
+CHARS_PER_TOKEN = 8  # the first guess of the characters a token spans (English text: about 4); it only saves renders
+MARGIN_TOKENS = 64  # tokens a cut may change at its end (a split word), and more than the first prefix must overflow
+
+
+def _texts(message: Any) -> list[str]:
+    """The text of a message that the cut counts: a string `content`, or the `text` of its content parts."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return [content]
+    parts = content if isinstance(content, list) else ()
+    return [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+
+
+def cut_messages(messages: Sequence[Any], chars: int) -> tuple[list[Any], bool]:
+    """`messages` with at most `chars` characters of text in all (`_texts`), cut where that runs out and the later
+    messages left out; and whether anything was cut."""
+    out: list[Any] = []
+    for message in messages:
+        size = sum(map(len, _texts(message)))
+        if size > chars:
+            return [*out, _cut(message, chars)], True
+        chars -= size
+        out.append(message)
+    return out, False
+
+
+def _cut(message: dict, chars: int) -> dict:
+    """`message` with its text (`_texts`) cut after `chars` characters; content parts after the cut left out."""
+    if isinstance(message["content"], str):
+        return {**message, "content": message["content"][:chars]}
+    parts = []
+    for part in message["content"]:
+        text = part.get("text") if isinstance(part, dict) else None
+        if isinstance(text, str) and len(text) > chars:
+            parts.append({**part, "text": text[:chars]})
+            break
+        chars -= len(text) if isinstance(text, str) else 0
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def bounded(render: Callable[[list[Any]], list[int]], messages: Sequence[Any], room: int) -> tuple[list[int], bool]:
+    """`(ids, fits)`: `render(messages)`'s ids and whether they are fewer than `room`, without rendering more of the
+    messages' text than deciding that needs (module docstring); when they do not fit, `ids` may be a prefix's."""
+    chars = (room + MARGIN_TOKENS) * CHARS_PER_TOKEN
+    while True:
+        shown, cut = cut_messages(messages, chars)
+        ids = render(shown)
+        if not cut:
+            return ids, len(ids) < room
+        if len(ids) >= room + MARGIN_TOKENS:
+            return ids, False
+        chars *= 2
 
 
 def _render(tokenizer, messages: Sequence[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
@@ -76,12 +140,16 @@ class Episode:
         self.env_s = start.seconds  # seconds inside the environment (reset, respond, reward)
         self.env_error: str | None = None  # why the environment failed, if it did (the episode ended there)
         self.tool_calls = self.tool_errors = 0  # the environment's counts, as of its last answer
+        self.oversized_replies = 0  # replies that did not fit the budget left (the episode ended there)
         self.messages: list[dict] = list(start.messages)
         self.prompt_messages = len(self.messages)
-        prompt = list(tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
-                                                    tokenize=True)["input_ids"])
-        if len(prompt) >= max_tokens:
-            raise ValueError(f"the opening prompt has {len(prompt)} tokens, the episode's budget is {max_tokens}")
+        prompt, fits = bounded(lambda shown: list(tokenizer.apply_chat_template(
+            shown, tools=self.tools, add_generation_prompt=True, tokenize=True)["input_ids"]), self.messages, max_tokens)
+        if not fits:
+            chars = sum(len(text) for m in self.messages for text in _texts(m))
+            measured = f"{len(prompt)} tokens" if len(prompt) < max_tokens + MARGIN_TOKENS else \
+                f"more than {max_tokens} tokens ({chars} characters of text)"
+            raise ValueError(f"the opening prompt has {measured}, the episode's budget is {max_tokens}")
         self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
         self.prompt_len = len(prompt)
         self.turns: list[Turn] = []
@@ -100,6 +168,7 @@ class Episode:
         episode.env, episode.tokenizer, episode.tools = None, tokenizer, None
         episode.max_turns = episode.max_tokens = 0
         episode.env_s, episode.env_error, episode.tool_calls, episode.tool_errors = seconds, error, 0, 0
+        episode.oversized_replies = 0
         # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
         episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
@@ -157,9 +226,11 @@ class Episode:
         if len(self.turns) >= self.max_turns:
             self._end(truncated=True)
             return
-        delta = template_delta(self.tokenizer, reply.messages, tools=self.tools,
-                               stop_text=self.tokenizer.decode([stop_id]))
-        if len(self.ids) + len(delta) >= self.max_tokens:  # no room left for a token of the next turn
+        stop_text = self.tokenizer.decode([stop_id])
+        delta, fits = bounded(lambda shown: template_delta(self.tokenizer, shown, tools=self.tools, stop_text=stop_text),
+                              reply.messages, self.max_tokens - len(self.ids))
+        if not fits:  # no room left for a token of the next turn
+            self.oversized_replies += 1
             self._end(truncated=True)
             return
         self.messages += reply.messages
@@ -174,7 +245,7 @@ class Episode:
         """Per-episode counts for the step's metrics."""
         return {"turns": len(self.turns), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "truncated": self.truncated, "env_errors": int(self.env_error is not None), "started": self.started,
-                "tokens": len(self.ids),
+                "oversized_replies": self.oversized_replies, "tokens": len(self.ids),
                 "sampled_tokens": sum(self.sampled), "env_s": self.env_s}
 
     def record(self, reward: float) -> dict:

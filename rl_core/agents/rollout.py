@@ -222,7 +222,8 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
 
 def episode_stats(records: Sequence[dict]) -> dict[str, float]:
     """A step's agent metrics from its episode records: turns and tool calls per episode, tool and environment
-    errors, truncated episodes, the environment's reward and the seconds spent inside the environments."""
+    errors, truncated episodes, replies that did not fit their episode's budget, the environment's reward and the
+    seconds spent inside the environments."""
     n = max(len(records), 1)
     total = {key: sum(float(r["stats"][key]) for r in records)
              for key in ("turns", "tool_calls", "tool_errors", "truncated", "env_errors", "env_s")}
@@ -230,4 +231,5 @@ def episode_stats(records: Sequence[dict]) -> dict[str, float]:
             "rollout/turns_mean": total["turns"] / n, "rollout/turns_max": max((r["stats"]["turns"] for r in records), default=0),
             "rollout/tool_calls_mean": total["tool_calls"] / n, "rollout/tool_errors": total["tool_errors"],
             "rollout/env_errors": total["env_errors"], "rollout/truncated_episodes": total["truncated"],
+            "rollout/oversized_replies": float(sum(r["stats"].get("oversized_replies", 0) for r in records)),
             "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"]}

@@ -9,7 +9,12 @@ object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_cal
 with a call (text that is not JSON, no name, arguments that are not an object, a tool that does not
 exist, arguments it does not take, a tool that raises or returns something that is not text or JSON)
 becomes an error message the model reads as the tool's answer, and is counted: never an exception that
-stops the episode.
+stops the episode. That holds for calls the JSON parser cannot take too: a body over `MAX_CALL_CHARS`
+characters is not parsed at all (it is answered naming the cap), and nesting past Python's recursion limit
+or a number past its integer digit limit (4300) is answered as unreadable. A call nested deeper than
+`MAX_CALL_DEPTH` levels is answered too, though the parser takes up to about a thousand: the turn holding it
+is pickled to the environment actors and written into the episode's JSON record, and both recurse once per
+level from a deeper stack than the parser's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from rl_core.user_code import user_error
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 ERROR_PREFIX = "error: "
+MAX_CALL_CHARS = 64 * 1024  # characters of one call's body (between the tags): ample for any tool's arguments
+MAX_CALL_DEPTH = 64  # levels of objects and arrays in one call, the arguments' own included
 
 
 @dataclass(frozen=True)
@@ -71,21 +78,45 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _parse_call(body: str) -> ToolCall:
+    if len(body) > MAX_CALL_CHARS:
+        return ToolCall(error=f"the tool call has {len(body)} characters; a call holds at most {MAX_CALL_CHARS}")
     try:
-        data = json.loads(body)
+        data = _read_json(body)
     except json.JSONDecodeError as exc:
         return ToolCall(error=f"the tool call is not JSON ({exc.msg} at character {exc.pos})")
+    except (RecursionError, _TooDeep):
+        return ToolCall(error=f"the tool call nests deeper than {MAX_CALL_DEPTH} levels")
+    except ValueError as exc:  # a number past Python's integer digit limit
+        return ToolCall(error=f"the tool call cannot be read ({exc})")
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return ToolCall(error='a tool call is {"name": <tool name>, "arguments": {...}}')
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _read_json(arguments, depth=1)
+        except (RecursionError, ValueError, _TooDeep):  # JSONDecodeError is a ValueError: it stays a string
             pass
     if not isinstance(arguments, dict):
         return ToolCall(name=data["name"], error=f"the arguments of {data['name']} are not a JSON object")
     return ToolCall(name=data["name"], arguments=arguments)
+
+
+class _TooDeep(Exception):
+    """A parsed call nests deeper than MAX_CALL_DEPTH."""
+
+
+def _read_json(text: str, depth: int = 0) -> Any:
+    """`json.loads(text)`, refused (`_TooDeep`) when its objects and arrays nest deeper than MAX_CALL_DEPTH less
+    `depth` (the levels already around it). The walk is iterative: it never recurses on what it checks."""
+    value = json.loads(text)
+    stack = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level >= MAX_CALL_DEPTH:
+                raise _TooDeep
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value
 
 
 @dataclass(frozen=True)

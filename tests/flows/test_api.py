@@ -105,3 +105,58 @@ def test_train_runs_the_flow_with_function_rewards_and_a_dataset(in_workdir):
         assert r["rollout/reward_mean"] == pytest.approx(1.0 * acc + 0.2 * fmt, abs=1e-6)
     resolved = (in_workdir / "runs" / "from-python" / "config_resolved.yaml").read_text()
     assert "examples.chat_arithmetic:format_reward" in resolved and "artifacts/datasets/" in resolved
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _resolve(rows: list[dict]) -> tuple[Path, Path]:
+    """The recipe file and the train dataset's file of a call with `rows` as the train dataset."""
+    from flows.api import resolved_recipe
+    from rl_core.config import load_config
+
+    path = resolved_recipe(_config(), ["rl.max_steps=3"], train_dataset=rows)
+    return path, Path(load_config(path).data.train)
+
+
+def test_the_files_are_named_by_the_sha256_of_their_bytes_and_a_changed_one_is_written_again(tmp_path, monkeypatch):
+    from rl_core.config import load_config
+    from rl_core.tasks import load_examples
+
+    monkeypatch.chdir(tmp_path)
+    rows, other = make_rows(0)["train"][:8], make_rows(0)["train"][8:12]
+    path, data = _resolve(rows)
+    assert path.parent == Path("artifacts/api") and path.name == f"{_sha256(path)}.yaml"  # the whole sha256
+    assert data.parent.parent == Path("artifacts/datasets") and data.parent.name == _sha256(data)
+    recipe, parquet = path.read_bytes(), data.read_bytes()
+    _, other_data = _resolve(other)
+    # changed, or planted under a name that claims other content: each is written again, whole
+    path.write_text(path.read_text().replace("max_steps: 3", "max_steps: 99999"))
+    data.write_bytes(other_data.read_bytes())
+    assert _resolve(rows) == (path, data)
+    assert (path.read_bytes(), data.read_bytes()) == (recipe, parquet)
+    assert load_config(path).rl.max_steps == 3
+    assert len(load_examples(str(data), "prompts", load_config(path).data)) == len(rows)
+    assert not [p for p in Path("artifacts").rglob("*") if p.name.startswith((".tmp", "tmp"))]  # no staging left
+
+
+def test_a_symlink_where_the_content_addressed_files_go_is_refused_naming_it(tmp_path, monkeypatch):
+    from rl_core.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    rows = make_rows(0)["train"][:8]
+    path, data = _resolve(rows)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for link in (data, data.parent, Path("artifacts/datasets"), path, Path("artifacts/api")):
+        target = elsewhere / link.name
+        link.rename(target)
+        link.symlink_to(target.resolve(), target_is_directory=target.is_dir())
+        before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
+        with pytest.raises(ConfigError, match=rf"{link} is a symlink"):
+            _resolve(rows)
+        assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before  # nothing written there
+        link.unlink()
+        target.rename(link)
+    assert _resolve(rows) == (path, data)

@@ -186,7 +186,8 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     stats = episode.stats()
     assert stats.pop("env_s") > 0  # reset and respond ran, timed
     assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False, "env_errors": 0, "started": True,
-                     "tokens": len(episode.ids), "sampled_tokens": len(turns[0]) + len(turns[1])}
+                     "oversized_replies": 0, "tokens": len(episode.ids),
+                     "sampled_tokens": len(turns[0]) + len(turns[1])}
 
 
 def test_a_template_that_drops_earlier_reasoning_never_changes_what_was_sampled():
@@ -349,9 +350,9 @@ def test_an_environment_is_a_task_whose_episodes_are_scored_over_the_conversatio
 
     from rl_core.agents.rollout import rollout_episodes
     from rl_core.annotate import annotate
+    from rl_core.batch.gate import BatchValidationError, validate_annotations, validate_batch_tensors
     from rl_core.config import RLConfig
     from rl_core.config.schema import DataConfig
-    from rl_core.gate import BatchValidationError, validate_annotations, validate_batch_tensors
     from rl_core.rewards import reward_inputs, score
     from rl_core.rewards.configured import reward_functions
     from rl_core.rollout import Completions, HFEngine, SamplingParams
@@ -603,8 +604,8 @@ def test_a_row_whose_episodes_cannot_start_is_left_out_of_the_step_and_the_other
 
     from rl_core.agents.rollout import EnvironmentFailure, episode_stats, rollout_episodes
     from rl_core.annotate import annotate
+    from rl_core.batch.gate import validate_annotations, validate_batch_tensors
     from rl_core.config import RLConfig
-    from rl_core.gate import validate_annotations, validate_batch_tensors
     from rl_core.rollout import HFEngine, SamplingParams
     from rl_core.tasks import get_task
 
