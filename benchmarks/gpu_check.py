@@ -3,9 +3,13 @@
 `make gpu-smoke` (benchmarks/gpu_smoke.py) runs whole flows with vLLM, Ray and Prefect on a user's GPU machine. This
 script needs none of them: it runs on a stock image with torch, transformers and safetensors (no network), with
 pydantic and its few pure dependencies carried as wheels when the image lacks them (`--wheels DIR`, unpacked into a
-temporary directory put first on `sys.path`). On one GPU (about 4 minutes on an H200) it checks, with a randomly
-initialised Qwen2 model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, the 151,936-token
-vocabulary; random weights, so no download):
+temporary directory put first on `sys.path`; `--download-wheels DIR` fetches them where there is a network, at
+constraints.txt's versions: benchmarks/gpu_wheels.py). Before anything imports pydantic it checks that the
+pydantic-core found is the release that pydantic requires (pydantic refuses to import beside any other), and reports
+a mismatch in `gpu_check.json` (`error`, no checks run; exit 1) instead of a traceback.
+
+On one GPU (about 4 minutes on an H200) it checks, with a randomly initialised Qwen2 model of Qwen2.5-0.5B's shape
+(hidden 896, 24 layers, 14 heads, 2 KV heads, the 151,936-token vocabulary; random weights, so no download):
 
 - `precision`: TF32 for float32 matmuls after `enable_tf32`, and kept when an engine resets it (what a colocated
   vLLM does as it starts: `matmul_precision_kept`);
@@ -28,6 +32,7 @@ directory) and exits 1 when a check fails. `--cpu-dry-run` runs the same checks 
 `make test` runs it): there, TF32 is expected off and no device memory is measured.
 
     python benchmarks/gpu_check.py [--out DIR] [--wheels DIR] [--cpu-dry-run]
+    python benchmarks/gpu_check.py --download-wheels DIR [--python-version 3.12]
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # run as a file too (runpy): its helper modules beside it
+from gpu_wheels import download_command, pydantic_problem, use_wheels
+
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B) on a GPU; a tiny one for the dry run
 GPU_SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
              "num_key_value_heads": 2, "vocab_size": 151936}
@@ -53,19 +61,6 @@ DRY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2
 GPU_BATCH = {"prompts": 8, "n": 8, "prompt_tokens": 128, "max_tokens": 512, "budget": 8192, "steps": 4}
 DRY_BATCH = {"prompts": 2, "n": 4, "prompt_tokens": 12, "max_tokens": 16, "budget": 64, "steps": 2}
 EXPORT_ATOL = 1e-5  # float32 log-probs of the same weights, two loads
-
-
-def use_wheels(directory: Path, into: Path) -> list[str]:
-    """Unpack every wheel in `directory` into `into` and put it first on `sys.path` (a wheel is a zip of its
-    packages: pure-Python ones import from there, and so do compiled ones once unpacked). Returns the wheels."""
-    names = sorted(p.name for p in directory.glob("*.whl"))
-    if not names:
-        raise SystemExit(f"--wheels {directory}: no *.whl files there")
-    for name in names:
-        with zipfile.ZipFile(directory / name) as wheel:
-            wheel.extractall(into)
-    sys.path.insert(0, str(into))
-    return names
 
 
 def build_model(out: Path, shape: dict, seed: int = 0) -> Path:
@@ -315,15 +310,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes ($OUT)")
     parser.add_argument("--wheels", help="a directory of wheels to import from (pydantic on a bare image)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="the same checks on CPU, with a tiny shape")
+    parser.add_argument("--download-wheels", metavar="DIR", help="where there is a network: download the pinned "
+                        "pydantic wheels (constraints.txt's) a bare image needs into DIR, then stop")
+    parser.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+                        help="with --download-wheels: the GPU image's Python (default: this one's)")
     args = parser.parse_args(argv)
+    if args.download_wheels:
+        command = download_command(Path(args.download_wheels), args.python_version)
+        print(" ".join(command[1:]), flush=True)
+        return subprocess.run(command, check=False).returncode
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars
     os.environ.setdefault("TQDM_DISABLE", "1")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="posttrain-gpu-check-") as tmp:
         work = Path(tmp)
         wheels = use_wheels(Path(args.wheels), work / "wheels") if args.wheels else []
+        if problem := pydantic_problem() or _import_problem("pydantic"):  # before anything imports it
+            print(f"gpu_check: {problem}", file=sys.stderr)
+            return _write(Path(args.out), {"error": problem, "wheels": wheels, "checks": {}}, started)
         sys.path.insert(0, str(REPO))
-        sys.path.insert(0, str(REPO / "benchmarks"))
         import torch
         import transformers
 
@@ -348,13 +353,27 @@ def main(argv: list[str] | None = None) -> int:
                   + ("" if result["ok"] else f" {json.dumps(result)[:600]}"), flush=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    return _write(Path(args.out), report, started)
+
+
+def _import_problem(module: str) -> str | None:
+    """Why `module` does not import (e.g. a compiled wheel built for another Python), or None."""
+    try:
+        __import__(module)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return (f"{module} does not import ({type(exc).__name__}: {exc}); were its wheels downloaded for this "
+                f"Python ({sys.version_info[0]}.{sys.version_info[1]}: --python-version)?")
+    return None
+
+
+def _write(out: Path, report: dict, started: float) -> int:
+    """gpu_check.json under `out`; 0 when every check passed (a report with an `error` ran none: 1)."""
     report["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"{out / 'gpu_check.json'}: {sum(r['ok'] for r in report['checks'].values())}/{len(CHECKS)} checks ok "
           f"in {report['seconds']} s")
-    return 0 if all(r["ok"] for r in report["checks"].values()) else 1
+    return 0 if report["checks"] and all(r["ok"] for r in report["checks"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ and checks, from each run's own outputs:
   level 2: GPU memory in use once it sleeps is below what it was at rollout by at least half its
   reservation), the sync woke it, and the memory in use neither asleep nor at rollout grew from the first
   cycle to the last (by more than `GROWTH_GIB`), and what it keeps asleep (its CUDA graphs and buffers,
-  measured as it started: `placement.json`'s `vllm_asleep_resident_gib`) is within the memory plan's
-  `VLLM_ASLEEP_BYTES`;
+  measured as it started: `placement.json`'s `vllm_asleep_resident_gib`) is within the memory plan's figure for the
+  model it ran (`rl_core.placement.formulas.vllm_asleep_bytes`: scaled with the model, at least 1 GiB);
 - every trainer rank trains with TF32 float32 matmuls (`placement.json`: precision "high"), a colocated
   vLLM's start notwithstanding;
 
@@ -52,7 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from rl_core.placement.formulas import VLLM_ASLEEP_BYTES  # what the memory plan counts for a sleeping engine
+from rl_core.placement.formulas import VLLM_ASLEEP_FLOOR_BYTES, vllm_asleep_bytes
 from rl_core.rollout.verify import PROBE_ATOL  # the sync's own bound on the probe's gap
 
 LOGP_DIFF_MAX = 0.05  # nats, mean over response tokens, bf16 sampler vs bf16-autocast trainer
@@ -108,8 +108,19 @@ def layouts(gpus: int) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float) -> list[str]:
-    """What is wrong with a finished run, read from its own outputs; prints its per-step table."""
+def planned_asleep_gib(model_dir: Path) -> float:
+    """The memory plan's figure for what the run's colocated vLLM keeps asleep, in GiB: for the model's shape in bf16
+    (the recipe's compute dtype), or the floor when its config.json is not there."""
+    from rl_core.placement.model_shape import model_shape
+
+    shape = model_shape(str(model_dir))
+    return (vllm_asleep_bytes(shape, 2) if shape is not None else VLLM_ASLEEP_FLOOR_BYTES) / 2**30
+
+
+def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float,
+              asleep_plan_gib: float = VLLM_ASLEEP_FLOOR_BYTES / 2**30) -> list[str]:
+    """What is wrong with a finished run, read from its own outputs; prints its per-step table. `asleep_plan_gib`: the
+    plan's figure for what its colocated vLLM keeps asleep (`planned_asleep_gib`)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/loss" in r]
     placement = json.loads((run_dir / "placement.json").read_text())
@@ -138,9 +149,9 @@ def check_run(run_dir: Path, steps_wanted: int, colocated: bool, gpu_gib: float)
             failures.append(f"colocated vLLM gave back only {freed} GiB for the train step; its reservation is "
                             f"{UTILIZATION * gpu_gib:.1f} GiB (sleep level 2 frees weights and KV cache)")
         resident = [rank.get("vllm_asleep_resident_gib") for rank in placement.get("trainers", [])]
-        if not resident or not all(r is not None and r <= VLLM_ASLEEP_BYTES / 2**30 for r in resident):
+        if not resident or not all(r is not None and r <= asleep_plan_gib for r in resident):
             failures.append(f"the colocated vLLM engine keeps {resident} GiB on the GPU asleep; the memory plan counts "
-                            f"{VLLM_ASLEEP_BYTES / 2**30:.2f} (rl_core.placement.formulas.VLLM_ASLEEP_BYTES)")
+                            f"{asleep_plan_gib:.2f} (rl_core.placement.formulas.vllm_asleep_bytes)")
         for key, what in (("perf/gpu_asleep_used_gib", "asleep"), ("perf/gpu_rollout_used_gib", "at rollout")):
             used = [r.get(key, math.nan) for r in steps]
             if steps and not used[-1] - used[0] <= GROWTH_GIB:  # NaN fails too
@@ -202,7 +213,9 @@ def main() -> int:
                 failures.append(f"{name}: the run did not finish")
                 continue
             colocated = layout.get("cluster.placement", "colocated") == "colocated"
-            found = check_run(workdir / "runs" / f"gpu-smoke-{name}", args.steps, colocated, gpu_gib)
+            model = Path(args.model).resolve() if args.model else workdir / "artifacts" / "tiny-model" / "warm"
+            found = check_run(workdir / "runs" / f"gpu-smoke-{name}", args.steps, colocated, gpu_gib,
+                              planned_asleep_gib(model))
             failures.extend(f"{name}: {f}" for f in found)
         print(f"\nlayouts: {[n for n, _ in layouts(gpus)]}; wall time {time.perf_counter() - started:.0f} s")
         for f in failures:

@@ -57,12 +57,17 @@ def test_without_a_gpu_or_the_dry_run_it_stops_and_says_how():
     assert run.returncode == 2 and "--cpu-dry-run" in run.stderr
 
 
-def test_a_carried_wheel_is_imported_from(tmp_path, monkeypatch):
+def _gpu_wheels():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from gpu_check import use_wheels
+        import gpu_wheels
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return gpu_wheels
+
+
+def test_a_carried_wheel_is_imported_from(tmp_path, monkeypatch):
+    use_wheels = _gpu_wheels().use_wheels
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "carried_demo-1.0-py3-none-any.whl", "w") as whl:
@@ -76,3 +81,68 @@ def test_a_carried_wheel_is_imported_from(tmp_path, monkeypatch):
     sys.modules.pop("carried_demo")
     with pytest.raises(SystemExit, match="no \\*.whl files"):
         use_wheels(tmp_path / "unpacked", tmp_path / "again")
+
+
+def _lock() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_the_carried_wheels_are_the_locked_pydantic_and_its_matching_core():
+    """The wheels a bare image gets are constraints.txt's pydantic, the pydantic-core that pydantic release requires,
+    and their pure dependencies, each pinned (an unpinned download pairs the newest of each, which may not match), and
+    the documented command is the helper that downloads exactly those."""
+    wheels, lock = _gpu_wheels(), _lock()
+    pins = wheels.wheel_pins()
+    assert pins == {name: lock[name] for name in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                                                  "typing-extensions")}
+    command = wheels.download_command(Path("gpu-wheels"), "3.12")
+    assert f"pydantic=={lock['pydantic']}" in command and f"pydantic-core=={lock['pydantic-core']}" in command
+    assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command
+    assert all("==" in arg for arg in command[command.index("gpu-wheels") + 1:])  # every package pinned
+    from importlib.metadata import distribution
+
+    assert f"pydantic-core=={lock['pydantic-core']}" in distribution("pydantic").requires  # the pair matches
+    docs = (REPO / "docs" / "gpu.md").read_text()
+    assert "benchmarks/gpu_check.py --download-wheels gpu-wheels" in docs
+    assert "pydantic pydantic-core" not in docs  # no unpinned download left in the docs
+
+
+def _fake_dist(root: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def test_a_pydantic_core_other_than_the_one_pydantic_requires_is_named(tmp_path):
+    problem = _gpu_wheels().pydantic_problem
+    good, bad, lone = tmp_path / "good", tmp_path / "bad", tmp_path / "lone"
+    _fake_dist(good, "pydantic", "2.14.4", ("pydantic-core==2.50.5", "typing-extensions>=4.14.1"))
+    _fake_dist(good, "pydantic-core", "2.50.5")
+    assert problem([str(good)]) is None
+    _fake_dist(bad, "pydantic", "2.14.4", ("pydantic-core==2.50.5",))
+    _fake_dist(bad, "pydantic-core", "2.46.4")
+    said = problem([str(bad)])
+    assert "pydantic 2.14.4 requires pydantic-core==2.50.5" in said and "2.46.4" in said and "--download-wheels" in said
+    _fake_dist(lone, "pydantic", "2.14.4", ("pydantic-core==2.50.5",))
+    assert "no pydantic-core" in problem([str(lone)])
+    assert "no pydantic" in problem([str(tmp_path / "empty")])
+
+
+@pytest.mark.e2e  # a subprocess
+def test_mismatched_wheels_stop_the_check_with_a_report_not_a_traceback(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name, version, requires in (("pydantic", "2.14.4", "Requires-Dist: pydantic-core==2.50.5\n"),
+                                    ("pydantic_core", "2.46.4", "")):
+        with zipfile.ZipFile(wheels / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+            whl.writestr(f"{name}/__init__.py", "raise SystemError('imported')\n")
+            whl.writestr(f"{name}-{version}.dist-info/METADATA",
+                         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--wheels", str(wheels),
+                          "--out", str(tmp_path)], check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "pydantic 2.14.4 requires pydantic-core==2.50.5" in report["error"] and "2.46.4" in report["error"]
+    assert report["checks"] == {} and "pydantic-core" in run.stderr

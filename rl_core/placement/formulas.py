@@ -16,10 +16,17 @@ MIB = 1024**2
 ASSUMED_PROMPT_TOKENS = 512
 # Per GPU process, outside the items: the CUDA context and kernels, cuBLAS/NCCL workspaces.
 RUNTIME_BYTES = 1 * GIB
-# A colocated vLLM engine asleep still holds its CUDA graphs (captured for every decode batch size) and persistent
-# buffers; rl_core.rollout.vllm measures it as the engine starts (placement.json: vllm_asleep_resident_gib) and
-# make gpu-smoke checks the measurement against this figure
-VLLM_ASLEEP_BYTES = 1 * GIB
+# A vLLM engine asleep still holds what no sleep level frees: its model runner's persistent buffers and the CUDA graphs
+# it captured (`vllm_asleep_bytes`). rl_core.rollout.vllm measures it as the engine starts (placement.json:
+# vllm_asleep_resident_gib) and make gpu-smoke checks the measurement against the plan's figure. vLLM 0.32's defaults
+# on a GPU of 70 GiB or more (the LLM class; CUDA graphs on, as on every GPU run here):
+VLLM_MAX_BATCHED_TOKENS = 16384  # max_num_batched_tokens (8192 below 70 GiB): the rows of the persistent buffers
+VLLM_CAPTURE_SIZES = 51  # decode batch sizes captured: 1, 2, 4, 8..248 by 8, 256..512 by 16
+VLLM_LARGEST_CAPTURE = 512
+# CUDA graphs' own device memory per captured batch size and decoder layer (+1: embedding and head), the PIECEWISE and
+# FULL graphs together: an estimate from vLLM's capture logs (a few MiB per size for a ~30-layer model)
+VLLM_GRAPH_LAYER_BYTES = 256 * 1024
+VLLM_ASLEEP_FLOOR_BYTES = 1 * GIB  # the least the plan counts: kernels, workspaces and whatever the estimate misses
 # The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
 GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.training.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
 WIRE_BUCKET_BYTES = 256 * MIB  # infra.workers.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and
@@ -115,6 +122,37 @@ def nograd_forward_bytes(shape: ModelShape, rows: int, seq: int, c: int, residua
     (generation's prefill) the additive attention mask; unpadded scoring has none."""
     h, q, inter = shape.hidden_size, shape.num_heads * shape.head_dim, shape.intermediate_size
     return rows * seq * (2 * residual * h + c * max(3 * inter, 4 * q)) + (rows * seq * seq * c if mask else 0)
+
+
+def vllm_asleep_parts(shape: ModelShape, c: int) -> dict[str, int]:
+    """What a sleeping vLLM engine keeps, by part: an estimate for vLLM 0.32 until a GPU run measures it.
+
+    - persistent buffers: `VLLM_MAX_BATCHED_TOKENS` rows of the model runner's input buffers, the input embeddings in
+      the model dtype (`h·c`) and the token ids, positions and slot mapping (16 B);
+    - CUDA graphs: `VLLM_GRAPH_LAYER_BYTES` per captured batch size and decoder layer (+1);
+    - the graph pool: the intermediate tensors of the largest captured decode batch through one layer (the pool is
+      shared by every graph), `(2h + 2q + 2kv + 3I)·c` per token: residual and normalised stream, q/k/v and the
+      attention output, gate/up and their product.
+    """
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return {"persistent buffers": VLLM_MAX_BATCHED_TOKENS * (h * c + 16),
+            "CUDA graphs": VLLM_CAPTURE_SIZES * (shape.num_layers + 1) * VLLM_GRAPH_LAYER_BYTES,
+            "graph pool": VLLM_LARGEST_CAPTURE * (2 * h + 2 * q + 2 * kv + 3 * inter) * c}
+
+
+def vllm_asleep_bytes(shape: ModelShape, c: int) -> int:
+    """What the plan counts for a sleeping vLLM engine: its parts (`vllm_asleep_parts`), at least
+    `VLLM_ASLEEP_FLOOR_BYTES`."""
+    return max(VLLM_ASLEEP_FLOOR_BYTES, sum(vllm_asleep_parts(shape, c).values()))
+
+
+def vllm_reload_bytes(shape: ModelShape, c: int, tensor_parallel: int = 1) -> int:
+    """The transient of vLLM's weight reload (`reload_weights`, layer by layer): each module's weights are
+    materialised anew, loaded, copied into the engine's own tensors and freed, one module at a time as the weights
+    arrive in order. The largest module is at most a decoder layer (a MoE layer's experts are one module) or the
+    embedding / head: `max(layer, largest tensor) x c`, split over the tensor-parallel workers."""
+    return -(-max(shape.layer, shape.largest) * c // tensor_parallel)
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, seq: int, c: int) -> int:

@@ -11,6 +11,7 @@ from rl_core.placement.formulas import (
     FORWARD,
     FSDP_LAYERS_IN_FLIGHT,
     GENERATE,
+    GIB,
     GRAD_BUCKET_BYTES,
     NCCL_COMM_BYTES,
     REFERENCE,
@@ -19,7 +20,7 @@ from rl_core.placement.formulas import (
     SCORE,
     STEP,
     SYNC,
-    VLLM_ASLEEP_BYTES,
+    VLLM_ASLEEP_FLOOR_BYTES,
     WIRE_BUCKET_BYTES,
     activation_bytes,
     compute_bytes,
@@ -29,6 +30,9 @@ from rl_core.placement.formulas import (
     micro_batch_rows,
     micro_batch_tokens,
     nograd_forward_bytes,
+    vllm_asleep_bytes,
+    vllm_asleep_parts,
+    vllm_reload_bytes,
 )
 from rl_core.placement.items import RolePlan, gib, params_text
 from rl_core.placement.model_shape import ModelShape
@@ -40,6 +44,10 @@ from rl_core.placement.run_shape import (
     teachers_per_rank,
     tensor_parallel_size,
 )
+
+RELOAD_ITEM = "vLLM reload: one layer's weights staged anew (layer-by-layer reload)"
+RELOAD_NOTE = ("each module is materialised, loaded and copied into the engine's own weights: the larger of a decoder "
+               "layer and the embedding")
 
 
 def vllm_reservation(cfg: PosttrainConfig, gpu_bytes: int | None) -> int:
@@ -148,8 +156,10 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
                 res = vllm_reservation(cfg, gpu_bytes)
                 role.vllm_reservation, role.vllm_weights = (res if gpu_bytes else None), s.n_params * c
                 asleep = tuple(p for p in role.phases if p != GENERATE)  # awake, the reservation holds them
-                role.add("vLLM asleep: CUDA graphs and persistent buffers (no sleep level frees them)",
-                         VLLM_ASLEEP_BYTES, asleep, "measured as the engine starts: placement.json's "
+                parts = " + ".join(f"{name} {gib(b)}" for name, b in vllm_asleep_parts(s, c).items())
+                role.add("vLLM asleep: persistent buffers and CUDA graphs (no sleep level frees them)",
+                         vllm_asleep_bytes(s, c), asleep, f"estimate: {parts} GiB, at least "
+                         f"{VLLM_ASLEEP_FLOOR_BYTES / GIB:g} GiB; measured as the engine starts: placement.json's "
                          "vllm_asleep_resident_gib")
                 if A:  # sleep level 1: the base weights wait in host memory; the sync wakes it whole to add adapters
                     role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
@@ -160,6 +170,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
                 else:  # sleep level 2; the sync wakes the weights only, loads them, then the KV cache
                     role.add(f"vLLM weights: {cfg.model.compute_dtype}, woken for the sync (KV cache still freed)",
                              s.n_params * c, (SYNC,))
+                    role.add(RELOAD_ITEM, vllm_reload_bytes(s, c), (SYNC,), RELOAD_NOTE)
                     role.add(f"vLLM awake: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization:g} x GPU "
                              "(weights + KV cache)", res, (GENERATE,), "" if gpu_bytes else "GPU memory unknown: not counted")
                     role.vllm_phases = (GENERATE,)
@@ -216,6 +227,9 @@ def engine_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int
         else:
             role.add("received buckets, two in flight: loaded by vLLM as each arrives",
                      2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
+        if on_gpu and not A:
+            role.add(RELOAD_ITEM + (f", 1/{tp} per GPU" if tp > 1 else ""), vllm_reload_bytes(s, c, tp), (SYNC,),
+                     RELOAD_NOTE)
     else:
         rows = generation_rows(cfg, count)
         role.add(f"weights: {cfg.model.compute_dtype}", s.n_params * c)
