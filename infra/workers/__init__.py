@@ -2,7 +2,8 @@
 the device and node helpers and `worker_config`, the resolved config an actor receives as data).
 
 - `policy`: a data-parallel trainer rank (`PolicyWorker`, `build_trainer`); `sharded_load` fills its FSDP shards
-  at start-up; `distributed`: its rendezvous, process groups and the weight-sync stream.
+  at start-up (`checkpoint_index`: which files of the checkpoint it may read); `distributed`: its rendezvous,
+  process groups and the weight-sync stream.
 - `engines`: a separate rollout engine (`RolloutWorker`) and the driver's `EnginePool`.
 - `teacher`: OPD teacher replicas; `rewards`: the reward pool; `environments`: the agent environments' pool.
 

@@ -1,36 +1,20 @@
 """The policy built sharded at start-up (`load_sharded_policy`): each trainer rank fills its own FSDP shards from the
 local checkpoint's safetensors files, reading only its rows of each tensor; rank 0 loads and broadcasts only where
-the checkpoint cannot be read that way."""
+the checkpoint cannot be read that way (a hub id, a converted layout, a quantized checkpoint). Which files may be
+read, and what makes a checkpoint quantized: `infra.workers.checkpoint_index`."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from infra.workers.checkpoint_index import FLOAT_DTYPES, checkpoint_files, quantized
 from infra.workers.distributed import shard_policy
 
-
-def checkpoint_files(path: str) -> dict[str, str]:
-    """`{tensor name: safetensors file}` of a local model directory (its `model.safetensors.index.json`, or its one
-    `*.safetensors` file); empty for a hub id or a directory without safetensors."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    root = Path(path)
-    if not root.is_dir():
-        return {}
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return {name: str(root / file) for name, file in json.loads(index.read_text())["weight_map"].items()}
-    files = sorted(root.glob("*.safetensors"))
-    if len(files) != 1:
-        return {}
-    with safe_open(str(files[0]), "pt") as f:
-        return {name: str(files[0]) for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+log = logging.getLogger(__name__)
 
 
 def read_own_shards(model: torch.nn.Module, files: dict[str, str]) -> bool:
@@ -39,7 +23,8 @@ def read_own_shards(model: torch.nn.Module, files: dict[str, str]) -> bool:
     the persistent buffers whole; the non-persistent ones (rotary frequencies) are computed as transformers'
     `from_pretrained` computes them (`_init_weights` of the module that holds them). False, having read nothing, when
     the checkpoint does not hold every parameter under the model's own name and shape (a renamed or converted
-    layout), or a module holds both parameters and computed buffers: the caller then loads on rank 0."""
+    layout), stores a float tensor of the model in another dtype (int8, float8: quantized, its rows alone are not
+    the weights), or a module holds both parameters and computed buffers: the caller then loads on rank 0."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -54,8 +39,12 @@ def read_own_shards(model: torch.nn.Module, files: dict[str, str]) -> bool:
     for name, tensor in tensors:
         if name not in files:
             return False
-        handle = handles.setdefault(files[name], safe_open(files[name], "pt", device="cpu"))
-        if tuple(handle.get_slice(name).get_shape()) != tuple(tensor.shape):
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(files[name], "pt", device="cpu")
+        stored = handles[files[name]].get_slice(name)
+        if tuple(stored.get_shape()) != tuple(tensor.shape):
+            return False
+        if tensor.is_floating_point() and stored.get_dtype() not in FLOAT_DTYPES:
             return False
     with torch.no_grad():
         for name, tensor in tensors:
@@ -80,9 +69,11 @@ def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dt
     Every rank builds the model's skeleton on the meta device, shards it, and fills its shards itself from the local
     checkpoint (`read_own_shards`: its rows of each tensor, read through the memory map), so no rank loads the whole
     model and none waits on another while it loads. Where that cannot be done (a hub id, a checkpoint whose names or
-    shapes are not the model's own), rank 0 alone loads the checkpoint into host memory, and each tensor is broadcast
-    from it and kept by every rank as its shard (`set_model_state_dict` with `broadcast_from_rank0`), its computed
-    buffers (rotary frequencies) broadcast too. `model.posttrain_load` says which: "own shards" or "rank 0"."""
+    shapes are not the model's own, a quantized checkpoint: `quantized`), rank 0 alone loads the checkpoint into host
+    memory, and each tensor is broadcast from it and kept by every rank as its shard (`set_model_state_dict` with
+    `broadcast_from_rank0`), its computed buffers (rotary frequencies) broadcast too. `model.posttrain_load` says
+    which: "own shards" or "rank 0". A malformed index, or one naming a file outside the model directory
+    (`checkpoint_files`), is a `ValueError` on every rank, decided together: nothing is loaded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -99,9 +90,20 @@ def load_sharded_policy(model_cfg, device: torch.device, compute_dtype: torch.dt
         enable_gradient_checkpointing(model)
     shard_policy(model, device, compute_dtype, mesh_shape)
     model.to_empty(device=device)
-    own = read_own_shards(model, checkpoint_files(path))
-    ok = torch.tensor([int(own)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank the same way: the fallback is collective
+    try:
+        files, refused = checkpoint_files(path), None
+    except ValueError as error:  # a malformed or escaping index: refused before any file is opened
+        files, refused = {}, error
+    why_rank_0 = quantized(config, files)
+    own = refused is None and why_rank_0 is None and read_own_shards(model, files)
+    ok = torch.tensor([-1 if refused else int(own)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank the same way: the fallback and a refusal are collective
+    if ok.item() < 0:
+        raise refused or ValueError(f"another trainer rank refused the safetensors index of {path} (its error says "
+                                    "why); every rank's copy of the model directory must be whole and the same")
+    if why_rank_0 and dist.get_rank() == 0:
+        log.warning("%s is quantized (%s): rank 0 loads it and broadcasts each tensor, since rows sliced without "
+                    "its scales would be wrong weights", path, why_rank_0)
     if ok.item():
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
