@@ -108,13 +108,15 @@ HEAVIEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (`HEAVIEST_FIRST`; the others keep their order after them). Every `e2e` test gets
-    the session's local Ray (`ray_session`) before any other fixture, so a module-scoped fixture that runs a flow
-    joins it too."""
+    the session's local Ray (`ray_session`) and its migrated Prefect database (`prefect_home`) before any other
+    fixture, so a module-scoped fixture that runs a flow joins them too."""
     rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     for item in items:
-        if item.get_closest_marker(E2E) is not None and "ray_session" not in item.fixturenames:
-            item.fixturenames.insert(0, "ray_session")
+        if item.get_closest_marker(E2E) is not None:
+            for name in ("ray_session", "prefect_home"):
+                if name not in item.fixturenames:
+                    item.fixturenames.insert(0, name)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -247,14 +249,44 @@ def moto_server(tmp_path_factory):
         yield url
 
 
+def _build_prefect_db(root: Path) -> tuple[Path, dict]:
+    """A Prefect SQLite database migrated to the installed Prefect's head, as a server's first start makes it (in a
+    process of its own, whose PREFECT_HOME is `root`): (the database file, {})."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(root)
+    code = ("import asyncio; from prefect.server.database import provide_database_interface as db; "
+            "asyncio.run(db().create_db())")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=STARTUP_TIMEOUT_S)
+    return root / "prefect.db", {}
+
+
+@pytest.fixture(scope="session")
+def prefect_db(tmp_path_factory) -> Path:
+    """A migrated Prefect database, built once per test run (`built_once`): every Prefect API a test starts (the
+    worker's temporary one, `prefect_api`, the services) begins from a copy of it instead of migrating a database of
+    its own (seconds of CPU each on a 2-core machine). Read-only: `tests.servers.seed_prefect_home` copies it."""
+    return built_once(tmp_path_factory, "prefect-db", _build_prefect_db)[0]
+
+
+@pytest.fixture(scope="session")
+def prefect_home(prefect_db) -> Path:
+    """This process's PREFECT_HOME (where its in-process flows' temporary API keeps its database), seeded with the
+    migrated database before the first flow; requested by every `e2e` test (pytest_collection_modifyitems)."""
+    from tests.servers import seed_prefect_home
+
+    home = Path(os.environ["PREFECT_HOME"])
+    seed_prefect_home(home, prefect_db)
+    return home
+
+
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
+def prefect_api(tmp_path_factory, prefect_db):
     """A `prefect server` on 127.0.0.1 for one test module (`tests/servers.py`); yields its API URL. The module's
     `posttrain run` subprocesses that are not about start-up get it as PREFECT_API_URL: each would otherwise start
     a temporary API server of its own (seconds of CPU on a loaded machine)."""
     from tests.servers import prefect_server
 
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+    with prefect_server(tmp_path_factory.mktemp("prefect-server"), prefect_db) as url:
         yield url
 
 

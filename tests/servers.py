@@ -9,6 +9,7 @@ services` uses).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,13 +118,22 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, Path]]:
         stop_group(proc, proc.pid)
 
 
+def seed_prefect_home(home: Path, database: Path | None) -> None:
+    """Put a copy of the migrated Prefect `database` in PREFECT_HOME `home` unless it holds one already: a server
+    started there finds its schema at head and migrates nothing."""
+    home.mkdir(parents=True, exist_ok=True)
+    if database is not None and not (home / "prefect.db").exists():
+        shutil.copyfile(database, home / "prefect.db")
+
+
 @contextmanager
-def prefect_server(root: Path) -> Iterator[str]:
-    """`prefect server start` (its own PREFECT_HOME and SQLite database under `root`, posttrain's server settings,
-    no UI) on 127.0.0.1:<free port>. Yields its API URL once `/api/health` answers; its process group is stopped on
-    exit. A `posttrain run` given it as PREFECT_API_URL starts no temporary API server of its own."""
+def prefect_server(root: Path, database: Path | None = None) -> Iterator[str]:
+    """`prefect server start` (its own PREFECT_HOME and SQLite database under `root`, a copy of the migrated
+    `database` when given, posttrain's server settings, no UI) on 127.0.0.1:<free port>. Yields its API URL once
+    `/api/health` answers; its process group is stopped on exit. A `posttrain run` given it as PREFECT_API_URL starts
+    no temporary API server of its own."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    seed_prefect_home(root, database)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update({**PREFECT_SERVER_DEFAULTS, **QUIET, "PREFECT_HOME": str(root), "PREFECT_UI_ENABLED": "false",
