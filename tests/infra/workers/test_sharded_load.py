@@ -40,16 +40,22 @@ def test_a_rank_fills_every_tensor_from_the_files_of_a_split_checkpoint(tmp_path
     assert buffers and all(torch.equal(buffers[name], value) for name, value in saved.named_buffers())
 
 
+def assert_nothing_read(path) -> None:
+    """The checkpoint at `path` is not read rank by rank: `read_own_shards` declines it and leaves every value of
+    the skeleton as it was."""
+    model = skeleton(path)
+    with torch.no_grad():
+        for value in model.state_dict().values():
+            value.fill_(7.0)
+    assert not read_own_shards(model, checkpoint_files(str(path)))
+    assert all(bool((value == 7.0).all()) for value in model.state_dict().values())
+
+
 def test_a_checkpoint_in_another_layout_is_left_to_rank_0(tmp_path):
     from rl_core.model.loading import build_tiny_moe_model
 
     build_tiny_moe_model(tmp_path)  # per-expert tensors on disk, fused experts in the model
-    model = skeleton(tmp_path)
-    with torch.no_grad():
-        for value in model.state_dict().values():
-            value.fill_(7.0)
-    assert not read_own_shards(model, checkpoint_files(str(tmp_path)))
-    assert all(bool((value == 7.0).all()) for value in model.state_dict().values())  # nothing read
+    assert_nothing_read(tmp_path)
     assert checkpoint_files(str(tmp_path / "no-such-dir")) == {} and checkpoint_files("org/model") == {}
 
 
@@ -178,12 +184,7 @@ def test_a_checkpoint_whose_tensors_are_quantized_is_not_read_as_weights(tmp_pat
         weight = "model.layers.0.mlp.down_proj.weight"
         save_file({**tensors, weight: tensors[weight].to(dtype)}, str(tmp_path / "model.safetensors"),
                   metadata={"format": "pt"})
-        model = skeleton(tmp_path)
-        with torch.no_grad():
-            for value in model.state_dict().values():
-                value.fill_(7.0)
-        assert not read_own_shards(model, checkpoint_files(str(tmp_path)))
-        assert all(bool((value == 7.0).all()) for value in model.state_dict().values())  # nothing read
+        assert_nothing_read(tmp_path)
 
 
 def test_the_policy_of_a_quantized_checkpoint_is_loaded_by_rank_0_and_a_bad_index_refused(tmp_path, monkeypatch):
