@@ -13,6 +13,12 @@ sync waits for the rollouts submitted before it. The gate bounds every batch's v
 rollout log-probs. Each draw keeps the sampler state right after it: a step's checkpoint resumes the prompt
 stream at the first step it had not trained, so the prompts of batches in flight are drawn again (with the
 restored weights), never skipped and never trained twice.
+
+With `rollout.filter_groups` (dynamic sampling) a step's rollout and reward run in rounds: groups whose rewards do
+not spread are dropped and further rounds draw the sampler's next prompts, each with its own seed (the step's and
+the round), until the step has `rollout.prompts_per_step` useful groups or the rounds run out
+(`rl_core.batch.dynamic_sampling` chooses; `docs/rollout.md`). The sampler observes every round's pass rates
+(the curriculum's feedback; the epoch order ignores it), and its state is taken after the step's last round.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from infra.workers.environments import EnvironmentPool
 from infra.workers.rewards import RewardPool
 from infra.workers.teacher import TeacherRole
 from rl_core.agents.rollout import display_texts
+from rl_core.batch.dynamic_sampling import DynamicSampling, Round, Selected, round_pass_rates
 from rl_core.config import PosttrainConfig
 from rl_core.preflight.machine import check_memory
+from rl_core.rewards import success_reward, successes
+from rl_core.rewards.configured import reward_names
 from tasks.annotate import annotate_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
@@ -68,6 +77,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     agents = role.task.environment is not None  # an agent task: its rollout is episodes of the environment
 
     group_relative = cfg.rl.objective.group_relative  # the gate checks groups
+    ro = cfg.rollout
+    decider = success_reward(cfg.data.success_reward, reward_names(cfg.data, role.task))  # a completion's success
     overlap = cfg.rl.async_steps > 0  # later steps' rollouts in flight while a step trains (preflight: separate engines)
     step = run.start_step
     with run, RunTracker() as tracker, ExitStack() as placed:
@@ -93,15 +104,18 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                                                        step=step, **role.episode_limits,
                                                        environments=quote(environments))
 
-        def draw(at_step: int, at_version: int) -> tuple[list[int], dict, Any]:
+        def draw(at_step: int, at_version: int, at_round: int = 0,
+                 count: int | None = None) -> tuple[list[int], dict, Any]:
             """The prompt rows of step `at_step`, the sampler's state right after drawing them (what that step's
-            checkpoint resumes from) and their rollout with the engines' weights (policy `at_version`): a Prefect
-            future, in flight from now on, with rl.async_steps; else the call that runs it."""
+            checkpoint resumes from, with rl.async_steps) and their rollout with the engines' weights (policy
+            `at_version`): a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it.
+            `at_round` >= 1: an extra round of dynamic sampling, `count` prompts, with its own seed."""
             startup.mark("first_rollout")
-            rows = role.sampler.next_batch()
+            rows = role.sampler.next_batch(count)
             state = role.sampler.state_dict()
-            identity = quote({"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows})
-            sampling = quote(role.sampling(at_step))
+            key = {"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}
+            identity = quote({**key, "round": at_round} if at_round else key)
+            sampling = quote(role.sampling(at_step, at_round))
             if agents:  # an environment's episodes, turn by turn
                 phase, args = episodes, (quote(engines), quote(role.task), quote([role.train[i] for i in rows]),
                                          quote(role.tokenizer), cfg.rollout.n, sampling, role.episode_limits, identity)
@@ -112,6 +126,34 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             if overlap:
                 return rows, state, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
             return rows, state, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
+
+        def score_round(rows: list[int], completions: Any, at_step: int) -> tuple[Round, list[str]]:
+            """One round's rewards, and its completions as text; the sampler observes its groups' pass rates (the
+            curriculum's feedback)."""
+            examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+            texts = display_texts(completions, role.tokenizer)
+            scores = reward(quote(rewards_pool), quote(examples), quote(texts), quote(completions.episodes),
+                            step=at_step)
+            gathered = Round(rows, completions, scores, successes(scores, decider))
+            role.sampler.observe(*round_pass_rates(gathered))
+            return gathered, texts
+
+        def filter_rounds(at_step: int, first: Round, timer: Timer) -> tuple[Selected | None, DynamicSampling, float]:
+            """Dynamic sampling: rounds of the sampler's next prompts until the step has rollout.prompts_per_step
+            useful groups or rollout.filter_max_rounds extra rounds ran; the batch (None: the step trains nothing),
+            the rounds, and the extra rounds' seconds inside the engines' generate."""
+            picker = DynamicSampling(ro.prompts_per_step, std_min=ro.filter_reward_std_min,
+                                     max_rounds=ro.filter_max_rounds, fallback=ro.filter_fallback)
+            picker.add(first)
+            generate_s = 0.0
+            while picker.wants_more():
+                rows, _, pending = draw(at_step, version, len(picker.rounds), picker.next_size())
+                with timer.phase("rollout"):
+                    completions, seconds = pending()
+                generate_s += seconds
+                with timer.phase("reward"):
+                    picker.add(score_round(rows, completions, at_step)[0])
+            return picker.select(), picker, generate_s
 
         run.finish_pending_evaluation(evaluate, logger.info)
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
@@ -129,15 +171,30 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 with timer.phase("rollout"):
                     completions, generate_s = pending.result() if overlap else pending()
                 with timer.phase("reward"):
-                    examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
+                    first, texts = score_round(rows, completions, step)
+                scores, padding, filtered = first.scores, [], {}
+                if ro.filter_groups:
+                    selected, picker, more_s = filter_rounds(step, first, timer)
+                    generate_s += more_s
+                    filtered = {"data/generated_rows": [r for g in picker.rounds for r in g.rows],
+                                **picker.stats()}
+                    if selected is None:  # nothing to train: the step counts, the policy stays
+                        record = {"step": step, "data/prompt_rows": [], **filtered, **timer.laps,
+                                  "perf/step_s": timer.elapsed(), "perf/generate_s": generate_s,
+                                  "perf/policy_version": version, **startup.take()}
+                        run.end_step(cluster, step, role.sampler.state_dict(), version, record, evaluate, bar)
+                        continue
+                    rows, completions, scores, padding = (selected.rows, selected.completions, selected.scores,
+                                                          selected.padding)
                     texts = display_texts(completions, role.tokenizer)
-                    scores = reward(quote(rewards_pool), quote(examples), quote(texts), quote(completions.episodes),
-                                    step=step)
-                    rewards, reward_means = scores.rewards, scores.means
+                if not overlap:  # after every round and what the sampler observed of it
+                    sampler_state = role.sampler.state_dict()
+                rewards, reward_means = scores.rewards, scores.means
+                examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                 run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
-                                              (step - 1) * len(rewards), step=step)
+                                              (step - 1) * len(rewards), quote(padding), step=step)
                 if teacher is not None:
                     with timer.phase("teacher"):
                         scored = teacher_task(quote(teacher), quote(annotated.batch), step=step)
@@ -155,7 +212,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 step_s = timer.elapsed()
                 train_s = max(m["perf/train_compute_s"] for m in per_rank)
                 record = {"step": step, "data/prompt_rows": rows, **mean_over_ranks(per_rank), **annotated.stats,
-                          **reward_means,
+                          **reward_means, **filtered,
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version, "rollout/policy_staleness": staleness,

@@ -85,7 +85,8 @@ def restore_metrics(metrics_log: MetricsLog, saved_text: str | None) -> list[int
 
 
 class Timer:
-    """Wall time of a step's phases: `with timer.phase("rollout"): ...` records `perf/rollout_s` in `laps`."""
+    """Wall time of a step's phases: `with timer.phase("rollout"): ...` adds to `perf/rollout_s` in `laps` (a phase
+    that runs several times in a step, as dynamic sampling's rounds do, counts them all)."""
 
     def __init__(self) -> None:
         self.laps: dict[str, float] = {}
@@ -97,7 +98,8 @@ class Timer:
         try:
             yield
         finally:
-            self.laps[f"perf/{name}_s"] = time.perf_counter() - t
+            key = f"perf/{name}_s"
+            self.laps[key] = self.laps.get(key, 0.0) + time.perf_counter() - t
 
     def elapsed(self) -> float:
         """Seconds since the timer was made (the step's wall time so far)."""

@@ -34,12 +34,15 @@ def annotate(
     *,
     rl: RLConfig,
     first_sample_id: int,
+    padding: Sequence[int] = (),
 ) -> Annotated:
     """Build the Trajectory and annotations table of one step.
 
     `completions`: the engine's output (rows of prompt i contiguous, `prompt_index` giving i);
     `prompt_ids[i]`: the dataset row of input prompt i; `first_sample_id`: sample ids are
-    `first_sample_id + row`, unique across the run.
+    `first_sample_id + row`, unique across the run; `padding`: the groups (prompt indices) that only fill the
+    batch's shape (dynamic sampling's fallback, `rl_core.batch.dynamic_sampling`): their rows are left out of the
+    loss and their advantages are 0.
     """
     n_rows = completions.input_ids.shape[0]
     if len(rewards) != n_rows:
@@ -62,6 +65,10 @@ def annotate(
     truncated = torch.tensor([reason != "stop" for reason in completions.finish_reason], dtype=torch.bool)
     if knobs.mask_truncated:  # cut by a limit: out of the loss, its reward still in its group's advantages
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
+    if len(padding):  # in the batch for its shape only: weight 0 in every reduction
+        filler = torch.isin(group_ids, torch.as_tensor(list(padding), dtype=torch.long))
+        loss_mask = loss_mask * (~filler).float().unsqueeze(1)
+        advantages = torch.where(filler, torch.zeros_like(advantages), advantages)
     sample_ids = torch.arange(first_sample_id, first_sample_id + n_rows, dtype=torch.long)
     batch = Trajectory(
         input_ids=completions.input_ids,

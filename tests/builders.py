@@ -77,3 +77,30 @@ def objective_problems(**objective) -> list[str]:
     except ConfigError as exc:
         return exc.problems
     return preflight(cfg).errors
+
+
+def scored_round(rows, rewards, seed: int = 0, successes=None, vocab_size: int = 20, eos: int = 2):
+    """A scored dynamic-sampling `Round` (rl_core/batch/dynamic_sampling.py): prompt `rows[i]` with one completion per
+    reward of `rewards[i]`, in the rollout layout (`build_completions`: random prompts of 3 to 5 tokens, responses of
+    0 to 5 random tokens then EOS, ids in [3, vocab_size), pad 0, sampling log-prob -1 per token); one reward
+    function, `correct`; a completion succeeds when its reward is at least 1 unless `successes` (per group) says."""
+    import torch
+
+    from rl_core.batch.dynamic_sampling import Round
+    from rl_core.rewards import Scores
+    from rl_core.rollout.base import build_completions
+
+    g = torch.Generator().manual_seed(seed)
+    n = len(rewards[0])
+
+    def tokens(low: int, high: int) -> list[int]:
+        return torch.randint(3, vocab_size, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+
+    prompts = [tokens(3, 6) for _ in rows]
+    responses = [tokens(0, 6) + [eos] for _ in range(len(rows) * n)]
+    completions = build_completions(prompts, responses, [[-1.0] * len(r) for r in responses], n=n, eos_token_id=eos,
+                                    pad_token_id=0, max_tokens=16, policy_version=0)
+    flat = [float(r) for group in rewards for r in group]
+    ok = [r >= 1 for r in flat] if successes is None else [bool(s) for group in successes for s in group]
+    return Round(list(rows), completions, Scores(flat, {"rollout/rewards/correct/mean": sum(flat) / len(flat)},
+                                                 {"correct": flat}), ok)

@@ -12,10 +12,12 @@ from typing import Any
 
 from rl_core.config import PosttrainConfig
 from rl_core.config.explain import ConfigError
-from rl_core.data import PromptSampler
+from rl_core.data import CurriculumSampler, PromptSampler, build_sampler
 from rl_core.model.loading import load_tokenizer
 from rl_core.rollout import sampling_params_from_config
 from rl_core.tasks import Example, Task, encode_for, get_task, load_split
+
+ROUND_STRIDE = 2**53  # above sampling_seed * 1_000_003 + step for every seed < 2^32 and step < 2^47
 
 
 @dataclass
@@ -25,7 +27,7 @@ class RolloutRole:
     task: Task
     train: list[Example]
     val: list[Example]
-    sampler: PromptSampler
+    sampler: PromptSampler | CurriculumSampler  # data.sampler
     prompt_limit: int  # the longest encoded prompt of both splits, in tokens
     episode_tokens: int | None = None  # an agent task's episode budget: rollout.max_episode_tokens or the context
 
@@ -42,7 +44,7 @@ class RolloutRole:
         val = _split(cfg, task, "data.val", cfg.data.val)
         if cfg.rl.validation.max_prompts is not None:
             val = val[: cfg.rl.validation.max_prompts]
-        sampler = PromptSampler(len(train), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
+        sampler = build_sampler(cfg.data, len(train), cfg.rollout.prompts_per_step, seed=cfg.job.seed)
         try:
             lengths = encode_for(cfg.data, tokenizer, train + val)
         except ValueError as exc:  # e.g. a chat template the messages do not fit
@@ -77,9 +79,12 @@ class RolloutRole:
     def prompts(self, rows: list[int]) -> list[list[int]]:
         return encode_for(self.cfg.data, self.tokenizer, [self.train[i] for i in rows])
 
-    def sampling(self, step: int):
-        """Sampling parameters of one step: a per-step seed derived from the run's sampling seed."""
-        return sampling_params_from_config(self.cfg.rollout, seed=self.cfg.sampling_seed * 1_000_003 + step)
+    def sampling(self, step: int, round: int = 0):
+        """Sampling parameters of one step: a per-step seed derived from the run's sampling seed; an extra round of
+        dynamic sampling (`round` >= 1) adds `round * ROUND_STRIDE`, above every step's own seed, so no two rounds
+        of any steps share one."""
+        seed = self.cfg.sampling_seed * 1_000_003 + step + round * ROUND_STRIDE
+        return sampling_params_from_config(self.cfg.rollout, seed=seed)
 
 
 def _split(cfg: PosttrainConfig, task: Task, key: str, source: str) -> list[Example]:

@@ -387,6 +387,8 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
     trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
                          compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
                          max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff,
-                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False),
+                         # a mini-batch of dynamic sampling's padding alone (or of truncated rows) has no loss token
+                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False)
+                         or cfg.rollout.filter_groups,
                          routing_replay=cfg.model.routing_replay)
     return trainer, tokenizer

@@ -78,6 +78,10 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM: fraction of GPU memory for weights and KV cache.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="vLLM's weights and compute: auto is bfloat16 on a GPU and model.compute_dtype on CPU; float32 only when asked (the HF engine follows model.compute_dtype).")
     in_flight_updates: bool = Field(False, description="With rl.async_steps >= 1 and the HF engine: a weight sync lands between two decoding steps of the rollouts in flight (their sequences go on, their KV cache as computed) instead of waiting for them to end; each token carries the policy version that sampled it (rollout/policy_staleness is their mean lag). vLLM engines and agent tasks finish their calls first: refused there.")
+    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO's filter_groups): after scoring, drop the groups whose rewards do not spread (population std <= rollout.filter_reward_std_min: all equal by default), whose group-relative advantages are zero, and generate further rounds of the sampler's next prompts until the step has rollout.prompts_per_step useful groups, at most rollout.filter_max_rounds extra rounds (docs/rollout.md).")
+    filter_max_rounds: int = Field(3, ge=0, le=100, description="rollout.filter_groups: most extra generation rounds per step, each of at most rollout.prompts_per_step prompts; then rollout.filter_fallback applies.")
+    filter_fallback: Literal["train", "skip"] = Field("train", description="rollout.filter_groups, when the extra rounds run out short of rollout.prompts_per_step useful groups: train trains on the useful groups there are (dropped groups fill the batch's shape, out of the loss); skip skips the step's update (the step still counts). A step without any useful group is skipped either way.")
+    filter_reward_std_min: float = Field(0.0, ge=0, description="rollout.filter_groups: a group is dropped when the population std of its rewards is at most this; 0 drops only groups whose rewards are all equal.")
     max_logp_abs_diff: float | None = Field(None, gt=0, description="Bound on rollout/logp_abs_diff (mean |sampler log-prob - trainer log-prob| over a batch's loss tokens): above it the step is refused before its update. None: logged only (its normal size depends on the engines' dtype and rl.async_steps; docs/rollout.md).")
 
     @property
@@ -157,6 +161,9 @@ class DataConfig(_Section):
     reward_workers: int = Field(1, ge=0, description="Ray actors that run the reward functions, each scoring a share of the batch; 0 runs them in the driver process, without the timeout.")
     reward_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds one reward function may take on one worker's share of a batch before the step fails naming it (at most a week, 604800).")
     env_workers: int = Field(1, ge=0, description="An agent task's Ray actors that keep its environments (and run their tools), each a share of a rollout's episodes; 0 keeps them in the driver process, without the timeout.")
+    sampler: Literal["epoch", "curriculum"] = Field("epoch", description="How the train prompts are drawn. epoch: every prompt once per epoch, in a seeded order per epoch; curriculum: with probability proportional to data.curriculum_floor + p(1 - p), p the prompt's recent pass rate (docs/data.md).")
+    curriculum_floor: float = Field(0.05, gt=0, le=1, description="data.sampler=curriculum: the weight every prompt has beyond p(1 - p), so that prompts always or never solved are still drawn.")
+    curriculum_ema: float = Field(0.5, gt=0, le=1, description="data.sampler=curriculum: the weight of a new observation in a prompt's pass rate, p <- (1 - ema) p + ema x (its first observation replaces the prior 0.5).")
     env_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds an environment worker may take to answer one call for its share of the episodes (start, a turn's replies, rewards); one that does not is killed, and its episodes end as environment errors with reward 0 (at most a week, 604800).")
 
 

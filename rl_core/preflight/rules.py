@@ -95,6 +95,7 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
             f"a prompt plus up to rollout.max_tokens={ro.max_tokens} response tokens; set it above the longest prompt "
             "+ rollout.max_tokens")
     rep.errors.extend(data_problems(cfg))
+    rep.errors.extend(sampling_problems(cfg))
 
     # -- group size and batch shape
     if ro.n < objective.min_group_size:
@@ -282,3 +283,42 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
                            "first")
     return out
 
+
+FILTER_KNOBS = ("filter_max_rounds", "filter_fallback", "filter_reward_std_min")  # read only with filter_groups
+CURRICULUM_KNOBS = ("curriculum_floor", "curriculum_ema")  # read only by data.sampler=curriculum
+
+
+def _set(section, keys: tuple[str, ...]) -> list[str]:
+    """The keys of `section` whose value is not the schema's default."""
+    return [key for key in keys if getattr(section, key) != type(section).model_fields[key].default]
+
+
+def sampling_problems(cfg: PosttrainConfig) -> list[str]:
+    """Dynamic sampling (`rollout.filter_groups`) and the curriculum sampler (`data.sampler=curriculum`): where they
+    apply, and their knobs only with them (docs/rollout.md, docs/data.md)."""
+    ro, data, objective, out = cfg.rollout, cfg.data, cfg.rl.objective, []
+    kind = objective.type
+    if ro.filter_groups:
+        if objective.topology != "on_policy" or not objective.group_relative:
+            out.append(f"rollout.filter_groups=true with rl.objective.type={kind}: dynamic sampling drops groups "
+                       "whose group-relative advantages are zero, which only the on-policy loop with group "
+                       "advantages has; remove it")
+        if cfg.rl.async_steps:
+            out.append(f"rollout.filter_groups=true with rl.async_steps={cfg.rl.async_steps}: a step's extra rounds "
+                       "need its own scores before the sampler's next draw, while rl.async_steps draws later steps "
+                       "ahead of them; set rl.async_steps=0 or rollout.filter_groups=false")
+    else:
+        out += [f"rollout.{key}={getattr(ro, key)!r}: read only by rollout.filter_groups=true; remove it or set "
+                "rollout.filter_groups=true" for key in _set(ro, FILTER_KNOBS)]
+    if data.sampler == "curriculum":
+        if objective.topology == "offline":
+            out.append(f"data.sampler=curriculum with rl.objective.type={kind}: the curriculum draws by the pass rates "
+                       "of sampled groups, and offline pairs sample none; set data.sampler=epoch")
+        if cfg.rl.async_steps:
+            out.append(f"data.sampler=curriculum with rl.async_steps={cfg.rl.async_steps}: the curriculum draws each "
+                       "step by the pass rates of the steps before it, while rl.async_steps draws later steps ahead "
+                       "of them; set rl.async_steps=0 or data.sampler=epoch")
+    else:
+        out += [f"data.{key}={getattr(data, key)!r}: read only by data.sampler=curriculum; remove it or set "
+                "data.sampler=curriculum" for key in _set(data, CURRICULUM_KNOBS)]
+    return out

@@ -340,6 +340,43 @@ def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(cwd):
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dynamic_sampling_and_the_curriculum_resume_bitwise(cwd, warm_model):
+    """rollout.filter_groups and data.sampler=curriculum together, from the warm start (groups that all pass or all
+    fail, and some that split): 4 steps straight; then the run resumed from its step-2 checkpoint (the later one
+    gone, as after a crash) redoes steps 3 and 4 to the same values, rounds, prompts and weights, bit for bit: the
+    extra rounds' seeds, the curriculum's generator and its pass-rate table all come back from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from infra.checkpoints.store import CheckpointStore
+
+    overrides = [f"model.name_or_path={warm_model[0]}", "rollout.filter_groups=true", "rollout.filter_max_rounds=2",
+                 "data.sampler=curriculum", "rl.max_steps=4", "rl.save_every=2", "rl.validation.before_training=false",
+                 "rl.validation.every_steps=0", "job.name=dyn"]
+    run_dir = cwd / "runs" / "dyn"
+    run_flow(*overrides)
+    straight = read_metrics(run_dir)
+    weights = load_file(run_dir / "final_model" / "model.safetensors")
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert sum(r["rollout/filter/rounds"] for r in straight) >= 1, straight  # the filter had work to do
+    assert sum(r["rollout/filter/dropped_all_correct"] + r["rollout/filter/dropped_all_wrong"] for r in straight) >= 1
+    for r in straight:  # every generated prompt is one of the step's rounds; the batch is prompts_per_step groups
+        assert len(r["data/generated_rows"]) == r["rollout/filter/generated_prompts"] and len(r["data/prompt_rows"]) == 4
+    store = CheckpointStore(run_dir / "checkpoints")
+    saved = store.load(2)[0]["driver"]["sampler"]
+    assert saved["kind"] == "curriculum" and 0 < saved["seen"].sum() == len({x for r in straight[:2]
+                                                                              for x in r["data/generated_rows"]})
+
+    shutil.rmtree(store.path_for(4))  # a crash after step 2's checkpoint: only it is left
+    run_flow(*overrides)
+    resumed = read_metrics(run_dir)
+    assert resumed[:2] == straight[:2]  # restored from the checkpoint, timings too
+    assert_same_math(resumed, straight)
+    again = load_file(run_dir / "final_model" / "model.safetensors")
+    assert all(weights[k].equal(again[k]) for k in weights)
+
+
 def test_restore_metrics_fills_only_a_log_that_lacks_saved_steps(tmp_path):
     from flows.runner import restore_metrics
     from infra.tracking.tracker import MetricsLog

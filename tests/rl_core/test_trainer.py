@@ -218,6 +218,49 @@ def test_weight_zero_chunk_changes_nothing(loss_type):
         assert max_diff(grads_of(trainer.model), grads_of(base.model)) <= TOL
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_filtered_batch_trains_as_its_useful_rows_given_directly(loss_type):
+    """Dynamic sampling (rl_core/batch/dynamic_sampling.py) short of its groups at the cap, train fallback: the batch
+    holds the useful groups, then a dropped group as padding, out of the loss. Its loss and gradient equal the
+    closed form of the useful rows alone and the step on those rows given directly, whatever the micro-batches or
+    ranks: the padding counts in no divisor (the token count, the sequence count, the fixed divisor's rows)."""
+    from rl_core.annotate import annotate
+    from rl_core.batch.dynamic_sampling import DynamicSampling, select_groups
+    from rl_core.rollout.base import concat_completions
+    from tests.builders import scored_round
+
+    picker = DynamicSampling(4, max_rounds=1, fallback="train")
+    picker.add(scored_round([10, 11, 12, 13], [[1, 0, 0], [1, 1, 1], [0, 0, 0], [0, 1, 1]], seed=3))
+    picker.add(scored_round([14, 15], [[1, 1, 1], [2, 0, 1]], seed=4))  # the cap: one extra round
+    selected = picker.select()
+    assert selected.rows == [10, 13, 15, 11] and selected.padding == [3]  # 3 useful groups, then 11 (all correct)
+    rl = RLConfig(loss_type=loss_type)
+    filtered = annotate(selected.completions, selected.scores.rewards, selected.rows, rl=rl, first_sample_id=0,
+                        padding=selected.padding).batch
+    # the useful rows given directly: rounds 0 (groups 0, 3) and 1 (group 1), joined as engine shards are
+    useful = concat_completions([select_groups(picker.rounds[0].completions, [0, 3]),
+                                 select_groups(picker.rounds[1].completions, [1])])
+    direct = annotate(useful, selected.scores.rewards[:9], selected.rows[:3], rl=rl, first_sample_id=0).batch
+    assert filtered.batch_size == 12 and direct.batch_size == 9 and torch.equal(filtered.advantages[:9],
+                                                                              direct.advantages)
+    model = tiny_model(0)
+    expected_loss, expected_grads = closed_form_grpo(model, direct, loss_type)
+    results = {"direct": (grpo_trainer(model, rl), direct, 9)}
+    for micro in (12, 3, 5):  # whole; 4 chunks, the last all padding; 5 + 5 + 2 rows
+        results[f"filtered micro {micro}"] = (grpo_trainer(model, rl), filtered, micro)
+    out = {key: (trainer.train_step(batch, micro), trainer) for key, (trainer, batch, micro) in results.items()}
+    ranks = run_ranks(lambda hook: grpo_trainer(model, rl, hook), [filtered.select(range(7)),
+                                                                    filtered.select(range(7, 12))], 3)
+    out.update({f"rank{r}": result for r, result in enumerate(ranks)})
+    for key, (metrics, trainer) in out.items():
+        assert metrics["train/loss"] == pytest.approx(expected_loss, abs=TOL), key
+        assert max_diff(grads_of(trainer.model), expected_grads) <= TOL, key
+    assert max(float(g.abs().max()) for g in expected_grads) > 1e-3  # not vacuous
+    # and the padding matters: in the loss, its tokens would count in the divisor
+    leaky = annotate(selected.completions, selected.scores.rewards, selected.rows, rl=rl, first_sample_id=0).batch
+    assert max_diff(closed_form_grpo(model, leaky, loss_type)[1], expected_grads) > 1e-4
+
+
 def test_all_zero_weight_step_is_refused():
     batch = make_batch()
     batch = batch.replace(loss_mask=torch.zeros_like(batch.loss_mask))
