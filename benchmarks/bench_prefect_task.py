@@ -9,7 +9,7 @@ Runs a flow against Prefect's temporary API server (as `posttrain run` does) tha
   run's state events and records them, which is what the UI shows), read from /proc for its pid.
 
 Once with Prefect's own server settings (the task-run recorder writes every event in its own
-transaction) and once with those posttrain starts its servers with (infra.services.supervisor.PREFECT_SERVER_DEFAULTS:
+transaction) and once with those posttrain starts its servers with (infra.services.prefect_api.PREFECT_SERVER_DEFAULTS:
 batches of up to 100, at least once a second), each row in a process of its own.
 The pipeline runs six such tasks a step (rollout, reward, annotate, validate, train, sync).
 

@@ -124,7 +124,7 @@ def phase(task_run_name: str) -> str:
 
 def task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 60.0) -> list:
     """The flow run's task runs as the API has recorded them. The server records task-run states from events, in
-    batches (infra.services.supervisor.PREFECT_SERVER_DEFAULTS: at least once a second), so read until two reads `settle_s`
+    batches (infra.services.prefect_api.PREFECT_SERVER_DEFAULTS: at least once a second), so read until two reads `settle_s`
     apart agree and every run is in a final state."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId

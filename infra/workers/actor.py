@@ -49,7 +49,7 @@ class Actor(Protocol):
         ...
 
     def info(self) -> dict[str, Any]:
-        """Where it runs: node id, ip, pid and device (`infra.workers.engines.node_info`)."""
+        """Where it runs: node id, ip, pid and device (`node_info` below)."""
         ...
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 `load_config(recipe_path, overrides)` is the one way a config is built from a recipe: the CLI, the flows
 and deployments call it, and the same recipe path and dotlist always rebuild the identical config. Ray actors do not re-run a recipe:
-they receive the resolved config as data (`config_from_dict`, see `infra.workers.policy.worker_config`).
+they receive the resolved config as data (`config_from_dict`, see `infra.workers.actor.worker_config`).
 Every problem is collected and reported together in one `ConfigError`, each line naming the full
 dotted key and the offending value, before any model or cluster exists.
 """

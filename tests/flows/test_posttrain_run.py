@@ -38,7 +38,7 @@ print(json.dumps(asyncio.run(read())))
 def test_posttrain_run_marks_its_start_up_and_every_task_run_outlives_the_process(workdir, tmp_path):
     """Step 1 carries the start-up marks, in order. After the process has exited (its temporary API server
     stopped with it), the API's database holds the flow run and every task run, each COMPLETED: the servers
-    posttrain starts write task-run states in batches (infra.services.supervisor.PREFECT_SERVER_DEFAULTS), and the
+    posttrain starts write task-run states in batches (infra.services.prefect_api.PREFECT_SERVER_DEFAULTS), and the
     last batch must not be lost when the run ends."""
     home = tmp_path / "prefect-home"
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
