@@ -54,7 +54,7 @@ API_OVERRIDES = frozenset({
     "job.seed", "job.task_retries", "job.retry_delay_s", "job.max_restarts",
     "model.compute_dtype", "model.gradient_checkpointing",
     "rollout.backend", "rollout.num_engines", "rollout.temperature", "rollout.top_p", "rollout.max_tokens",
-    "rollout.max_turns", "rollout.max_episode_tokens", "rollout.n", "rollout.prompts_per_step", "rollout.seed", "rollout.gpu_memory_utilization",
+    "rollout.max_turns", "rollout.max_episode_tokens", "rollout.episode_scheduling", "rollout.n", "rollout.prompts_per_step", "rollout.seed", "rollout.gpu_memory_utilization",
     "rl.mini_batch_per_replica", "rl.micro_batch_per_replica", "rl.async_steps", "rl.max_steps", "rl.save_every", "rl.resume",
     "rl.optimizer.lr", "rl.optimizer.betas", "rl.optimizer.weight_decay", "rl.optimizer.warmup_steps",
     "rl.optimizer.max_grad_norm", "rl.validation.every_steps", "rl.validation.before_training",

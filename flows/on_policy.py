@@ -101,7 +101,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)
             return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
                                                        quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
-                                                       step=step, **role.episode_limits,
+                                                       step=step, **role.episode_options,
                                                        environments=quote(environments))
 
         def draw(at_step: int, at_version: int, at_round: int = 0,
@@ -118,7 +118,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             sampling = quote(role.sampling(at_step, at_round))
             if agents:  # an environment's episodes, turn by turn
                 phase, args = episodes, (quote(engines), quote(role.task), quote([role.train[i] for i in rows]),
-                                         quote(role.tokenizer), cfg.rollout.n, sampling, role.episode_limits, identity)
+                                         quote(role.tokenizer), cfg.rollout.n, sampling,
+                                         {**role.episode_options, "mixed_versions": bool(cfg.rl.async_steps)}, identity)
             else:
                 phase, args = rollout, (quote(engines), quote(role.prompts(rows)), cfg.rollout.n, sampling, identity)
             cache_dir = str((run.run_dir / "cache").resolve())
@@ -204,6 +205,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     validate_task(quote(annotated), cfg.rollout.max_response_tokens, group_relative,
                                   (version - cfg.rl.async_steps, version), step=step)
                 staleness, most_stale = completions.staleness(version)  # over its tokens (in-flight updates: mixed)
+                lags = {f"rollout/tokens_lag_{k}": share for k, share in
+                        completions.lag_fractions(version, cfg.rl.async_steps).items()} if cfg.rl.async_steps else {}
                 with timer.phase("train"):
                     per_rank = train_task(quote(cluster), quote(annotated.batch), step=step)
                 with timer.phase("sync"):
@@ -216,7 +219,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                           **timer.laps, **synced, "perf/step_s": step_s, "perf/generate_s": generate_s,
                           "perf/tokens_per_s": float(annotated.batch.loss_mask.sum()) / step_s,
                           "perf/policy_version": version, "rollout/policy_staleness": staleness,
-                          "rollout/policy_staleness_max": float(most_stale),
+                          "rollout/policy_staleness_max": float(most_stale), **lags,
                           **startup.take()}
                 # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
                 # spent in the longer of the two)

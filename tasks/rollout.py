@@ -73,18 +73,18 @@ def rollout_task(engine: Any, prompt_ids: list[list[int]], n: int, sampling: Any
 
 @task(name="episodes", task_run_name="episodes step {step}", cache_policy=NO_CACHE)
 def episodes_task(engine: Any, agent_task: Any, examples: list, tokenizer: Any, n: int, sampling: Any,
-                  limits: dict[str, int], cache_identity: dict, cache_dir: str | None = None,
+                  options: dict[str, Any], cache_identity: dict, cache_dir: str | None = None,
                   environments: Any = None, *, step: int) -> tuple[Any, float]:
     """An agent task's rollout: `n` episodes of its environment per example, turn by turn on the engines
-    (`rl_core.agents.rollout_episodes`, `limits` the episode's `max_turns` / `max_episode_tokens`), the environments
+    (`rl_core.agents.rollout_episodes`, `options` the episode's `max_turns` / `max_episode_tokens` / `scheduling`), the environments
     in `environments` (`infra.workers.environments.EnvironmentPool`); cached like `rollout_task`, the episodes'
     conversations and rewards included."""
     from rl_core.agents.rollout import rollout_episodes
 
-    path = Path(cache_dir) / rollout_cache_file([], n, sampling, {**cache_identity, **limits}) if cache_dir else None
+    path = Path(cache_dir) / rollout_cache_file([], n, sampling, {**cache_identity, **options}) if cache_dir else None
     if (cached := _read_cached(path, len(examples) * n, episodes=True)) is not None:
         return cached, 0.0
-    completions, generate_s = rollout_episodes(engine, agent_task, examples, tokenizer, n, sampling, **limits,
+    completions, generate_s = rollout_episodes(engine, agent_task, examples, tokenizer, n, sampling, **options,
                                              host=environments)
     _write_cached(path, completions)
     return completions, generate_s

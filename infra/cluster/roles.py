@@ -70,11 +70,13 @@ class RolloutRole:
         return self.prompt_limit + self.cfg.rollout.max_tokens
 
     @property
-    def episode_limits(self) -> dict[str, int]:
-        """An agent task's episode limits, as the rollout and the evaluation take them ({} for a prompt task)."""
+    def episode_options(self) -> dict[str, Any]:
+        """An agent task's episode limits and scheduling, as the rollout and the evaluation take them ({} for a prompt
+        task)."""
         if self.episode_tokens is None:
             return {}
-        return {"max_turns": self.cfg.rollout.max_turns, "max_episode_tokens": self.episode_tokens}
+        return {"max_turns": self.cfg.rollout.max_turns, "max_episode_tokens": self.episode_tokens,
+                "scheduling": self.cfg.rollout.episode_scheduling}
 
     def prompts(self, rows: list[int]) -> list[list[int]]:
         return encode_for(self.cfg.data, self.tokenizer, [self.train[i] for i in rows])

@@ -162,20 +162,22 @@ class ActorGroup:
         self.actors, self.placement_group, self.placed = [], None, False
 
 
-def pool_group(role: str, cls: type, count: int, args: tuple) -> ActorGroup:
+def pool_group(role: str, cls: type, count: int, args: tuple, concurrency: int = 1) -> ActorGroup:
     """A helper pool's group (not started): `count` actors of `cls`, each built from `args`, never restarted, reserving
-    nothing."""
-    return ActorGroup(role, cls, count, lambda i: args, options={"max_restarts": 0})
+    nothing; each runs up to `concurrency` calls at once (in threads of its own)."""
+    options = {"max_restarts": 0, **({"max_concurrency": concurrency} if concurrency > 1 else {})}
+    return ActorGroup(role, cls, count, lambda i: args, options=options)
 
 
 def start_pool(role: str, cls: type, count: int, args: tuple, *, timeout: float, what: str,
-               failure: type[Exception], failed: str, started: ActorGroup | None = None) -> ActorGroup:
+               failure: type[Exception], failed: str, started: ActorGroup | None = None,
+               concurrency: int = 1) -> ActorGroup:
     """`count` actors of `cls` (each built from `args`, never restarted) that reserve nothing, started and set up
     within `timeout` seconds (`cluster.placement_timeout_s`): a helper pool of the run (reward functions, environments).
     `started`: the pool's group already started (`Placement.take_helper`), whose setup is waited for instead.
     PlacementError naming `what` after the timeout; `failure(f"{failed}: <why>")` when an actor fails to start.
     Nothing is left running on an error."""
-    group = started if started is not None else pool_group(role, cls, count, args).start()
+    group = started if started is not None else pool_group(role, cls, count, args, concurrency).start()
     try:
         group.wait(group.setup(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -193,13 +195,15 @@ class HelperPool(AbstractContextManager):
     entered (and again on the next use after `_kill`), killed on exit; `count=0` places none (the caller then works
     in its own process). With the run's `placement` (`infra.cluster.placement.Placement`), the first placing takes the
     pool's actors that `posttrain run` started ahead (`Placement.take_helper`), when their arguments are the same.
-    Subclasses name the role (`role`, `what`) and the error of a failed start (`failure`, `failed`)."""
+    Subclasses name the role (`role`, `what`), the error of a failed start (`failure`, `failed`) and how many calls an
+    actor runs at once (`concurrency`)."""
 
     role: str
     worker: type
     what: str
     failure: type[Exception]
     failed: str
+    concurrency: int = 1
 
     def __init__(self, cfg: Any, count: int, placement: Any = None):
         self.cfg, self.count, self.placement = cfg, count, placement
@@ -225,7 +229,8 @@ class HelperPool(AbstractContextManager):
         args = self.worker_args()
         ahead = self.placement.take_helper(self.role, args) if self.placement is not None else None
         self.group = start_pool(self.role, self.worker, self.count, args, timeout=self.cfg.cluster.placement_timeout_s,
-                                what=self.what, failure=self.failure, failed=self.failed, started=ahead)
+                                what=self.what, failure=self.failure, failed=self.failed, started=ahead,
+                                concurrency=self.concurrency)
 
     def _kill(self) -> None:
         """Kill the actors (no `shutdown` call: one may be stuck in a call that timed out)."""

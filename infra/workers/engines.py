@@ -8,7 +8,7 @@ ranks instead (`infra.workers.policy.PolicyWorker`); both answer the same `gener
 
 `EnginePool` is all the driver holds: actor handles. It shards a step's prompts into contiguous
 slices (one per engine), gathers the completions in prompt order and joins them. Seeds are per
-completion and per prompt position in the step (`rl_core.rollout.base.completion_seeds`), so the
+completion and per prompt position in the step (`rl_core.rollout.seeds.completion_seeds`), so the
 completions do not depend on the number of engines.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -174,12 +175,18 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.actors)
 
+    def lanes(self) -> list[EnginePool]:
+        """One pool per engine: what per-episode scheduling (`rl_core.agents.scheduling`) sends requests to."""
+        return [EnginePool([actor]) for actor in self.actors]
+
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Completions:
         sizes = shard_sizes(len(prompt_ids), len(self.actors))
         calls, offset = [], 0
         for actor, size in zip(self.actors, sizes):
             if size:
-                calls.append(actor.generate.remote(prompt_ids[offset: offset + size], n, sampling, offset))
+                shard = sampling if getattr(sampling, "row_seeds", None) is None else replace(
+                    sampling, row_seeds=sampling.row_seeds[offset: offset + size])
+                calls.append(actor.generate.remote(prompt_ids[offset: offset + size], n, shard, offset))
             offset += size
         results = ray.get(calls)
         self._calls.generate_s = max(s for _, s in results)

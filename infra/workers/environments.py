@@ -4,7 +4,9 @@
 imports the task's `Environment` subclass (`data.task`) and keeps the environments of its share of a rollout's
 episodes (`rl_core.agents.host.LocalEnvironments`). A rollout's episodes are dealt to the actors in turn; each call
 of the rollout (open, respond to a turn, finish) goes to every actor at once, one batch per actor, and an actor
-must answer within `data.env_timeout_s`. One that does not (a tool that hangs, an environment that loops) is
+must answer within `data.env_timeout_s`. Scheduled per episode (`rollout.episode_scheduling`), each episode's
+`respond` is a call of its own, from a thread of the driver's, and an actor runs up to `concurrency` of them at once
+(one thread each: a tool that sleeps or waits on I/O holds back only its own episode). One that does not (a tool that hangs, an environment that loops) is
 killed: the episodes it held end there, counted as environment errors, with reward 0; the other actors' episodes
 go on. A new actor takes its place once no rollout is in flight. With `data.env_workers=0` the environments live
 in the driver process, without a timeout.
@@ -14,6 +16,8 @@ The actors reserve no CPU: environments answer between engine calls, when the en
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -70,6 +74,10 @@ class EnvironmentWorker:
         self.envs.discard(keys)
 
 
+EVALUATION_CHUNK = 128  # rl_core.evaluation.heldout.evaluate_accuracy's batch_size
+MAX_CONCURRENCY = 256  # threads of one environment actor
+
+
 class EnvironmentPool(HelperPool):
     """The host of an agent task's environments (`rl_core.agents.host`) on `data.env_workers` actors, or in this
     process (`LocalEnvironments`) with `data.env_workers=0`."""
@@ -79,6 +87,10 @@ class EnvironmentPool(HelperPool):
 
     def __init__(self, cfg: PosttrainConfig):
         super().__init__(cfg, cfg.data.env_workers)
+        # calls at once per actor: a step's episodes (or an evaluation's chunk of 128) dealt over the actors
+        episodes = max(cfg.rollout.prompts_per_step * cfg.rollout.n, EVALUATION_CHUNK)
+        self.concurrency = min(MAX_CONCURRENCY, math.ceil(episodes / max(1, cfg.data.env_workers)))
+        self._lock = threading.Lock()  # `where`, `lost` and `dead`, from the rollout's threads
         self.local = LocalEnvironments() if cfg.data.env_workers == 0 else None
         self.where: dict[Hashable, int] = {}  # episode key -> the actor holding its environment
         self.lost: dict[Hashable, str] = {}  # episode key -> why its environment is gone
@@ -97,11 +109,14 @@ class EnvironmentPool(HelperPool):
         self.lost.clear()
 
     def _lose(self, actor: int, why: str) -> None:
-        self.dead.add(actor)
+        with self._lock:
+            if actor in self.dead:
+                return
+            self.dead.add(actor)
+            for key, at in self.where.items():
+                if at == actor:
+                    self.lost.setdefault(key, why)
         ray.kill(self.actors[actor], no_restart=True)
-        for key, at in self.where.items():
-            if at == actor:
-                self.lost.setdefault(key, why)
 
     # -- the host's calls (rl_core.agents.host)
     def open(self, environment: type, items: Sequence[tuple[Hashable, Any]]) -> list[Opening]:
@@ -154,11 +169,12 @@ class EnvironmentPool(HelperPool):
         `data.env_timeout_s`, or dies, is killed and its episodes are lost (`lost(why)` is their answer)."""
         out: list[Any] = [None] * len(items)
         by_actor: dict[int, list[int]] = {}
-        for i, (key, _) in enumerate(items):
-            if key in self.lost:
-                out[i] = lost(self.lost[key])
-            else:
-                by_actor.setdefault(self.where[key], []).append(i)
+        with self._lock:
+            for i, (key, _) in enumerate(items):
+                if key in self.lost:
+                    out[i] = lost(self.lost[key])
+                else:
+                    by_actor.setdefault(self.where[key], []).append(i)
         calls = {}
         for a, positions in by_actor.items():
             calls[getattr(self.actors[a], method).remote([items[i] for i in positions])] = (a, positions)

@@ -3,7 +3,8 @@ token-exact episode that records what it sampled (`episode`), sampled on a rollo
 
 from rl_core.agents.environment import Environment, Reply, Turn
 from rl_core.agents.episode import Episode, template_delta
-from rl_core.agents.rollout import episodes_to_completions, run_episodes
+from rl_core.agents.rollout import episodes_to_completions
+from rl_core.agents.scheduling import run_episodes
 from rl_core.agents.tools import (
            ToolCall,
            ToolResult,

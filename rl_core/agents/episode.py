@@ -151,6 +151,7 @@ class Episode:
                 f"more than {max_tokens} tokens ({chars} characters of text)"
             raise ValueError(f"the opening prompt has {measured}, the episode's budget is {max_tokens}")
         self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
+        self.versions = [0] * len(prompt)  # the policy version that sampled each token (0 where none did)
         self.prompt_len = len(prompt)
         self.turns: list[Turn] = []
         self.done = self.truncated = False
@@ -172,6 +173,7 @@ class Episode:
         # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
         episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
+        episode.versions = [0]
         episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
         return episode
 
@@ -179,25 +181,32 @@ class Episode:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
         return max(0, min(per_turn, self.max_tokens - len(self.ids)))
 
-    def add_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool) -> None:
+    def add_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool,
+                 versions: int | Sequence[int] = 0) -> None:
         """`take_turn`, then the answer of the environment this episode keeps in this process."""
         if self.env is None:
             raise RuntimeError("this episode's environment lives in a host: take_turn, then answer with its reply")
-        turn = self.take_turn(ids, logps, stopped)
+        turn = self.take_turn(ids, logps, stopped, versions)
         if turn is not None:
             self.answer(self._local.respond([(0, turn)])[0])
 
-    def take_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool) -> Turn | None:
+    def take_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool,
+                  versions: int | Sequence[int] = 0) -> Turn | None:
         """The policy's next turn as sampled; `stopped` when its last id is the stop token (else it ran out of
-        tokens, and the episode ends truncated). The turn, when the environment is to answer it, else None."""
+        tokens, and the episode ends truncated); `versions`: the policy version that sampled each id (or one for
+        all). The turn, when the environment is to answer it, else None."""
         if self.done or self._stop_id is not None:
             raise RuntimeError("the episode has ended or waits for an answer; it takes no turn now")
         if len(ids) != len(logps) or not ids:
             raise ValueError(f"a turn needs one log-prob per sampled id and at least one id (got {len(ids)} ids, "
                              f"{len(logps)} log-probs)")
+        versions = [int(versions)] * len(ids) if isinstance(versions, int) else [int(v) for v in versions]
+        if len(versions) != len(ids):
+            raise ValueError(f"a turn needs one policy version per sampled id (got {len(versions)} for {len(ids)})")
         self.ids += [int(i) for i in ids]
         self.sampled += [True] * len(ids)
         self.logp += [float(x) for x in logps]
+        self.versions += versions
         turn = Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True))
         self.turns.append(turn)
         self.messages.append(turn.message)
@@ -237,6 +246,7 @@ class Episode:
         self.ids += delta
         self.sampled += [False] * len(delta)
         self.logp += [0.0] * len(delta)
+        self.versions += [0] * len(delta)
 
     def _end(self, truncated: bool) -> None:
         self.done, self.truncated = True, truncated

@@ -1,11 +1,10 @@
-"""Episodes on a rollout engine: every live episode advances one turn per batched engine call, until all have ended;
-then the episodes become `Completions` whose response mask has holes where the environment's tokens are.
+"""Episodes on the rollout engines, until all have ended; then they become `Completions` whose response mask has holes
+where the environment's tokens are.
 
-Each turn is one `engine.generate(contexts, 1, sampling)` over the live episodes' token ids (no text, no chat
-template: the contexts are `Episode.ids`), with `max_tokens` the largest budget left among them; a row that
-sampled past its own episode's budget is cut there and counts as not stopped. The seed of turn `t` is derived
-from the step's seed and `t` (`turn_seed`), and each row's from it and the row's place among the live episodes
-(`completion_seeds`): a rollout repeats exactly for the same episodes, seed and weights.
+Each turn of an episode is a `generate` row over its token ids (no text, no chat template: the contexts are
+`Episode.ids`), scheduled per episode or in lock-step (`rl_core.agents.scheduling`, `rollout.episode_scheduling`),
+and seeded by the step's seed, the episode's place among the episodes that started and the turn (`episode_seed`): a
+rollout repeats exactly for the same episodes, seed and weights.
 
 Layout of the result (`episodes_to_completions`), `P` the longest opening prompt, `R` the longest rest:
 
@@ -14,6 +13,9 @@ Layout of the result (`episodes_to_completions`), `P` the longest opening prompt
     response_mask   1 on sampled tokens only (`Episode.sampled`): 0 on the environment's tokens
     sampling_logp   the sampler's log-prob of each sampled token, 0 elsewhere
     finish_reason   'stop' for an episode the environment ended, 'length' for a truncated one
+    token_version   the policy version that sampled each token (0 elsewhere), when more than one did: a weight
+                    sync between two engine calls of an episode (`rl.async_steps`), or inside one
+                    (`rollout.in_flight_updates`)
 """
 
 from __future__ import annotations
@@ -22,67 +24,17 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Hashable, Sequence
-from dataclasses import replace
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from rl_core.agents.episode import Episode
 from rl_core.agents.host import LocalEnvironments
-from rl_core.rollout.base import SEED_MODULUS, Completions, RolloutEngine, SamplingParams
+from rl_core.agents.scheduling import run_episodes
+from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams
 
 log = logging.getLogger("posttrain.agents")
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of turn `turn` of a step seeded `seed` (unrelated streams for neighbouring turns)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + (turn + 1) * 0xBF58476D1CE4E5B9) % 2**64
-    x ^= x >> 31
-    return int(x % SEED_MODULUS)
-
-
-class EpisodeRun(NamedTuple):
-    calls: int  # engine calls: the most turns of any episode
-    generate_s: float  # seconds inside the engines' generate, summed over the calls
-    policy_version: int  # the one policy version every call sampled with
-
-
-def run_episodes(engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams,
-                 host: Any = None, keys: Sequence[Hashable] | None = None) -> EpisodeRun:
-    """Sample every episode to its end (`sampling.max_tokens`: per turn), checking that every engine call sampled
-    with one policy version. The environments answer each call's turns in one batch: `host`'s (`keys[j]` is
-    episode j's there, `rl_core.agents.host`), or, without a host, each episode's own (`Episode.add_turn`)."""
-    calls, generate_s, versions = 0, 0.0, set()
-    while live := [j for j, e in enumerate(episodes) if not e.done]:
-        budgets = [episodes[j].turn_budget(sampling.max_tokens) for j in live]
-        if min(budgets) < 1:
-            raise RuntimeError("a live episode has no token left for its next turn")  # Episode ends it before
-        params = replace(sampling, max_tokens=max(budgets),
-                         seed=None if sampling.seed is None else turn_seed(sampling.seed, calls))
-        out = engine.generate([episodes[j].ids for j in live], 1, params)
-        calls += 1
-        generate_s += float(getattr(engine, "last_generate_s", 0.0))
-        versions.add(int(out.policy_version))
-        if len(versions) > 1:
-            raise RuntimeError(f"the engines' weights changed during the episodes (policy versions {sorted(versions)}); "
-                               "a step's episodes must all be sampled by one policy")
-        logps = out.sampling_logp
-        waiting = []
-        for row, (j, budget) in enumerate(zip(live, budgets)):
-            on = out.response_mask[row] > 0
-            ids = out.input_ids[row][on].tolist()
-            lps = logps[row][on].tolist()
-            stopped = out.finish_reason[row] == "stop" and len(ids) <= budget
-            if host is None:
-                episodes[j].add_turn(ids[:budget], lps[:budget], stopped=stopped)
-            elif (turn := episodes[j].take_turn(ids[:budget], lps[:budget], stopped=stopped)) is not None:
-                waiting.append((j, turn))
-        if waiting:
-            answers = host.respond([(keys[j], turn) for j, turn in waiting])
-            for (j, _), answer in zip(waiting, answers, strict=True):
-                episodes[j].answer(answer)
-    return EpisodeRun(calls, generate_s, versions.pop() if versions else 0)
 
 
 class EnvironmentFailure(RuntimeError):
@@ -95,11 +47,14 @@ def _where(example: Any) -> str:
 
 def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], tokenizer, n: int,
                      sampling: SamplingParams, *, max_turns: int, max_episode_tokens: int,
-                     host: Any = None) -> tuple[Completions, float]:
+                     host: Any = None, scheduling: str = "per_episode",
+                     mixed_versions: bool = False) -> tuple[Completions, float]:
     """`n` episodes of `task.environment` per example, sampled to their ends; `(completions, seconds inside the
     engines)`. The environments live in `host` (`infra.workers.environments.EnvironmentPool`: Ray actors, with timeouts),
     or in this process (`LocalEnvironments`). The completions carry every episode's record (`Episode.record`:
-    conversation, the environment's reward, counts) in `episodes`.
+    conversation, the environment's reward, counts) in `episodes`. `scheduling`: `rollout.episode_scheduling`
+    (`rl_core.agents.scheduling`); `mixed_versions`: a weight sync may land during the rollout (`rl.async_steps`),
+    and each token keeps the version that sampled it (else the rollout stops if the weights change).
 
     An episode that cannot start (its environment's construction or `reset` fails, or its opening prompt does not
     fit `max_episode_tokens`) leaves its row out of the step: the row's `n` episodes end unstarted
@@ -122,7 +77,8 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
             log.warning("%s: %s; its %d episode(s) are left out of this step", _where(examples[i]), why, n)
         host.discard([keys[j] for j in range(len(keys)) if j // n in failed])
         started = [j for j in range(len(keys)) if j // n not in failed]
-        run = run_episodes(engine, [episodes[j] for j in started], sampling, host, [keys[j] for j in started])
+        run = run_episodes(engine, [episodes[j] for j in started], sampling, host, [keys[j] for j in started],
+                           schedule=scheduling, mixed_versions=mixed_versions)
         answers = dict(zip(started, host.finish([keys[j] for j in started]), strict=True))
     except BaseException:
         host.discard(keys)
@@ -194,7 +150,8 @@ def conversation_text(record: dict) -> str:
 def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: int, eos_token_id: int,
                             policy_version: int) -> Completions:
     """The ended episodes as `Completions` (layout in the module docstring); episodes `i*n .. i*n+n-1` are the `n`
-    episodes of prompt `i`."""
+    episodes of prompt `i`. Its `policy_version` is the oldest that sampled a token (`Episode.versions`;
+    `policy_version` when none was sampled), and `token_version` each token's, when they differ."""
     if not episodes or len(episodes) % n or not all(e.done for e in episodes):
         raise ValueError(f"episodes_to_completions takes ended episodes, n={n} per prompt (got {len(episodes)}, "
                          f"{sum(not e.done for e in episodes)} still live)")
@@ -205,6 +162,7 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
     attention = torch.zeros((rows, P + R), dtype=torch.long)
     mask = torch.zeros((rows, P + R), dtype=torch.float32)
     logp = torch.zeros((rows, P + R), dtype=torch.float32)
+    version = torch.zeros((rows, P + R), dtype=torch.long)
     for j, e in enumerate(episodes):
         start = P - e.prompt_len
         end = start + len(e.ids)
@@ -212,11 +170,17 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
         attention[j, start:end] = 1
         mask[j, start:end] = torch.tensor(e.sampled, dtype=torch.float32)
         logp[j, start:end] = torch.tensor(e.logp, dtype=torch.float32)
+        version[j, start:end] = torch.tensor(e.versions, dtype=torch.long)
+    sampled = version[mask > 0]
+    mixed = sampled.numel() > 0 and int(sampled.min()) != int(sampled.max())
+    if sampled.numel():
+        policy_version = int(sampled.min())  # the oldest that sampled a token (Completions.policy_version)
     return Completions(
         input_ids=input_ids, attention_mask=attention, response_mask=mask, sampling_logp=logp,
         prompt_index=torch.arange(rows // n).repeat_interleave(n),
         finish_reason=["length" if e.truncated else "stop" for e in episodes],
         policy_version=policy_version, prompt_length=P, eos_token_id=eos_token_id, pad_token_id=pad_token_id, n=n,
+        token_version=version if mixed else None,
     )
 
 

@@ -34,6 +34,7 @@ def evaluate_accuracy(
     engine=None,
     max_turns: int = 1,
     max_episode_tokens: int | None = None,
+    scheduling: str = "per_episode",
     environments=None,
 ) -> dict:
     """Greedy-decode every example (batched) and score it.
@@ -43,7 +44,8 @@ def evaluate_accuracy(
     configured rewards run here (`data.rewards`, or the task's own); the flows pass the reward pool's.
     `engine` (a `RolloutEngine`) replaces the default HF engine over `model`, e.g. vLLM on GPU.
     An agent task (an environment in `data.task`) plays one greedy episode per example, `max_tokens` per turn, at
-    most `max_turns` turns and `max_episode_tokens` tokens, scored over the whole conversation; its environments
+    most `max_turns` turns and `max_episode_tokens` tokens (`scheduling`: `rollout.episode_scheduling`), scored over
+    the whole conversation; its environments
     live in `environments` (a host, `rl_core.agents.host`; None: this process).
     Returns `{"accuracy", "mean_reward", "n", "success_reward", "samples"}` (`success_reward`: the name of the
     reward that decided `accuracy`); `samples` holds the first `num_samples` `{"prompt", "completion", "answer",
@@ -80,7 +82,8 @@ def evaluate_accuracy(
         chunk = examples[start : start + batch_size]
         if agent.environment is not None:
             completions, _ = rollout_episodes(engine, agent, chunk, tokenizer, 1, greedy, max_turns=max_turns,
-                                              max_episode_tokens=max_episode_tokens, host=environments)
+                                              max_episode_tokens=max_episode_tokens, host=environments,
+                                              scheduling=scheduling)
         else:
             completions = engine.generate(encode_prompts(tokenizer, chunk, task, prompt_template, data), 1, greedy)
         texts = display_texts(completions, tokenizer)

@@ -237,20 +237,13 @@ def data_problems(cfg: PosttrainConfig) -> list[str]:
     except ValueError as exc:  # a task by import path that does not load, or an unknown name
         return [str(exc)]
     if task.environment is None:
-        for key, default in (("max_turns", 1), ("max_episode_tokens", None)):
+        for key, default in (("max_turns", 1), ("max_episode_tokens", None), ("episode_scheduling", "per_episode")):
             if getattr(cfg.rollout, key) != default:
                 out.append(f"rollout.{key}={getattr(cfg.rollout, key)}: read only by agent tasks (an environment in "
                            f"data.task), not by data.task={d.task!r}; remove it")
     elif cfg.model.routing_replay == "rollout" and cfg.rollout.max_turns > 1:
         out.append(f"model.routing_replay=rollout with data.task={d.task!r} and rollout.max_turns={cfg.rollout.max_turns}: "
                    "an agent episode's engine calls do not return routes; use model.routing_replay=old or off")
-    elif cfg.rollout.in_flight_updates:
-        out.append(f"rollout.in_flight_updates=true with data.task={d.task!r}: an episode's turns must all be sampled "
-                   "by one policy, so an agent task's rollout takes new weights only between steps; remove it")
-    elif cfg.rl.async_steps and cfg.rollout.max_turns > 1:
-        out.append(f"rl.async_steps={cfg.rl.async_steps} with data.task={d.task!r} and rollout.max_turns="
-                   f"{cfg.rollout.max_turns}: an episode's turns are one engine call each, and a weight sync between two "
-                   "would change the policy within the episode; set rl.async_steps=0 (or rollout.max_turns=1)")
     if task.environment is not None and d.prompt_template == "plain":
         out.append(f"data.prompt_template={d.prompt_template!r}: an environment's episode is a chat (its turns are the "
                    f"chat template's), so data.task={d.task!r} needs data.prompt_template=chat or auto (the default)")

@@ -11,10 +11,10 @@ from rl_core.rollout.base import (
     RolloutEngine,
     SamplingParams,
     build_completions,
-    completion_seeds,
     concat_completions,
 )
 from rl_core.rollout.hf import HFEngine
+from rl_core.rollout.seeds import completion_seeds
 
 
 def sampling_params_from_config(

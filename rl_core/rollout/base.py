@@ -33,10 +33,14 @@ class SamplingParams:
     """How to sample. `greedy=True` (or `temperature == 0`) takes the argmax token.
 
     `seed`: the step's sampling seed. Every completion gets its own seed derived from it, from its prompt's position
-    in the step's whole batch and from its sample index (`completion_seeds`), so a completion depends only on (seed,
+    in the step's whole batch and from its sample index (`rl_core.rollout.seeds`), so a completion depends only on (seed,
     prompt position, sample index, prompt, weights): the same whatever the number of engines the prompts were
     sharded across (`generate(..., prompt_offset=)` gives the shard's first position). Global RNG state is never
     read. `None` uses the engine's own generator, which advances from call to call.
+
+    `row_seeds`: one seed per completion row of the call, given by the caller instead of derived from `seed` (agent
+    episodes: each row is one episode's next turn, seeded by the episode and the turn, `rl_core.agents.scheduling`,
+    whatever else shares the call). Needs `seed` set (it names the draw) and `n=1`.
 
     `top_p < 1` samples from the nucleus, but `sampling_logp` stays the log-prob under the full temperature-scaled
     distribution — the quantity the trainer computes — so it is not the probability with which the token was
@@ -48,6 +52,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     greedy: bool = False
+    row_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -56,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.row_seeds is not None and self.seed is None:
+            raise ValueError("row_seeds need seed set too (a draw without a seed uses the engine's own generator)")
 
     @property
     def is_greedy(self) -> bool:
@@ -120,6 +127,13 @@ class Completions:
             return float(lag), lag
         lag = int(trainer_version) - self.token_version[on]
         return float(lag.double().mean()), int(lag.max())
+
+    def lag_fractions(self, trainer_version: int, most: int) -> dict[int, float]:
+        """`{k: share of the response tokens sampled k versions behind trainer_version}` for k = 0..most."""
+        on = self.response_mask > 0
+        lag = int(trainer_version) - self.token_versions()[on]
+        total = max(1, int(on.sum()))
+        return {k: float((lag == k).sum()) / total for k in range(most + 1)}
 
     def response_token_ids(self, include_eos: bool = False) -> list[list[int]]:
         """The sampled token ids of each row (the response mask's), up to the first EOS (included only if asked);
@@ -259,30 +273,6 @@ def build_completions(
         pad_token_id=pad_token_id,
         n=n,
     )
-
-
-SEED_MODULUS = 2**63 - 1
-
-
-def completion_seeds(seed: int, prompt_offset: int, num_prompts: int, n: int) -> list[int]:
-    """One seed per completion: row `i*n + k` (prompt `prompt_offset + i` of the step, sample `k`).
-
-    A splitmix64-style mix of (seed, prompt position, sample index), so that seeds of neighbouring
-    rows are unrelated (vLLM would otherwise give child k of every prompt the same stream) and
-    non-negative below 2**63 (what torch generators and vLLM accept).
-    """
-    out = []
-    for i in range(num_prompts):
-        for k in range(n):
-            x = (int(seed) * 0x9E3779B97F4A7C15 + (prompt_offset + i) * 0xBF58476D1CE4E5B9 + k * 0x94D049BB133111EB)
-            x &= 0xFFFFFFFFFFFFFFFF
-            x ^= x >> 30
-            x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-            x ^= x >> 27
-            x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-            x ^= x >> 31
-            out.append(x % SEED_MODULUS)
-    return out
 
 
 def concat_completions(parts: list[Completions]) -> Completions:

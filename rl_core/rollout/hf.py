@@ -21,7 +21,8 @@ import torch
 
 from rl_core.model import routing
 from rl_core.primitives.logprobs import position_ids_from_mask
-from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts, completion_seeds
+from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams, check_prompts
+from rl_core.rollout.seeds import sampling_seeds
 
 
 def sample_next_tokens(
@@ -211,8 +212,7 @@ class HFEngine(RolloutEngine):
         generator, uniforms = self._generator, None
         P = max(len(p) for p in prompt_ids)
         rows = len(prompt_ids) * n
-        if sampling.seed is not None and not sampling.is_greedy:
-            seeds = completion_seeds(sampling.seed, prompt_offset, len(prompt_ids), n)
+        if (seeds := sampling_seeds(sampling, prompt_offset, len(prompt_ids), n)) is not None:
             uniforms = row_uniforms(seeds, sampling.max_tokens).to(device)
         prompt = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)

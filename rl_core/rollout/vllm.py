@@ -11,7 +11,7 @@ this path on CPU.
 
 Mapping from the config / `SamplingParams`:
 - One request per completion (`n=1`) with its own seed from `completion_seeds(seed, prompt
-  position, sample index)`: vLLM's own fan-out of `n` children would give child k of every prompt
+  position, sample index)`, or the caller's `row_seeds`: vLLM's own fan-out of `n` children would give child k of every prompt
   the same seed, and the completions must not depend on how prompts are sharded across engines.
 - temperature, top_p, max_tokens map to the same names; greedy -> temperature 0; `logprobs=0`
   (the sampled token's log-prob only) with `logprobs_mode="processed_logprobs"`: after temperature
@@ -68,8 +68,8 @@ from rl_core.rollout.base import (
     SamplingParams,
     build_completions,
     check_prompts,
-    completion_seeds,
 )
+from rl_core.rollout.seeds import sampling_seeds
 
 # vLLM's CPU build: a small KV cache and no thread pinning (a Ray actor shares the machine's cores).
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -338,8 +338,7 @@ class VLLMEngine(RolloutEngine):
         check_prompts(prompt_ids, n)
         self.wake()
         greedy = sampling.is_greedy
-        seeds = ([None] * (len(prompt_ids) * n) if sampling.seed is None or greedy
-                 else completion_seeds(sampling.seed, prompt_offset, len(prompt_ids), n))
+        seeds = sampling_seeds(sampling, prompt_offset, len(prompt_ids), n) or [None] * (len(prompt_ids) * n)
         requests, params = [], []
         for j, seed in enumerate(seeds):
             requests.append(TokensPrompt(prompt_token_ids=list(prompt_ids[j // n])))

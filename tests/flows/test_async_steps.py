@@ -101,6 +101,10 @@ def test_in_flight_updates_land_inside_the_rollouts_and_every_token_keeps_its_ve
     # 1's rollout, reward and training): that sync lands inside a batch, whose tokens then lag by two amounts
     assert any(m < x for m, x in zip(mean[1:], most[1:])), (mean, most, [r["perf/generate_s"] for r in records],
                                                            [r["perf/train_compute_s"] for r in records])
+    for r in records:  # the shares of tokens per lag: all of them, and their mean is the mean lag
+        shares = [r[f"rollout/tokens_lag_{k}"] for k in range(3)]
+        assert sum(shares) == pytest.approx(1.0) and sum(k * x for k, x in enumerate(shares)) == pytest.approx(
+            r["rollout/policy_staleness"]), r
 
 
 def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_bit(in_workdir, warm_model):
@@ -149,3 +153,42 @@ def test_with_the_option_off_the_trajectory_is_the_plain_on_policy_loop_bit_for_
     saved = load_file(next((in_workdir / "runs" / "sync" / "final_model").glob("*.safetensors")))
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(saved[name], value), name
+
+
+def test_an_agent_task_trains_asynchronously_and_resumes_with_its_episodes_in_flight(in_workdir, tmp_path):
+    """Multi-turn games (recipes/guess_number.py) with rl.async_steps=1 on a separate HF engine, scheduled per episode:
+    step s+1's episodes are played while step s trains (a sync that lands between two turns of an episode is
+    tests/rl_core/test_async_episodes.py's, where it is placed exactly); every batch is within the bound and the
+    shares of its tokens per lag cover them all, their mean the mean lag. The checkpoint of step 2 was written with
+    step 3's episodes in flight: a run resumed from it plays step 3's games again (the same rows, sampled by the
+    restored weights) and trains no step twice."""
+    import shutil
+
+    from examples.guess_number import main as build_data
+    from flows.grpo import grpo
+    from infra.checkpoints.store import CheckpointStore
+    from tests.flows.test_agents_flow import talkative_model
+
+    build_data(["--out", "data/guess-number", "--seed", "0"])
+    model = talkative_model(in_workdir, tmp_path / "talkative")
+    overrides = [*ASYNC, "rl.async_steps=1", f"model.name_or_path={model}", "rollout.max_tokens=4", "rl.max_steps=3",
+                 "rl.save_every=2", "job.name=async-games", "tracking.system_metrics=false"]
+    grpo(recipe("guess_number"), overrides)
+    run_dir = in_workdir / "runs" / "async-games"
+    whole = read_metrics(run_dir)
+    assert [r["step"] for r in whole] == [1, 2, 3]
+    assert whole[0]["rollout/turns_max"] >= 2  # games of several turns
+    for r in whole:
+        shares = [r["rollout/tokens_lag_0"], r["rollout/tokens_lag_1"]]
+        assert sum(shares) == pytest.approx(1.0) and shares[1] == pytest.approx(r["rollout/policy_staleness"]), r
+        assert r["rollout/policy_staleness_max"] <= 1
+    assert whole[0]["rollout/policy_staleness"] == 0.0 and whole[1]["rollout/policy_staleness_max"] == 1
+
+    store = CheckpointStore(run_dir / "checkpoints")
+    shutil.rmtree(store.path_for(3), ignore_errors=True)  # a crash after step 2's checkpoint
+    grpo(recipe("guess_number"), overrides)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert resumed[:2] == whole[:2]
+    assert resumed[2]["data/prompt_rows"] == whole[2]["data/prompt_rows"]
+    assert resumed[2]["rollout/policy_staleness"] == 0.0  # drawn again, with the restored weights

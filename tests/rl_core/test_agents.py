@@ -300,7 +300,8 @@ def test_episodes_advance_in_batched_calls_and_the_trainer_reads_the_samplers_lo
 
     def rollout(seed):
         episodes = [Episode(Nag(row), tok, max_turns=4, max_tokens=200) for row in rows for _ in range(3)]
-        run = run_episodes(HFEngine(model, tok), episodes, SamplingParams(temperature=1.0, max_tokens=6, seed=seed))
+        run = run_episodes(HFEngine(model, tok), episodes, SamplingParams(temperature=1.0, max_tokens=6, seed=seed),
+                           schedule="lock_step")
         return episodes, run.calls
 
     episodes, calls = rollout(seed=11)

@@ -98,8 +98,8 @@ class Scripted:
         turn = ids_of(self.tok, text) + [self.tok.eos_token_id]
         rows = [torch.tensor(list(c) + turn) for c in contexts]
         masks = [torch.tensor([0] * len(c) + [1] * len(turn)) for c in contexts]
-        return SimpleNamespace(input_ids=rows, response_mask=masks, policy_version=0, finish_reason=["stop"] * len(rows),
-                               sampling_logp=[m.float() * -0.5 for m in masks])
+        return SimpleNamespace(input_ids=rows, response_mask=masks, policy_version=0, token_version=None,
+                               finish_reason=["stop"] * len(rows), sampling_logp=[m.float() * -0.5 for m in masks])
 
 
 def test_a_rollout_whose_episode_makes_such_calls_goes_on_and_its_records_reach_the_cache(tmp_path):
