@@ -28,6 +28,7 @@ from infra.workers.actor import HelperPool
 from rl_core.agents.host import Answer, LocalEnvironments, Opening
 from rl_core.agents.rollout import EnvironmentFailure
 from rl_core.config import PosttrainConfig
+from rl_core.evaluation.heldout import EVALUATION_BATCH
 
 
 class EnvironmentWorker:
@@ -74,7 +75,6 @@ class EnvironmentWorker:
         self.envs.discard(keys)
 
 
-EVALUATION_CHUNK = 128  # rl_core.evaluation.heldout.evaluate_accuracy's batch_size
 MAX_CONCURRENCY = 256  # threads of one environment actor
 
 
@@ -88,7 +88,7 @@ class EnvironmentPool(HelperPool):
     def __init__(self, cfg: PosttrainConfig):
         super().__init__(cfg, cfg.data.env_workers)
         # calls at once per actor: a step's episodes (or an evaluation's chunk of 128) dealt over the actors
-        episodes = max(cfg.rollout.prompts_per_step * cfg.rollout.n, EVALUATION_CHUNK)
+        episodes = max(cfg.rollout.prompts_per_step * cfg.rollout.n, EVALUATION_BATCH)
         self.concurrency = min(MAX_CONCURRENCY, math.ceil(episodes / max(1, cfg.data.env_workers)))
         self._lock = threading.Lock()  # `where`, `lost` and `dead`, from the rollout's threads
         self.local = LocalEnvironments() if cfg.data.env_workers == 0 else None

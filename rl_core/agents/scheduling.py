@@ -219,8 +219,8 @@ async def _per_episode(engine: Any, episodes: list[Episode], sampling: SamplingP
                     taken = row.ids[:budget], row.logps[:budget], stopped, row.versions[:budget]
                     if host is None:  # the episode's own environment answers, in a thread
                         await in_thread(episode.add_turn, *taken)
-                    elif (taken := episode.take_turn(*taken)) is not None:
-                        (answer,) = await in_thread(host.respond, [(keys[j], taken)])
+                    elif (turn_taken := episode.take_turn(*taken)) is not None:
+                        (answer,) = await in_thread(host.respond, [(keys[j], turn_taken)])
                         episode.answer(answer)
                     turn += 1
             finally:

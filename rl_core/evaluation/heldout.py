@@ -17,6 +17,7 @@ from rl_core.rollout.base import SamplingParams
 from rl_core.tasks import Example, Task, encode_prompts, get_task
 
 Scorer = Callable[[RewardInputs], Scores]
+EVALUATION_BATCH = 128  # examples per engine call (an agent task: episodes in flight at once)
 
 
 def evaluate_accuracy(
@@ -29,7 +30,7 @@ def evaluate_accuracy(
     scorer: Scorer | None = None,
     prompt_template: str = "plain",
     max_tokens: int = 8,
-    batch_size: int = 128,
+    batch_size: int = EVALUATION_BATCH,
     num_samples: int = 4,
     engine=None,
     max_turns: int = 1,
