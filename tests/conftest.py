@@ -175,12 +175,15 @@ def ray_session():
     """
     import ray
 
+    from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
+
     if os.environ.get("RAY_ADDRESS"):
         yield None
         return
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              num_cpus=max(8, os.cpu_count() or 1),
-             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False)
+             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False,
+             _system_config=LOCAL_SYSTEM_CONFIG)
     try:
         yield ray
     finally:

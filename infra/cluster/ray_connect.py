@@ -134,7 +134,8 @@ def start_local_ray(cfg: PosttrainConfig) -> None:
         try:
             ray.init(address="local", include_dashboard=False,
                      num_cpus=max(math.ceil(need), os.cpu_count() or 1), num_gpus=torch.cuda.device_count(),
-                     log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env())
+                     log_to_driver=True, configure_logging=False, runtime_env=actor_runtime_env(),
+                     _system_config=LOCAL_SYSTEM_CONFIG)
             break
         except Exception as exc:
             if attempt == LOCAL_START_ATTEMPTS or NODE_START_TIMEOUT not in str(exc):
@@ -149,6 +150,10 @@ def start_local_ray(cfg: PosttrainConfig) -> None:
 
 
 LOCAL_START_ATTEMPTS = 3
+# Ray prestarts idle Python workers when the first driver connects. The run's actors never take them (their job-level
+# runtime_env, `actor_runtime_env`, asks for workers of their own), so on a local Ray they only cost CPU: each imports
+# Ray at start-up and then polls while idle.
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 NODE_START_TIMEOUT = "timed out during startup"  # ray._private.node.Node's message when the raylet is late
 
 
