@@ -192,7 +192,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     sampler_state = role.sampler.state_dict()
                 rewards, reward_means = scores.rewards, scores.means
                 examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
-                run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values)
+                run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values, completions)
                 with timer.phase("annotate"):
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
                                               (step - 1) * len(rewards), quote(padding), step=step)

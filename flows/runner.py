@@ -264,10 +264,15 @@ class TrainingRun:
         self.tracker.log_metrics(record, step=record["step"])
 
     def sample(self, step: int, examples: list, texts: list[str], rewards: list, finish_reasons: list[str],
-               reward_values: dict[str, list] | None = None) -> None:
+               reward_values: dict[str, list] | None = None, completions: Any = None) -> None:
         """Every `tracking.sample_completions_every` steps (and at the last): some of the step's completions with
         their rewards (`reward_values`: each function's own, by name) to the MLflow run's completions table, and to
-        the flow run's completions artifact."""
+        the flow run's completions artifact. Every step: `tracking.trace_episodes` of an agent task's episodes
+        (`completions.episodes`) as MLflow traces."""
+        traced = self.cfg.tracking.trace_episodes
+        if traced and completions is not None and completions.episodes is not None:
+            self.tracker.log_episode_traces(step, completions.episodes, rewards, count=traced,
+                                            policy_version=int(completions.policy_version))
         every = self.cfg.tracking.sample_completions_every
         if every and self.due(every, step):  # 0: never, not even at the last step
             frame = self.tracker.log_completions(step, examples, texts, rewards,

@@ -59,13 +59,8 @@ MLFLOW_TAG_MAX_CHARS = 8000
 MLFLOW_BATCH_MAX = 100  # params/tags per log_batch call
 DEFAULT_EXPERIMENT = "posttrain"
 
-# ------------------------------------------------------------------------------------ redaction
-#
-# One rule for everything that is logged, in `rl_core.redact`: values of secret-named keys (params,
-# identity, config_resolved.yaml) become "***", and every string value is scrubbed of credentials
-# embedded in URIs (`scheme://user:pass@host` -> `scheme://***@host`, s3/https/http MLflow URIs, ...)
-# and of secret-named query parameters (`?token=...`, `X-Amz-Signature=...`). Over-redacting is the
-# safe direction: a false positive only hides a value in the MLflow UI.
+# Redaction, one rule for everything logged (`rl_core.redact`): values of secret-named keys become "***", every string
+# is scrubbed of credentials in URIs and of secret-named query parameters; over-redacting only hides a value.
 
 
 # ---------------------------------------------------------------------------------- provenance
@@ -104,6 +99,7 @@ class RunTracker:
             tracker.log_metrics(record, step=record["step"])        # each metrics.jsonl record
             tracker.log_datasets(cfg, train=rows, val=val_rows)     # dataset inputs
             tracker.log_completions(step, examples, texts, rewards, count=8)  # sample completions
+            tracker.log_episode_traces(step, records, rewards, count=2, policy_version=3)  # agent episodes
             tracker.log_curve(records, run_dir / "curve.png")       # at the end
             tracker.log_model(run_dir / "final_model", cfg, step)   # a LoggedModel (registered when configured)
         # a clean exit finishes it as FINISHED (or call finish() yourself); tracker.url is its page in the UI
@@ -327,6 +323,13 @@ class RunTracker:
         frame = completions_frame(step, self.attempt, examples, texts, rewards, count, finish_reasons, reward_values)
         self._call("log_table", self.client.log_table, self.run_id, frame, COMPLETIONS_TABLE)
         return frame
+
+    def log_episode_traces(self, step: int, records: Any, rewards: Any, *, count: int, policy_version: int) -> list:
+        """`count` of a step's agent episodes as MLflow traces of this run (`infra.tracking.traces`); their ids."""
+        from infra.tracking.traces import log_episode_traces
+
+        return self._call("log traces", log_episode_traces, self.client, self.tracking_uri, self.experiment_id,
+                          self.run_id, step, records, rewards, count, policy_version)
 
     def log_model(self, path: str | os.PathLike, cfg: Any, step: int) -> Any:
         """Log a saved model directory (weights, config, tokenizer) as a transformers LoggedModel of this run at

@@ -38,9 +38,12 @@ class EnvironmentWorker:
     def __init__(self, cfg_data: dict):
         from rl_core.config import config_from_dict
         from rl_core.tasks import get_task
+        from rl_core.tasks.environment import configure_environment
 
         use_threads(1)
-        self.environment = get_task(config_from_dict(cfg_data).data.task).environment
+        cfg = config_from_dict(cfg_data)
+        self.environment = get_task(cfg.data.task).environment
+        configure_environment(self.environment, cfg.rollout)
         self.envs = LocalEnvironments()
         # the tools' schemas come from transformers: imported now, while `setup` is awaited, not by the first
         # `open`, which data.env_timeout_s bounds
@@ -92,6 +95,11 @@ class EnvironmentPool(HelperPool):
         self.concurrency = min(MAX_CONCURRENCY, math.ceil(episodes / max(1, cfg.data.env_workers)))
         self._lock = threading.Lock()  # `where`, `lost` and `dead`, from the rollout's threads
         self.local = LocalEnvironments() if cfg.data.env_workers == 0 else None
+        if self.local is not None:  # the environments are the driver's: the task's class, as the rollout gets it
+            from rl_core.tasks import get_task
+            from rl_core.tasks.environment import configure_environment
+
+            configure_environment(get_task(cfg.data.task).environment, cfg.rollout)
         self.where: dict[Hashable, int] = {}  # episode key -> the actor holding its environment
         self.lost: dict[Hashable, str] = {}  # episode key -> why its environment is gone
         self.dead: set[int] = set()  # actors killed after a timeout or a crash

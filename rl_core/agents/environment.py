@@ -34,7 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_core.agents.tools import ToolCall, ToolResult, parse_tool_calls, run_tool_call, tool_table
+from rl_core.agents.tools import (
+    ToolCall,
+    ToolResult,
+    parse_tool_calls,
+    run_tool_call,
+    tool_schema,
+    tool_table,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class Turn:
     text: str
     content: str
     calls: tuple[ToolCall, ...] = ()
+    sampled_tokens: int = 0  # the ids the policy sampled for it
+    context_tokens: int = 0  # the episode's ids before it
 
     @classmethod
     def parse(cls, text: str) -> Turn:
@@ -64,10 +73,12 @@ class Turn:
 @dataclass
 class Reply:
     """The environment's answer to a turn: the next messages (tool results, a user turn) and whether the episode
-    ends (then `messages` is usually empty)."""
+    ends (then `messages` is usually empty); `max_tokens` caps the next turn below `rollout.max_tokens` (None: no
+    cap of its own)."""
 
     messages: list[dict] = field(default_factory=list)
     done: bool = False
+    max_tokens: int | None = None
 
 
 class Environment:
@@ -75,6 +86,7 @@ class Environment:
     the model may call."""
 
     tools: Sequence[Callable] = ()
+    turn_tokens: int | None = None  # a cap of the first turn's tokens below rollout.max_tokens (None: none)
 
     def __init__(self, example: Any):
         self.example = example
@@ -98,6 +110,10 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} must define reward()")
 
     # -- tools
+    def tool_schemas(self) -> list[dict] | None:
+        """The JSON schemas the chat template renders (None: no tools), read once `reset` has run."""
+        return [tool_schema(fn) for fn in self.tools] or None
+
     def call_tools(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run `calls` against `tools` (errors become error results, `rl_core.agents.tools.run_tool_call`), keeping
         each result in `tool_results`."""

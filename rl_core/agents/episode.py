@@ -35,6 +35,7 @@ episode unrendered (`oversized_replies`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from rl_core.agents.environment import Environment, Turn
@@ -137,9 +138,10 @@ class Episode:
         self.tokenizer = tokenizer
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.tools = start.tools
+        self.turn_cap = start.max_tokens  # the next turn's own cap, if its environment set one
         self.env_s = start.seconds  # seconds inside the environment (reset, respond, reward)
         self.env_error: str | None = None  # why the environment failed, if it did (the episode ended there)
-        self.tool_calls = self.tool_errors = 0  # the environment's counts, as of its last answer
+        self.tool_calls = self.tool_errors = self.refused_requests = 0  # the environment's counts, as of its last answer
         self.oversized_replies = 0  # replies that did not fit the budget left (the episode ended there)
         self.messages: list[dict] = list(start.messages)
         self.prompt_messages = len(self.messages)
@@ -154,6 +156,7 @@ class Episode:
         self.versions = [0] * len(prompt)  # the policy version that sampled each token (0 where none did)
         self.prompt_len = len(prompt)
         self.turns: list[Turn] = []
+        self.turn_tokens: list[int] = []  # the ids each turn sampled
         self.done = self.truncated = False
         self.started = True
         self._stop_id: int | None = None  # the stop token of the turn waiting for its answer
@@ -169,9 +172,11 @@ class Episode:
         episode.env, episode.tokenizer, episode.tools = None, tokenizer, None
         episode.max_turns = episode.max_tokens = 0
         episode.env_s, episode.env_error, episode.tool_calls, episode.tool_errors = seconds, error, 0, 0
-        episode.oversized_replies = 0
+        episode.refused_requests = 0
+        episode.oversized_replies, episode.turn_cap = 0, None
         # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
         episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
+        episode.turn_tokens = []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
         episode.versions = [0]
         episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
@@ -179,7 +184,8 @@ class Episode:
 
     def turn_budget(self, per_turn: int) -> int:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
-        return max(0, min(per_turn, self.max_tokens - len(self.ids)))
+        cap = per_turn if self.turn_cap is None else min(per_turn, self.turn_cap)
+        return max(0, min(cap, self.max_tokens - len(self.ids)))
 
     def add_turn(self, ids: Sequence[int], logps: Sequence[float], stopped: bool,
                  versions: int | Sequence[int] = 0) -> None:
@@ -203,12 +209,14 @@ class Episode:
         versions = [int(versions)] * len(ids) if isinstance(versions, int) else [int(v) for v in versions]
         if len(versions) != len(ids):
             raise ValueError(f"a turn needs one policy version per sampled id (got {len(versions)} for {len(ids)})")
+        turn = replace(Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True)),
+                       sampled_tokens=len(ids), context_tokens=len(self.ids))
         self.ids += [int(i) for i in ids]
         self.sampled += [True] * len(ids)
         self.logp += [float(x) for x in logps]
         self.versions += versions
-        turn = Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True))
         self.turns.append(turn)
+        self.turn_tokens.append(len(ids))
         self.messages.append(turn.message)
         if not stopped:
             self._end(truncated=True)
@@ -223,12 +231,13 @@ class Episode:
             raise RuntimeError("no turn waits for an answer")
         stop_id, self._stop_id = self._stop_id, None
         self.env_s += answer.seconds
-        self.tool_calls, self.tool_errors = answer.tool_calls, answer.tool_errors
+        self.tool_calls, self.tool_errors, self.refused_requests = answer.tool_calls, answer.tool_errors, answer.refused
         if answer.error is not None or answer.reply is None:
             self.env_error = answer.error or "the environment gave no reply"
             self._end(truncated=True)
             return
         reply = answer.reply
+        self.turn_cap = reply.max_tokens
         if reply.done:
             self._end(truncated=False)
             return
@@ -254,9 +263,10 @@ class Episode:
     def stats(self) -> dict[str, Any]:
         """Per-episode counts for the step's metrics."""
         return {"turns": len(self.turns), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                "refused_requests": self.refused_requests,
                 "truncated": self.truncated, "env_errors": int(self.env_error is not None), "started": self.started,
                 "oversized_replies": self.oversized_replies, "tokens": len(self.ids),
-                "sampled_tokens": sum(self.sampled), "env_s": self.env_s}
+                "sampled_tokens": sum(self.sampled), "turn_tokens": list(self.turn_tokens), "env_s": self.env_s}
 
     def record(self, reward: float) -> dict:
         """The episode as JSON: the opening messages (`prompt`), the rest of the conversation in TRL's form

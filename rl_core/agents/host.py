@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl_core.agents.environment import Environment, Reply, Turn
-from rl_core.agents.tools import tool_schema
 from rl_core.user_code import user_error
 
 
@@ -35,6 +34,7 @@ class Opening:
     tools: list[dict] | None = None
     seconds: float = 0.0
     error: str | None = None
+    max_tokens: int | None = None  # the first turn's cap (`Environment.turn_tokens`)
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Answer:
     seconds: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
+    refused: int = 0  # an agent function's requests the gateway refused (rl_core.agents.gateway.agent)
     error: str | None = None
     lost: bool = False
 
@@ -80,11 +81,11 @@ class LocalEnvironments:
         began = time.perf_counter()
         try:
             messages = [dict(m) for m in env.reset()]
-            tools = [tool_schema(fn) for fn in env.tools] or None
+            tools = env.tool_schemas()
         except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
             return Opening(error=_failure(f"{type(env).__name__}.reset", exc), seconds=time.perf_counter() - began)
         self.live[key] = env
-        return Opening(messages, tools, time.perf_counter() - began)
+        return Opening(messages, tools, time.perf_counter() - began, max_tokens=env.turn_tokens)
 
     def respond(self, items: Sequence[tuple[Hashable, Turn]]) -> list[Answer]:
         out = []
@@ -118,8 +119,15 @@ class LocalEnvironments:
         answer.seconds = time.perf_counter() - began
         results = getattr(env, "tool_results", ())
         answer.tool_calls, answer.tool_errors = len(results), sum(bool(r.error) for r in results)
+        answer.refused = int(getattr(env, "refused_requests", 0))
         return answer
 
     def discard(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
-            self.live.pop(key, None)
+            env = self.live.pop(key, None)
+            close = getattr(env, "close", None)
+            if callable(close):  # an environment holding more than itself (an agent function's thread and session)
+                try:
+                    close()
+                except Exception:  # noqa: BLE001, S110 - a discarded episode's cleanup never hides why it was discarded
+                    pass

@@ -97,6 +97,7 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
             raise EnvironmentFailure(f"{_where(examples[j // n])}: {answer.error}")
         else:
             episode.tool_calls, episode.tool_errors = answer.tool_calls, answer.tool_errors
+            episode.refused_requests = answer.refused
         if reward is None or not math.isfinite(reward):
             raise EnvironmentFailure(f"{_where(examples[j // n])}: {environment.__name__}.reward() returned {reward}; "
                                      "an episode's reward must be a finite number")
@@ -186,8 +187,8 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
 
 def episode_stats(records: Sequence[dict]) -> dict[str, float]:
     """A step's agent metrics from its episode records: turns and tool calls per episode, tool and environment
-    errors, truncated episodes, replies that did not fit their episode's budget, the environment's reward and the
-    seconds spent inside the environments."""
+    errors, truncated episodes, replies that did not fit their episode's budget, an agent function's requests the
+    gateway refused, the environment's reward and the seconds spent inside the environments."""
     n = max(len(records), 1)
     total = {key: sum(float(r["stats"][key]) for r in records)
              for key in ("turns", "tool_calls", "tool_errors", "truncated", "env_errors", "env_s")}
@@ -196,4 +197,5 @@ def episode_stats(records: Sequence[dict]) -> dict[str, float]:
             "rollout/tool_calls_mean": total["tool_calls"] / n, "rollout/tool_errors": total["tool_errors"],
             "rollout/env_errors": total["env_errors"], "rollout/truncated_episodes": total["truncated"],
             "rollout/oversized_replies": float(sum(r["stats"].get("oversized_replies", 0) for r in records)),
+            "rollout/refused_requests": float(sum(r["stats"].get("refused_requests", 0) for r in records)),
             "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"]}

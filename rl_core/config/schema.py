@@ -214,6 +214,7 @@ class TrackingConfig(_Section):
     registered_model_name: str | None = Field(None, min_length=1, description="Register the final model (an MLflow LoggedModel) in the model registry under this name, a new version per run; None logs it unregistered.")
     sample_completions_every: int = Field(10, ge=0, description="Every this many steps (and at the last) log sample completions with their rewards to the run's completions.json table; 0 never.")
     sample_completions: int = Field(8, gt=0, description="Completions per logged step in completions.json, spread evenly over the step's batch.")
+    trace_episodes: int = Field(2, ge=0, description="Agent episodes per step logged as MLflow traces of the run (a span per turn and per tool call, with text, tokens, policy version and reward), spread over the step's episodes; 0 never. Prompt tasks log none.")
 
     @field_validator("mlflow_uri", "checkpoint_uri")
     @classmethod

@@ -27,8 +27,8 @@ from rl_core.tasks.base import Example, Task, is_import_path
 
 def get_task(name: str) -> Task:
     """The task `data.task` names: a built-in name or `package.module:attr` (a Task instance or subclass, or an
-    `rl_core.agents.Environment` subclass or a class in TRL's `environment_factory` convention: its episodes on the
-    rows of the `prompts` task)."""
+    `rl_core.agents.Environment` subclass, a class in TRL's `environment_factory` convention or an agent function
+    (`rl_core.agents.gateway.agent`): its episodes on the rows of the `prompts` task)."""
     from rl_core.tasks.builtin import TASKS
 
     if not is_import_path(name):
@@ -40,6 +40,7 @@ def get_task(name: str) -> Task:
 
     obj = load_object(name, "data.task")
     from rl_core.agents.environment import Environment
+    from rl_core.agents.gateway.agent import is_agent_function
     from rl_core.agents.trl_style import is_trl_style, trl_environment
 
     if isinstance(obj, type) and issubclass(obj, Environment):
@@ -48,6 +49,11 @@ def get_task(name: str) -> Task:
         return EnvironmentTask(obj, name)
     if isinstance(obj, type) and issubclass(obj, Task):
         obj = obj()
+    elif is_agent_function(obj):  # an agent behind the OpenAI-compatible gateway
+        from rl_core.agents.gateway.agent import agent_environment
+        from rl_core.tasks.environment import EnvironmentTask
+
+        return EnvironmentTask(agent_environment(obj), name)
     elif is_trl_style(obj):  # a class written for TRL's GRPOTrainer(environment_factory=...)
         from rl_core.tasks.environment import EnvironmentTask
 
@@ -55,8 +61,8 @@ def get_task(name: str) -> Task:
     if not isinstance(obj, Task):  # a config error, reported with the other ValueErrors of the config
         raise ValueError(  # noqa: TRY004
             f"data.task={name!r}: {type(obj).__name__} is not a rl_core.tasks.Task (an instance or a subclass), an "
-            "rl_core.agents.Environment subclass nor a class with a reset method (TRL's environment_factory "
-            "convention); see docs/data.md and docs/agents.md")
+            "rl_core.agents.Environment subclass, a class with a reset method (TRL's environment_factory "
+            "convention) nor an agent function; see docs/data.md and docs/agents.md")
     return obj
 
 

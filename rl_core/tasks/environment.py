@@ -28,3 +28,11 @@ class EnvironmentTask(PromptsTask):
             raise ValueError(f"{examples[0].row}: column {ENVIRONMENT_REWARD!r} is reserved (the environment's reward, "
                              "handed to the reward functions); rename it")
         return examples
+
+
+def configure_environment(environment: type, rollout: Any) -> None:
+    """Tell an environment class the recipe's sampling, when it asks (`configure`: an agent function's gateway checks
+    a request's temperature and top_p against it)."""
+    configure = getattr(environment, "configure", None)
+    if callable(configure):
+        configure(rollout.temperature, rollout.top_p)

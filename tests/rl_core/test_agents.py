@@ -185,9 +185,9 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     assert all((lp != 0.0) == s for lp, s in zip(episode.logp, episode.sampled))
     stats = episode.stats()
     assert stats.pop("env_s") > 0  # reset and respond ran, timed
-    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False, "env_errors": 0, "started": True,
+    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "refused_requests": 0, "truncated": False, "env_errors": 0, "started": True,
                      "oversized_replies": 0, "tokens": len(episode.ids),
-                     "sampled_tokens": len(turns[0]) + len(turns[1])}
+                     "sampled_tokens": len(turns[0]) + len(turns[1]), "turn_tokens": [len(turns[0]), len(turns[1])]}
 
 
 def test_a_template_that_drops_earlier_reasoning_never_changes_what_was_sampled():
@@ -581,8 +581,9 @@ def test_an_environment_in_trls_convention_runs_unchanged():
     (finished,) = host.finish(["a"])
     assert finished.reward == 1.0 and finished.tool_calls == 2 and finished.tool_errors == 0
 
-    with pytest.raises(ValueError, match=r"nor a class with a reset method \(TRL's environment_factory convention\)"):
-        get_task("tests.rl_core.test_agents:ids_of")
+    with pytest.raises(ValueError, match=r"a class with a reset method \(TRL's environment_factory convention\) nor "
+                                         r"an agent function"):
+        get_task("tests.rl_core.test_agents:HERMES")
 
 
 class Moody(Chatter):

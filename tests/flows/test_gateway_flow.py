@@ -1,0 +1,50 @@
+"""An agent function end to end (recipes/tool_arithmetic_agent.py, docs/agents.md "Bring your own agent"): the GRPO
+flow runs the agent, written with the plain `openai` client, in the environment actors; its requests reach the
+gateway in the same actor and are sampled on the rollout engine as episodes' turns; the trainer reads the sampler's
+log-probs on exactly those ids, and the held-out split is scored by the same agent, greedily."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import recipe
+from tests.flows.test_agents_flow import talkative_model
+from tests.run_helpers import read_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_the_tool_arithmetic_agent_trains_through_the_gateway_in_the_environment_actors(in_workdir, tmp_path):
+    from examples.tool_arithmetic import TEMPLATE
+    from examples.tool_arithmetic import main as build_data
+    from flows.grpo import grpo
+
+    build_data(["--out", "data/tool-arithmetic", "--seed", "0"])  # the `tool_arithmetic` DVC stage's command
+    model = talkative_model(in_workdir, tmp_path / "talkative")
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    grpo(recipe("tool_arithmetic_agent"), [
+        f"model.name_or_path={model}", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
+        "rl.max_steps=2", "rl.save_every=2", "rl.validation.max_prompts=4", "rl.validation.every_steps=2",
+        "data.env_workers=1", "data.reward_workers=0", "tracking.system_metrics=false",
+        "tracking.sample_completions_every=0", "tracking.trace_episodes=2", "job.name=agent-fn",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    records = read_metrics(in_workdir / "runs" / "agent-fn")
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        # every episode got its answer: a turn that stopped, answered to the agent, which then ended the episode
+        assert r["rollout/turns_mean"] >= 1.0 and r["rollout/env_errors"] == 0.0
+        assert r["rollout/unstarted_episodes"] == 0.0
+        assert r["rollout/logp_abs_diff_max"] <= 1e-5  # the trainer reads the sampler's ids as sampled
+        assert r["rollout/response_len_max"] <= 8 * 3
+    assert [r["step"] for r in records if "val/accuracy" in r] == [0, 2]
+    # two episodes a step as MLflow traces of the run, a span per turn
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (found,) = client.search_runs(client.get_experiment_by_name("posttrain").experiment_id)
+    traces = client.search_traces(locations=[found.info.experiment_id], run_id=found.info.run_id)
+    assert sorted(t.info.tags["posttrain.step"] for t in traces) == ["1", "1", "2", "2"]
+    for trace in traces:
+        names = [span.name for span in trace.data.spans]
+        assert names[0] == "episode" and "turn 1" in names
