@@ -145,8 +145,13 @@ class Episode:
         self.oversized_replies = 0  # replies that did not fit the budget left (the episode ended there)
         self.messages: list[dict] = list(start.messages)
         self.prompt_messages = len(self.messages)
-        prompt, fits = bounded(lambda shown: list(tokenizer.apply_chat_template(
-            shown, tools=self.tools, add_generation_prompt=True, tokenize=True)["input_ids"]), self.messages, max_tokens)
+        try:
+            prompt, fits = bounded(lambda shown: list(tokenizer.apply_chat_template(
+                shown, tools=self.tools, add_generation_prompt=True, tokenize=True)["input_ids"]), self.messages,
+                max_tokens)
+        except Exception as exc:  # noqa: BLE001 - the template refused what the environment (or an agent) sent
+            raise ValueError(f"the chat template cannot render the opening messages and tools "
+                             f"({type(exc).__name__}: {exc})") from None
         if not fits:
             chars = sum(len(text) for m in self.messages for text in _texts(m))
             measured = f"{len(prompt)} tokens" if len(prompt) < max_tokens + MARGIN_TOKENS else \
@@ -245,8 +250,16 @@ class Episode:
             self._end(truncated=True)
             return
         stop_text = self.tokenizer.decode([stop_id])
-        delta, fits = bounded(lambda shown: template_delta(self.tokenizer, shown, tools=self.tools, stop_text=stop_text),
-                              reply.messages, self.max_tokens - len(self.ids))
+        try:
+            delta, fits = bounded(lambda shown: template_delta(self.tokenizer, shown, tools=self.tools,
+                                                               stop_text=stop_text),
+                                  reply.messages, self.max_tokens - len(self.ids))
+        except ValueError:
+            raise  # the template itself cannot give deltas: a configuration to fix, named by template_delta
+        except Exception as exc:  # noqa: BLE001 - the template refused this reply's messages: this episode ends
+            self.env_error = f"the chat template cannot render the reply ({type(exc).__name__}: {exc})"
+            self._end(truncated=True)
+            return
         if not fits:  # no room left for a token of the next turn
             self.oversized_replies += 1
             self._end(truncated=True)

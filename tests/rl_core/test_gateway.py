@@ -260,3 +260,61 @@ def test_an_agent_written_with_the_openai_agents_sdk_runs_unchanged():
         trainer = sequence_token_logprobs(model, out.input_ids, out.attention_mask, temperature=1.0,
                                           loss_mask=out.response_mask)
     assert ((trainer - out.sampling_logp) * out.response_mask).abs().max().item() <= 1e-5
+
+
+def picky_agent(client, row):
+    """Row 0 sends a tool the template refuses (no description), the others `sync_agent`'s calculator."""
+    import openai
+
+    if row["prompt"] != "12+30":
+        return sync_agent(client, row)
+    bare = {"type": "function", "function": {"name": "calculator", "parameters": CALC["function"]["parameters"]}}
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row["prompt"]}], tools=[bare])
+    except openai.APIStatusError as exc:
+        SEEN.setdefault("picky", []).append((exc.status_code, exc.code))
+    return 0.0
+
+
+def test_tools_the_template_cannot_render_leave_their_row_out_naming_why_and_the_others_play(caplog):
+    from tests.rl_core.test_agents import HERMES
+
+    picky = HERMES.replace("{% for t in tools %}", "{% for t in tools %}{% if not t.function.description %}"
+                           "{{ raise_exception('tool ' + t.function.name + ' has no description') }}{% endif %}")
+    SEEN.clear()
+    tok = tokenizer(picky)
+    engine = ScriptedEngine(stopping_policy(tok), tok, calculator_script)
+    task = EnvironmentTask(agent_environment(picky_agent), "picky_agent")
+    with caplog.at_level("WARNING", logger="posttrain.agents"):
+        out, _ = rollout_episodes(engine, task, ROWS, tok, 1, SamplingParams(temperature=1.0, max_tokens=120, seed=3),
+                                  max_turns=3, max_episode_tokens=400)
+    assert [r["reward"] for r in out.episodes] == [0.0, 1.0]  # row 0 left out, row 1 played to its answer
+    assert not out.episodes[0]["stats"]["started"]
+    assert "the chat template cannot render the opening messages and tools (TemplateError: tool calculator has no " \
+           "description)" in caplog.text
+    assert SEEN["picky"] == [(409, "episode_ended")]  # the agent's waiting request is answered, not left hanging
+
+
+def silent_tool_agent(client, row):
+    """Answers the policy's call with an empty tool result, which the template below refuses."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALC]).choices[0].message
+    messages += [first.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": ""}]
+    client.chat.completions.create(model=MODEL, messages=messages, tools=[CALC])
+    return 1.0
+
+
+def test_a_reply_the_template_cannot_render_ends_only_its_episode_as_an_environment_error():
+    from tests.rl_core.test_agents import HERMES
+
+    strict = HERMES.replace("{% elif m.role == 'tool' %}", "{% elif m.role == 'tool' %}{% if not m.content %}"
+                            "{{ raise_exception('an empty tool answer') }}{% endif %}")
+    tok = tokenizer(strict)
+    engine = ScriptedEngine(stopping_policy(tok), tok, calculator_script)
+    out, _ = rollout_episodes(engine, EnvironmentTask(agent_environment(silent_tool_agent), "silent"), ROWS[:1], tok,
+                              2, SamplingParams(temperature=1.0, max_tokens=120, seed=3), max_turns=3,
+                              max_episode_tokens=400)
+    for record in out.episodes:  # both episodes end after their first turn, counted; the rollout goes on
+        assert record["stats"]["turns"] == 1 and record["stats"]["env_errors"] == 1 and record["reward"] == 0.0
+        assert record["error"] == "the chat template cannot render the reply (TemplateError: an empty tool answer)"
