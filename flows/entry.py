@@ -19,6 +19,9 @@ log = logging.getLogger("posttrain.startup")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The run's progress display is its own: MLflow's artifact bars (each append to the completions table downloads the
+# table first) would draw into it.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 # Prefect gives its temporary (ephemeral) API server 20 s to start; on a loaded 2-core machine that failed
 # 2 runs in 4 ("Timed out while attempting to connect to ephemeral Prefect API server"). Startup is ~17 s
 # on a quiet one, so allow 3 minutes (a user's own value wins).

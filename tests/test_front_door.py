@@ -25,7 +25,9 @@ from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS = 2
-SHORT_QUICKSTART = f"rl.max_steps={STEPS} rl.validation.max_prompts=50 rl.save_every=0"
+# completions logged at both steps: the second appends to the MLflow table (a download, whose bar must not show)
+SHORT_QUICKSTART = (f"rl.max_steps={STEPS} rl.validation.max_prompts=50 rl.save_every=0 "
+                    "tracking.sample_completions_every=1")
 
 
 def checkout_files(dest: Path) -> Path:
@@ -66,6 +68,7 @@ def test_make_demo_validates_every_recipe_and_runs_the_quickstart(demo):
     # the demo's last line: the warm start's held-out accuracy before training, read back by `summarize`
     assert f"summarize: {STEPS} steps, held-out val/accuracy" in out.stdout
     assert json.loads((root / "runs/arithmetic/summary.json").read_text())["steps"] == STEPS
+    assert "Downloading artifacts" not in out.stdout + out.stderr  # only the run's own progress display draws
 
 
 def test_user_code_imports_from_the_console_script_outside_the_checkout(tmp_path):
