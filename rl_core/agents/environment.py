@@ -86,7 +86,7 @@ class Environment:
     the model may call."""
 
     tools: Sequence[Callable] = ()
-    turn_tokens: int | None = None  # a cap of the first turn's tokens below rollout.max_tokens (None: none)
+    first_turn_max_tokens: int | None = None  # caps the first turn below rollout.max_tokens (None: no cap of its own)
 
     def __init__(self, example: Any):
         self.example = example

@@ -34,7 +34,7 @@ class Opening:
     tools: list[dict] | None = None
     seconds: float = 0.0
     error: str | None = None
-    max_tokens: int | None = None  # the first turn's cap (`Environment.turn_tokens`)
+    max_tokens: int | None = None  # the first turn's cap (`Environment.first_turn_max_tokens`)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class LocalEnvironments:
         except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
             return Opening(error=_failure(f"{type(env).__name__}.reset", exc), seconds=time.perf_counter() - began)
         self.live[key] = env
-        return Opening(messages, tools, time.perf_counter() - began, max_tokens=env.turn_tokens)
+        return Opening(messages, tools, time.perf_counter() - began, max_tokens=env.first_turn_max_tokens)
 
     def respond(self, items: Sequence[tuple[Hashable, Turn]]) -> list[Answer]:
         out = []

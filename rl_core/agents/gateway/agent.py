@@ -99,7 +99,7 @@ class AgentEnvironment(Environment):
         self.failure: str | None = None
         self.recorded: list[tuple] = []
         self.request_tools: list[dict] | None = None
-        self.turn_tokens: int | None = None
+        self.first_turn_max_tokens: int | None = None
         self._waiting: Any = None
         self.thread = threading.Thread(target=self._run, name=f"agent {type(self).__name__}", daemon=True)
         self.thread.start()
@@ -191,7 +191,7 @@ class AgentEnvironment(Environment):
             if problem is None:
                 self._waiting = future
                 if first:
-                    self.request_tools, self.turn_tokens = request.tools, request.max_tokens
+                    self.request_tools, self.first_turn_max_tokens = request.tools, request.max_tokens
                 return request
             self.session.refuse(future, ApiError(400, problem, code="conversation_diverged"))
         return None
