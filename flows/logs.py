@@ -21,7 +21,9 @@ def redact_run_logs() -> list[logging.Handler]:
     from prefect.logging.configuration import ensure_logging_setup
 
     ensure_logging_setup()  # Prefect's handlers exist from here on (a flow run's process made them at import)
-    names = ["", *sorted(n for n in logging.root.manager.loggerDict if n == "prefect" or n.startswith("prefect."))]
+    # a snapshot first: another thread may create a logger meanwhile (list() copies the keys without a switch)
+    known = list(logging.root.manager.loggerDict)
+    names = ["", *sorted(n for n in known if n == "prefect" or n.startswith("prefect."))]
     handlers: list[logging.Handler] = []
     for name in names:
         logger = logging.getLogger(name)
