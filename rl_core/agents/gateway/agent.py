@@ -120,7 +120,7 @@ class AgentEnvironment(Environment):
                  "total_tokens": turn.context_tokens + turn.sampled_tokens}
         waiting, self._waiting = self._waiting, None
         if not waiting.done():
-            waiting.set_result((message, finish_reason(message, stopped=True), usage))
+            waiting.set_result((message, finish_reason(message), usage))
         self.recorded.append(normal(message))
         before = len(self.recorded)
         request = self._next()

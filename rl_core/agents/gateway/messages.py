@@ -143,9 +143,8 @@ def assistant_message(turn: Turn) -> dict:
     return message
 
 
-def finish_reason(message: dict, stopped: bool) -> str:
-    if not stopped:
-        return "length"
+def finish_reason(message: dict) -> str:
+    """A turn the agent is answered with stopped on its own (one cut by its budget ends the episode unanswered)."""
     return "tool_calls" if message.get("tool_calls") else "stop"
 
 

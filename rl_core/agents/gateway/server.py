@@ -115,13 +115,6 @@ class Gateway:
         log.info("agent gateway on http://127.0.0.1:%d", self.port)
         return self
 
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
-            self._server = self._thread = None
-
 
 _SHARED: Gateway | None = None
 _SHARED_LOCK = threading.Lock()

@@ -34,7 +34,6 @@ class Session:
         self._pending: list[Future] = []
         self.refused = 0  # requests answered with an error
         self.ended = 0  # of those, refused because the episode had ended (a limit, or the rollout's end)
-        self.requests = 0
 
     def submit(self, request: Request) -> Future:
         """Queue the agent's `request`; the future's result is the answer (or an ApiError)."""
@@ -44,7 +43,6 @@ class Session:
                 self.refused += 1
                 self.ended += 1
                 raise ApiError(409, self._closed, code="episode_ended")
-            self.requests += 1
             self._pending.append(future)
         future.add_done_callback(self._done)
         self._queue.put((request, future))
@@ -115,6 +113,3 @@ class Sessions:
             raise ApiError(404, "unknown session: each episode's client has its own base_url, valid while the episode "
                                 "runs", code="session_not_found")
         return session
-
-    def __len__(self) -> int:
-        return len(self._live)
