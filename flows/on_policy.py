@@ -10,15 +10,17 @@ a step trains: the draw of step s+k is submitted as step s begins, with the engi
 so its batch reaches the trainer k versions behind it. The engines take the calls in submission order, so a
 sync waits for the rollouts submitted before it. The gate bounds every batch's version to
 [trainer version - rl.async_steps, trainer version], and the trainer takes π_old of a stale batch from its
-rollout log-probs. Each draw keeps the sampler state right after it: a step's checkpoint resumes the prompt
-stream at the first step it had not trained, so the prompts of batches in flight are drawn again (with the
-restored weights), never skipped and never trained twice.
+rollout log-probs. A step's checkpoint keeps the sampler's state at the step's end and the prompt rows of the
+steps in flight: a run resumed from it draws those steps' rows again, in order (their rollouts with the restored
+weights), then the sampler's next, so no prompt is skipped or trained twice.
 
 With `rollout.filter_groups` (dynamic sampling) a step's rollout and reward run in rounds: groups whose rewards do
 not spread are dropped and further rounds draw the sampler's next prompts, each with its own seed (the step's and
 the round), until the step has `rollout.prompts_per_step` useful groups or the rounds run out
 (`rl_core.batch.dynamic_sampling` chooses; `docs/rollout.md`). The sampler observes every round's pass rates
-(the curriculum's feedback; the epoch order ignores it), and its state is taken after the step's last round.
+(the curriculum's feedback; the epoch order ignores it). With rl.async_steps the extra rounds of step s draw after
+the steps in flight (they sample with the engines' current weights) and the curriculum draws a step by the pass
+rates of the steps scored before its draw.
 """
 
 from __future__ import annotations
@@ -104,15 +106,13 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                                                        step=step, **role.episode_options,
                                                        environments=quote(environments))
 
-        def draw(at_step: int, at_version: int, at_round: int = 0,
-                 count: int | None = None) -> tuple[list[int], dict, Any]:
-            """The prompt rows of step `at_step`, the sampler's state right after drawing them (what that step's
-            checkpoint resumes from, with rl.async_steps) and their rollout with the engines' weights (policy
-            `at_version`): a Prefect future, in flight from now on, with rl.async_steps; else the call that runs it.
-            `at_round` >= 1: an extra round of dynamic sampling, `count` prompts, with its own seed."""
+        def draw(at_step: int, at_version: int, at_round: int = 0, count: int | None = None) -> tuple[list[int], Any]:
+            """The prompt rows of step `at_step` and their rollout with the engines' weights (policy `at_version`): a
+            Prefect future, in flight from now on, with rl.async_steps; else the call that runs it. `at_round` >= 1: an
+            extra round of dynamic sampling, `count` prompts, with its own seed. The rows are the sampler's next, but
+            for a step that was in flight at the checkpoint this run resumed from: that step's rows again."""
             startup.mark("first_rollout")
-            rows = role.sampler.next_batch(count)
-            state = role.sampler.state_dict()
+            rows = run.in_flight_rows.pop(0) if at_round == 0 and run.in_flight_rows else role.sampler.next_batch(count)
             key = {"config": run.cfg_hash, "step": at_step, "version": at_version, "rows": rows}
             identity = quote({**key, "round": at_round} if at_round else key)
             sampling = quote(role.sampling(at_step, at_round))
@@ -125,8 +125,12 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             cache_dir = str((run.run_dir / "cache").resolve())
             more = {"environments": quote(environments)} if agents else {}
             if overlap:
-                return rows, state, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
-            return rows, state, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
+                return rows, phase.submit(*args, cache_dir=cache_dir, step=at_step, **more)
+            return rows, lambda: phase(*args, cache_dir=cache_dir, step=at_step, **more)
+
+        def collect(pending: Any) -> tuple[Any, float]:
+            """A drawn rollout's (completions, seconds in the engines' generate), waiting for it."""
+            return pending.result() if overlap else pending()
 
         def score_round(rows: list[int], completions: Any, at_step: int) -> tuple[Round, list[str]]:
             """One round's rewards, and its completions as text; the sampler observes its groups' pass rates (the
@@ -148,9 +152,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             picker.add(first)
             generate_s = 0.0
             while picker.wants_more():
-                rows, _, pending = draw(at_step, version, len(picker.rounds), picker.next_size())
+                rows, pending = draw(at_step, version, len(picker.rounds), picker.next_size())
                 with timer.phase("rollout"):
-                    completions, seconds = pending()
+                    completions, seconds = collect(pending)
                 generate_s += seconds
                 with timer.phase("reward"):
                     picker.add(score_round(rows, completions, at_step)[0])
@@ -160,17 +164,17 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         with RunProgress(cfg.rl.max_steps, cfg.job.name, step) as bar:
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate()})
-            ahead: deque = deque()  # rl.async_steps: (rows, sampler state, future) of the next steps, in flight
+            ahead: deque = deque()  # rl.async_steps: (rows, future) of the next steps, in flight
             while step < cfg.rl.max_steps:
                 step += 1
                 timer = Timer()
-                rows, sampler_state, pending = ahead.popleft() if ahead else draw(step, version)
+                rows, pending = ahead.popleft() if ahead else draw(step, version)
                 # the steps up to step + rl.async_steps sample with this version while this one trains (the gate
                 # bounds the lag); submitted before this step's rollout is awaited, in step order
                 while overlap and len(ahead) < cfg.rl.async_steps and step + len(ahead) < cfg.rl.max_steps:
                     ahead.append(draw(step + len(ahead) + 1, version))
                 with timer.phase("rollout"):
-                    completions, generate_s = pending.result() if overlap else pending()
+                    completions, generate_s = collect(pending)
                 with timer.phase("reward"):
                     first, texts = score_round(rows, completions, step)
                 scores, padding, filtered = first.scores, [], {}
@@ -183,13 +187,12 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                         record = {"step": step, "data/prompt_rows": [], **filtered, **timer.laps,
                                   "perf/step_s": timer.elapsed(), "perf/generate_s": generate_s,
                                   "perf/policy_version": version, **startup.take()}
-                        run.end_step(cluster, step, role.sampler.state_dict(), version, record, evaluate, bar)
+                        run.end_step(cluster, step, role.sampler.state_dict(), version, record, evaluate, bar,
+                                     [r for r, _ in ahead])
                         continue
                     rows, completions, scores, padding = (selected.rows, selected.completions, selected.scores,
                                                           selected.padding)
                     texts = display_texts(completions, role.tokenizer)
-                if not overlap:  # after every round and what the sampler observed of it
-                    sampler_state = role.sampler.state_dict()
                 rewards, reward_means = scores.rewards, scores.means
                 examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                 run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values, completions)
@@ -224,5 +227,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
                 # spent in the longer of the two)
                 record["perf/overhead_s"] = step_s - (max(generate_s, train_s) if overlap else generate_s + train_s)
-                run.end_step(cluster, step, sampler_state, version, record, evaluate, bar)
+                # the sampler after every draw and observation so far, and the rows of the steps in flight: a
+                # resumed run draws those steps' rows again, then goes on from that state
+                run.end_step(cluster, step, role.sampler.state_dict(), version, record, evaluate, bar,
+                             [r for r, _ in ahead])
         return run.finish(cluster, step, logger.info)

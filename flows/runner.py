@@ -135,6 +135,9 @@ class TrainingRun:
     run_id: str | None = None
     lock: RunLock | None = None
     evaluation_pending: bool = False  # the checkpoint's step was due for an evaluation (restore sets it)
+    # rl.async_steps: the prompt rows of the steps that were in flight at the checkpoint (restore sets them), drawn
+    # again in that order before the sampler's next
+    in_flight_rows: list[list[int]] = field(default_factory=list)
     saving: tuple[int, Path, dict] | None = None  # the checkpoint in flight: (step, temporary directory, meta)
     held: list[dict] = field(default_factory=list)  # metrics lines waiting for it
     artifacts: RunArtifacts | None = None  # the flow run's Prefect artifacts (flows/artifacts.py), from `start`
@@ -247,6 +250,7 @@ class TrainingRun:
             sampler.load_state_dict(parts["driver"]["sampler"])
             version = int(parts["driver"]["policy_version"])
             self.evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
+            self.in_flight_rows = [[int(i) for i in rows] for rows in parts["driver"].get("in_flight_rows", [])]
             self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
         self.record_placement(cluster, teachers)
         cluster.sync_weights(version)
@@ -317,7 +321,7 @@ class TrainingRun:
         return due(every, step, self.cfg.rl.max_steps)
 
     def end_step(self, cluster: Any, step: int, sampler_state: dict, version: int, record: dict,
-                 evaluate: Callable[[], dict], bar: Any) -> None:
+                 evaluate: Callable[[], dict], bar: Any, in_flight: list[list[int]] = ()) -> None:
         """The end of a step, in this order: the checkpoint (when due), the evaluation (when due), the metrics line.
 
         The checkpoint comes first so that an evaluation that fails (after its task retries) or is killed
@@ -328,7 +332,7 @@ class TrainingRun:
         evaluating = self.due(self.cfg.rl.validation.every_steps, step)
         if self.due(self.cfg.rl.save_every, step):
             record["perf/checkpoint_s"] = self.checkpoint(cluster, step, sampler_state, version, record,
-                                                          evaluation_due=evaluating)
+                                                          evaluation_due=evaluating, in_flight=in_flight)
         if evaluating:
             timer = Timer()
             with timer.phase("evaluate"):
@@ -354,15 +358,16 @@ class TrainingRun:
         self.tracker.log_metrics(records[-1], step=self.start_step)
 
     def checkpoint(self, cluster: Any, step: int, sampler_state: dict, version: int, record: dict, *,
-                   evaluation_due: bool = False) -> float:
+                   evaluation_due: bool = False, in_flight: list[list[int]] = ()) -> float:
         """Start the checkpoint of `step`: the trainer ranks' shards (written in the background) and the driver's state
-        (`sampler_state`: the sampler after this step's draw, also when the next step's rollout is already in
-        flight; the policy version; the metrics.jsonl lines up to this step: those logged and `record`, this
+        (`sampler_state`: the sampler at the end of this step, after every draw so far; `in_flight`: the prompt rows
+        of the later steps already drawn, in step order (rl.async_steps); the policy version; the metrics.jsonl lines up to this step: those logged and `record`, this
         step's, still to be logged; whether the step's evaluation is still to run). At most one is in flight: the
         previous one is published first. Returns the seconds the step was blocked."""
         t = time.perf_counter()
         self.settle(cluster)
-        driver = {"sampler": sampler_state, "policy_version": version, "step": step,
+        driver = {"sampler": sampler_state, "in_flight_rows": [list(rows) for rows in in_flight],
+                  "policy_version": version, "step": step,
                   "evaluation_due": evaluation_due,
                   METRICS_PART: self.metrics_log.text() + MetricsLog.line(record) + "\n"}
         tmp = start_checkpoint_task(self.store, cluster, step, driver)

@@ -296,10 +296,6 @@ def sampling_problems(cfg: PosttrainConfig) -> list[str]:
             out.append(f"rollout.filter_groups=true with rl.objective.type={kind}: dynamic sampling drops groups "
                        "whose group-relative advantages are zero, which only the on-policy loop with group "
                        "advantages has; remove it")
-        if cfg.rl.async_steps:
-            out.append(f"rollout.filter_groups=true with rl.async_steps={cfg.rl.async_steps}: a step's extra rounds "
-                       "need its own scores before the sampler's next draw, while rl.async_steps draws later steps "
-                       "ahead of them; set rl.async_steps=0 or rollout.filter_groups=false")
     else:
         out += [f"rollout.{key}={getattr(ro, key)!r}: read only by rollout.filter_groups=true; remove it or set "
                 "rollout.filter_groups=true" for key in _set(ro, FILTER_KNOBS)]
@@ -307,10 +303,6 @@ def sampling_problems(cfg: PosttrainConfig) -> list[str]:
         if objective.topology == "offline":
             out.append(f"data.sampler=curriculum with rl.objective.type={kind}: the curriculum draws by the pass rates "
                        "of sampled groups, and offline pairs sample none; set data.sampler=epoch")
-        if cfg.rl.async_steps:
-            out.append(f"data.sampler=curriculum with rl.async_steps={cfg.rl.async_steps}: the curriculum draws each "
-                       "step by the pass rates of the steps before it, while rl.async_steps draws later steps ahead "
-                       "of them; set rl.async_steps=0 or data.sampler=epoch")
     else:
         out += [f"data.{key}={getattr(data, key)!r}: read only by data.sampler=curriculum; remove it or set "
                 "data.sampler=curriculum" for key in _set(data, CURRICULUM_KNOBS)]

@@ -31,9 +31,10 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
     """rl.async_steps=2: step 1 samples with version 0 and trains it on-policy (ρ = 1 exactly); steps 2 and 3
     were drawn with it too (staleness 1, 2), and from then on step s+2's rollout is drawn as step s begins, with
     version s-1 (staleness up to 2, ρ ≠ 1: π_old is the behaviour policy). Every step's prompts are the sampler's
-    stream in order. The checkpoint of step 2 was written with steps 3 and 4 in flight: a run resumed from it
-    (the later checkpoints gone, as after a crash) draws steps 3, 4, 5 again, the same prompts, neither skipped nor
-    trained twice, and samples them with the restored weights (staleness 0, 1, 2)."""
+    stream in order. The checkpoint of step 2 was written with steps 3 and 4 in flight: it keeps their rows and the
+    sampler after drawing them, and a run resumed from it (the later checkpoints gone, as after a crash) draws steps
+    3, 4, 5 again, the same prompts, neither skipped nor trained twice, and samples them with the restored weights
+    (staleness 0, 1, 2)."""
     import shutil
 
     from flows.grpo import grpo
@@ -62,10 +63,11 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
     stream = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
     expected = [stream.next_batch() for _ in range(5)]  # the prompt stream from the start, one batch per step
     assert [r["data/prompt_rows"] for r in whole] == expected
-    # step 2's sampler is the one right after step 2's draw, though steps 3 and 4 were drawn before it was saved
+    # step 2's checkpoint: the rows of steps 3 and 4 (in flight), and the sampler after drawing them
+    assert parts["driver"]["in_flight_rows"] == expected[2:4]
     resumed_sampler = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
     resumed_sampler.load_state_dict(saved)
-    assert resumed_sampler.next_batch() == expected[2]
+    assert resumed_sampler.next_batch() == expected[4]
 
     for later in (3, 4, 5):  # a crash after step 2's checkpoint: only it is left
         shutil.rmtree(store.path_for(later), ignore_errors=True)
@@ -76,6 +78,50 @@ def test_async_steps_keeps_k_rollouts_in_flight_within_the_bound_and_resumes_the
     assert [r["data/prompt_rows"] for r in resumed] == expected
     assert [r["rollout/policy_staleness"] for r in resumed[2:]] == [0.0, 1.0, 2.0]
     assert resumed[2]["train/ratio_min"] == resumed[2]["train/ratio_max"] == 1.0  # step 3 is on-policy now
+
+
+def test_dynamic_sampling_runs_asynchronously_its_rounds_in_stream_order_and_resumes_the_steps_in_flight(
+        in_workdir, warm_model):
+    """rl.async_steps=1 with rollout.filter_groups, from the warm start (groups that all pass, and some that split):
+    step s+1's rows are drawn as step s begins, and step s's extra rounds draw after them, so the sampler's stream
+    is D1 D2 E1 D3 E2 D4 E3 E4 (D: a step's first round, E: its extra rounds). The checkpoint of step 2 keeps step
+    3's rows (in flight) and the sampler after E2; a run resumed from it trains step 3 on those rows again, sampled
+    with the restored weights."""
+    import shutil
+
+    from flows.grpo import grpo
+    from infra.checkpoints.store import CheckpointStore
+    from rl_core.data import PromptSampler
+
+    per_step = 8
+    overrides = [*ASYNC, "rl.async_steps=1", f"model.name_or_path={warm_model[0]}", "rollout.filter_groups=true",
+                 "rollout.filter_max_rounds=2", "rl.max_steps=4", "rl.save_every=2", "job.name=async-filter"]
+    grpo(recipe("arithmetic"), overrides)
+    run_dir = in_workdir / "runs" / "async-filter"
+    whole = read_metrics(run_dir)
+    assert [r["step"] for r in whole] == [1, 2, 3, 4]
+    assert sum(r["rollout/filter/rounds"] for r in whole) >= 1, whole  # the filter had work to do
+    assert all(len(r["data/prompt_rows"]) == per_step for r in whole)
+    first = [r["data/generated_rows"][:per_step] for r in whole]
+    extra = [r["data/generated_rows"][per_step:] for r in whole]
+    order = [first[0], first[1], extra[0], first[2], extra[1], first[3], extra[2], extra[3]]
+
+    parts, _ = CheckpointStore(run_dir / "checkpoints").load(2)
+    saved = parts["driver"]["sampler"]
+    stream = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
+    assert [stream.next_batch(len(rows)) if rows else [] for rows in order] == order
+    assert parts["driver"]["in_flight_rows"] == [first[2]]
+    after = PromptSampler(**{k: saved[k] for k in ("num_examples", "batch_size", "seed")})
+    after.load_state_dict(saved)  # after D3 and E2: step 4's draw comes next
+    assert after.next_batch() == first[3]
+
+    for later in (3, 4):  # a crash after step 2's checkpoint: only it is left
+        shutil.rmtree(CheckpointStore(run_dir / "checkpoints").path_for(later), ignore_errors=True)
+    grpo(recipe("arithmetic"), overrides)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == whole[:2]
+    assert resumed[2]["data/generated_rows"][:per_step] == first[2]  # step 3's rows again
+    assert resumed[2]["rollout/policy_staleness"] == 0.0  # sampled with the restored weights
 
 
 def test_in_flight_updates_land_inside_the_rollouts_and_every_token_keeps_its_version(in_workdir):
