@@ -1,4 +1,5 @@
-"""Dynamic sampling and the curriculum on the quickstart: held-out accuracy per optimizer step, wall time, tokens.
+"""Dynamic sampling and the curriculum on the quickstart (or the tool agent): held-out accuracy per optimizer step,
+wall time, tokens.
 
 Runs the arithmetic quickstart (`recipes/arithmetic.py` from its warm start, as `make demo` does: 16 prompts x 8
 completions a step, the legacy policy gradient, greedy exact match on all 500 held-out sums every 25 steps) once per
@@ -15,9 +16,12 @@ evaluation; the first evaluated step at or above `--target` (0.93); the run's pr
 tokens generated (every round's); the mean extra rounds per step and share of generated groups kept.
 
     python benchmarks/bench_dynamic_sampling.py [--steps 300] [--only baseline filter ...] [--target 0.93]
+    python benchmarks/bench_dynamic_sampling.py --recipe tool_arithmetic --steps 50 --target 0.9
 
 The quickstart's tiny model and data are taken from the checkout when built (`make demo`), else built there first,
-as `posttrain run recipes/arithmetic.py` builds them.
+as `posttrain run recipes/arithmetic.py` builds them. `--recipe tool_arithmetic` runs the multi-turn calculator agent
+(`recipes/tool_arithmetic.py`, episodes of up to 3 turns, success = the right sum) instead: its rows and warm start
+come from `dvc repro pipelines/tool_arithmetic/dvc.yaml`; the section is `dynamic-sampling-tool_arithmetic`.
 """
 
 from __future__ import annotations
@@ -45,19 +49,27 @@ MODES = {  # name -> overrides
 }
 
 
-def build() -> None:
-    """The quickstart's data, tiny model and warm start in the checkout, where missing (params.yaml's values)."""
+def build(recipe: str) -> bool:
+    """The recipe's data and warm start in the checkout: the quickstart's built where missing (params.yaml's values);
+    another recipe's must be there (False, said, when not)."""
     from infra.artifacts import ensure_quickstart_artifacts
     from rl_core.config import load_config
 
     os.chdir(REPO)
-    ensure_quickstart_artifacts(load_config("recipes/arithmetic.py"))
+    cfg = load_config(f"recipes/{recipe}.py")
+    if recipe == "arithmetic":
+        ensure_quickstart_artifacts(cfg)
+        return True
+    missing = [p for p in (cfg.model.name_or_path, cfg.data.train, cfg.data.val) if not (REPO / p).exists()]
+    if missing:
+        print(f"{', '.join(missing)} missing: dvc repro pipelines/{recipe}/dvc.yaml")
+    return not missing
 
 
-def run(workdir: Path, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float]:
-    """One quiet `posttrain run` of the quickstart: its metrics records and the process's wall seconds."""
+def run(workdir: Path, recipe: str, name: str, overrides: list[str], steps: int) -> tuple[list[dict], float]:
+    """One quiet `posttrain run` of the recipe: its metrics records and the process's wall seconds."""
     job = f"bench-dyn-{name.replace('+', '-')}"
-    cmd = [*posttrain_command(), "run", str(REPO / "recipes" / "arithmetic.py"), "--", f"job.name={job}",
+    cmd = [*posttrain_command(), "run", str(REPO / "recipes" / f"{recipe}.py"), "--", f"job.name={job}",
            f"rl.max_steps={steps}", *overrides, "rl.save_every=0", "rl.resume=off", "job.overwrite=true"]
     started = time.perf_counter()
     subprocess.run(cmd, cwd=workdir, env={**os.environ, **QUIET_ENV}, check=True, stdout=subprocess.DEVNULL,
@@ -90,17 +102,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", nargs="+", choices=list(MODES), help="modes to run (default: all)")
     parser.add_argument("--target", type=float, default=0.93, help="held-out accuracy to reach")
+    parser.add_argument("--recipe", default="arithmetic", choices=["arithmetic", "tool_arithmetic"])
     args = parser.parse_args()
-    build()
+    if not build(args.recipe):
+        return 2
     from rl_core.config import load_config
 
-    cfg = load_config(str(REPO / "recipes" / "arithmetic.py"))
+    cfg = load_config(str(REPO / "recipes" / f"{args.recipe}.py"))
     rows = cfg.rollout.prompts_per_step * cfg.rollout.n
     workdir = scratch_dir()
     try:
         results = []
         for name in args.only or list(MODES):
-            records, wall = run(workdir, name, MODES[name], args.steps)
+            records, wall = run(workdir, args.recipe, name, MODES[name], args.steps)
             results.append(summary(name, records, wall, args.target, rows))
             done = results[-1]
             print(f"{name}: {' '.join(f'{s}:{a:.3f}' for s, a in done['evals'])} | reached {done['reached']} | "
@@ -116,12 +130,14 @@ def main() -> int:
         table.append([r["name"], *[f"{accuracy[s]:.3f}" if s in accuracy else "-" for s in steps],
                       str(r["reached"]) if r["reached"] is not None else "-", f"{r['wall']:.0f}",
                       f"{r['tokens']:,.0f}", f"{r['rounds']:.2f}", "-" if r["kept"] is None else f"{r['kept']:.2f}"])
-    notes = [(f"Held-out accuracy: greedy exact match on the {cfg.rl.validation.max_prompts or 'whole'} held-out "
+    measure = "greedy exact match" if args.recipe == "arithmetic" else "greedy episodes' success"
+    notes = [(f"`{args.recipe}`. Held-out accuracy: {measure} on {cfg.rl.validation.max_prompts or 'all'} of the held-out "
               f"split's sums (`val/accuracy`) every {cfg.rl.validation.every_steps} steps; {args.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} completions, one optimizer step each, job.seed "
               f"{cfg.job.seed} in every mode. Generated tokens: every response token sampled, the extra rounds' "
               "included; kept groups: the share of generated groups whose rewards were not all equal.")]
-    write_section("dynamic-sampling", header, table, notes)
+    write_section("dynamic-sampling" if args.recipe == "arithmetic" else f"dynamic-sampling-{args.recipe}", header,
+                  table, notes)
     return 0
 
 
