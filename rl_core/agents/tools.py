@@ -15,13 +15,20 @@ or a number past its integer digit limit (4300) is answered as unreadable. A cal
 `MAX_CALL_DEPTH` levels is answered too, though the parser takes up to about a thousand: the turn holding it
 is pickled to the environment actors and written into the episode's JSON record, and both recurse once per
 level from a deeper stack than the parser's.
+
+A tool may be an `async def` (or return an awaitable): its calls run on one event loop per process, in a thread of
+its own, so many episodes' calls wait on I/O together, and what a tool keeps between calls (a client session, a
+lock) stays bound to the loop it was made on. The episode's thread waits for its call's result. An async tool
+must not block its loop (a blocking tool is a plain `def`, which runs in the episode's thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,6 +153,8 @@ def run_tool_call(tools: Mapping[str, Callable], call: ToolCall) -> ToolResult:
         return ToolResult(call.name, f"{ERROR_PREFIX}{call.name}: {exc}", True)
     try:
         value = fn(**call.arguments)
+        if inspect.isawaitable(value):
+            value = run_awaitable(value)
     except Exception as exc:  # noqa: BLE001 - the model reads what the tool raised, the episode goes on
         return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} raised {user_error(exc)}", True)
     if isinstance(value, str):
@@ -155,3 +164,34 @@ def run_tool_call(tools: Mapping[str, Callable], call: ToolCall) -> ToolResult:
     except (TypeError, ValueError):
         return ToolResult(call.name, f"{ERROR_PREFIX}{call.name} returned a {type(value).__name__}, which is "
                                      "neither text nor JSON", True)
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def tool_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for async tools, running in a daemon thread from the first async call on."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="async-tools", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+def run_awaitable(awaitable: Any) -> Any:
+    """The result of `awaitable` (an async tool's call) run on `tool_loop()`, waited for in this thread; what it
+    raises is raised here."""
+    async def wait() -> Any:
+        return await awaitable
+
+    loop = tool_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:  # a tool on the loop calling a tool synchronously would wait on itself forever
+        raise RuntimeError("a tool was called synchronously from the async tools' event loop; await it instead")
+    return asyncio.run_coroutine_threadsafe(wait(), loop).result()
