@@ -42,7 +42,7 @@ from infra.tracking.tracker import RunTracker
 from infra.workers.environments import EnvironmentPool
 from infra.workers.rewards import RewardPool
 from infra.workers.teacher import TeacherRole
-from rl_core.agents.rollout import display_texts
+from rl_core.agents.rollout import display_texts, truncation_warning
 from rl_core.batch.dynamic_sampling import DynamicSampling, Round, Selected, round_pass_rates
 from rl_core.config import PosttrainConfig
 from rl_core.preflight.machine import check_memory
@@ -165,6 +165,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             if cfg.rl.validation.before_training and step == 0:
                 log({"step": 0, **evaluate()})
             ahead: deque = deque()  # rl.async_steps: (rows, future) of the next steps, in flight
+            warned: set[str] = set()  # the limits a warning named already: most of a step's episodes cut by each
             while step < cfg.rl.max_steps:
                 step += 1
                 timer = Timer()
@@ -227,6 +228,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 # orchestration overhead: step wall time not spent sampling or in forward/backward (overlapped: not
                 # spent in the longer of the two)
                 record["perf/overhead_s"] = step_s - (max(generate_s, train_s) if overlap else generate_s + train_s)
+                if agents and (cut := truncation_warning(record, cfg.rollout)) and cut[0] not in warned:
+                    warned.add(cut[0])
+                    logger.warning("step %d: %s", step, cut[1])
                 # the sampler after every draw and observation so far, and the rows of the steps in flight: a
                 # resumed run draws those steps' rows again, then goes on from that state
                 run.end_step(cluster, step, role.sampler.state_dict(), version, record, evaluate, bar,

@@ -163,6 +163,7 @@ class Episode:
         self.turns: list[Turn] = []
         self.turn_tokens: list[int] = []  # the ids each turn sampled
         self.done = self.truncated = False
+        self.cut_by: str | None = None  # what ended a truncated episode: one of CUT_LIMITS, or "environment_error"
         self.started = True
         self._stop_id: int | None = None  # the stop token of the turn waiting for its answer
 
@@ -185,6 +186,7 @@ class Episode:
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
         episode.versions = [0]
         episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
+        episode.cut_by = None
         return episode
 
     def turn_budget(self, per_turn: int) -> int:
@@ -216,6 +218,7 @@ class Episode:
             raise ValueError(f"a turn needs one policy version per sampled id (got {len(versions)} for {len(ids)})")
         turn = replace(Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True)),
                        sampled_tokens=len(ids), context_tokens=len(self.ids))
+        room = self.max_tokens - len(self.ids)  # the turn's budget was the least of this, its cap and per-turn max
         self.ids += [int(i) for i in ids]
         self.sampled += [True] * len(ids)
         self.logp += [float(x) for x in logps]
@@ -224,7 +227,8 @@ class Episode:
         self.turn_tokens.append(len(ids))
         self.messages.append(turn.message)
         if not stopped:
-            self._end(truncated=True)
+            self._end(truncated=True, cut_by="max_episode_tokens" if len(ids) >= room else
+                      "turn_cap" if self.turn_cap is not None and len(ids) >= self.turn_cap else "max_tokens")
             return None
         self._stop_id = int(ids[-1])
         return turn
@@ -239,7 +243,7 @@ class Episode:
         self.tool_calls, self.tool_errors, self.refused_requests = answer.tool_calls, answer.tool_errors, answer.refused
         if answer.error is not None or answer.reply is None:
             self.env_error = answer.error or "the environment gave no reply"
-            self._end(truncated=True)
+            self._end(truncated=True, cut_by="environment_error")
             return
         reply = answer.reply
         self.turn_cap = reply.max_tokens
@@ -247,7 +251,7 @@ class Episode:
             self._end(truncated=False)
             return
         if len(self.turns) >= self.max_turns:
-            self._end(truncated=True)
+            self._end(truncated=True, cut_by="max_turns")
             return
         stop_text = self.tokenizer.decode([stop_id])
         try:
@@ -258,11 +262,11 @@ class Episode:
             raise  # the template itself cannot give deltas: a configuration to fix, named by template_delta
         except Exception as exc:  # noqa: BLE001 - the template refused this reply's messages: this episode ends
             self.env_error = f"the chat template cannot render the reply ({type(exc).__name__}: {exc})"
-            self._end(truncated=True)
+            self._end(truncated=True, cut_by="environment_error")
             return
         if not fits:  # no room left for a token of the next turn
             self.oversized_replies += 1
-            self._end(truncated=True)
+            self._end(truncated=True, cut_by="max_episode_tokens")
             return
         self.messages += reply.messages
         self.ids += delta
@@ -270,14 +274,15 @@ class Episode:
         self.logp += [0.0] * len(delta)
         self.versions += [0] * len(delta)
 
-    def _end(self, truncated: bool) -> None:
-        self.done, self.truncated = True, truncated
+    def _end(self, truncated: bool, cut_by: str | None = None) -> None:
+        self.done, self.truncated, self.cut_by = True, truncated, cut_by
 
     def stats(self) -> dict[str, Any]:
         """Per-episode counts for the step's metrics."""
         return {"turns": len(self.turns), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "refused_requests": self.refused_requests,
-                "truncated": self.truncated, "env_errors": int(self.env_error is not None), "started": self.started,
+                "truncated": self.truncated, "cut_by": self.cut_by, "env_errors": int(self.env_error is not None),
+                "started": self.started,
                 "oversized_replies": self.oversized_replies, "tokens": len(self.ids),
                 "sampled_tokens": sum(self.sampled), "turn_tokens": list(self.turn_tokens), "env_s": self.env_s}
 

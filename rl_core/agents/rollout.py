@@ -185,10 +185,41 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
     )
 
 
+# The limits that cut an episode short (`Episode.cut_by`), each with the config key that sets it (None: a turn's own
+# cap, from its environment's Reply or Opening or an agent request's max_tokens) and what it means.
+CUT_LIMITS = {
+    "max_turns": ("rollout.max_turns", "its environment had not ended it by then; raise it, or end episodes with "
+                                       "Reply(done=True)"),
+    "max_tokens": ("rollout.max_tokens", "a turn ran out of tokens before its stop token; raise it, or warm-start "
+                                         "the model on shorter turns"),
+    "max_episode_tokens": ("rollout.max_episode_tokens", "the conversation (prompt, turns, replies) filled the "
+                                                         "episode's budget; raise it, or keep replies short"),
+    "turn_cap": (None, "a turn reached its own cap (its environment's Reply.max_tokens or Opening.max_tokens, or "
+                       "an agent request's max_tokens)"),
+}
+
+
+def truncation_warning(stats: dict, rollout: Any) -> tuple[str, str] | None:
+    """`(limit, message)` when most of a step's episodes (`episode_stats`) were cut by a limit, naming the limit
+    that cut most of them and its value in `rollout` (the config's section); else None. An environment's errors
+    are counted apart (`rollout/env_errors`)."""
+    n = stats.get("rollout/episodes", 0.0)
+    cut = {limit: stats.get(f"rollout/cut_by_{limit}", 0.0) for limit in CUT_LIMITS}
+    total = sum(cut.values())
+    if not n or 2 * total <= n:
+        return None
+    limit = max(cut, key=cut.__getitem__)
+    key, why = CUT_LIMITS[limit]
+    name = f"{key}={getattr(rollout, key.split('.', 1)[1])}" if key else "a turn's own cap"
+    return limit, (f"{int(total)} of {int(n)} episodes of this step were cut short by a limit, {int(cut[limit])} by "
+                   f"{name}: {why}")
+
+
 def episode_stats(records: Sequence[dict]) -> dict[str, float]:
     """A step's agent metrics from its episode records: turns and tool calls per episode, tool and environment
-    errors, truncated episodes, replies that did not fit their episode's budget, an agent function's requests the
-    gateway refused, the environment's reward and the seconds spent inside the environments."""
+    errors, truncated episodes and the limit that cut each, replies that did not fit their episode's budget, an
+    agent function's requests the gateway refused, the environment's reward and the seconds spent inside the
+    environments."""
     n = max(len(records), 1)
     total = {key: sum(float(r["stats"][key]) for r in records)
              for key in ("turns", "tool_calls", "tool_errors", "truncated", "env_errors", "env_s")}
@@ -198,4 +229,7 @@ def episode_stats(records: Sequence[dict]) -> dict[str, float]:
             "rollout/env_errors": total["env_errors"], "rollout/truncated_episodes": total["truncated"],
             "rollout/oversized_replies": float(sum(r["stats"].get("oversized_replies", 0) for r in records)),
             "rollout/refused_requests": float(sum(r["stats"].get("refused_requests", 0) for r in records)),
-            "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"]}
+            "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"],
+            "rollout/episodes": float(len(records)),
+            **{f"rollout/cut_by_{limit}": float(sum(r["stats"].get("cut_by") == limit for r in records))
+               for limit in CUT_LIMITS}}

@@ -185,7 +185,7 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     assert all((lp != 0.0) == s for lp, s in zip(episode.logp, episode.sampled))
     stats = episode.stats()
     assert stats.pop("env_s") > 0  # reset and respond ran, timed
-    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "refused_requests": 0, "truncated": False, "env_errors": 0, "started": True,
+    assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "refused_requests": 0, "truncated": False, "cut_by": None, "env_errors": 0, "started": True,
                      "oversized_replies": 0, "tokens": len(episode.ids),
                      "sampled_tokens": len(turns[0]) + len(turns[1]), "turn_tokens": [len(turns[0]), len(turns[1])]}
 
@@ -226,14 +226,14 @@ def test_bad_calls_are_answered_and_counted_and_the_limits_truncate():
     sample(episode, '<tool_call>{"name": "calc", "arguments": {}}</tool_call>')
     assert episode.messages[-1]["content"] == "error: there is no tool 'calc' (tools: calculator)"
     sample(episode, "<tool_call>{oops}</tool_call>")  # the second and last turn: the limit ends it
-    assert episode.done and episode.truncated
+    assert episode.done and episode.truncated and episode.stats()["cut_by"] == "max_turns"
     assert episode.stats()["tool_calls"] == 2 and episode.stats()["tool_errors"] == 2
     with pytest.raises(RuntimeError, match="has ended"):
         sample(episode, "2")
 
     cut = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=400)
     sample(cut, "the answer is", stop=False)  # ran out of tokens inside the turn
-    assert cut.done and cut.truncated and cut.stats()["turns"] == 1
+    assert cut.done and cut.truncated and cut.stats()["turns"] == 1 and cut.cut_by == "max_tokens"
 
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
     prompt_len = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=400).prompt_len
@@ -241,7 +241,7 @@ def test_bad_calls_are_answered_and_counted_and_the_limits_truncate():
     short = Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=budget)
     assert short.turn_budget(256) == budget - prompt_len and short.turn_budget(8) == 8
     sample(short, call)
-    assert short.done and short.truncated and len(short.ids) == budget - 10
+    assert short.done and short.truncated and len(short.ids) == budget - 10 and short.cut_by == "max_episode_tokens"
     assert short.messages[-1]["role"] == "assistant"  # the answer that did not fit is not in the conversation
     with pytest.raises(ValueError, match="the opening prompt has .* tokens, the episode's budget is 5"):
         Episode(Sums(Example("1+1?", "2")), tok, max_turns=4, max_tokens=5)
