@@ -33,12 +33,13 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_start(args: argparse.Namespace) -> int:
-    from rl_core.training.warm_start import warm_start, warm_start_chats
+    from rl_core.training.warm_start import progress_lines, warm_start, warm_start_chats
 
+    progress = progress_lines(args.steps, lambda line: print(line, flush=True))
     if args.chats:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         m = warm_start_chats(args.init, args.train, args.val, args.out, steps=args.steps, lr=args.lr,
-                             batch_size=args.batch_size, seed=args.seed, chat_template=template)
+                             batch_size=args.batch_size, seed=args.seed, chat_template=template, progress=progress)
         print(f"warm-start: {m['steps']} steps in {m['time_s']:.1f}s on {m['n_train']} conversations, loss "
               f"{m['final_loss']:.3f}, held-out loss on the assistant turns {m['val_loss_before']:.3f} -> "
               f"{m['val_loss']:.3f} (n={m['n_val']}); saved to {m['out_dir']}")
@@ -52,6 +53,7 @@ def cmd_warm_start(args: argparse.Namespace) -> int:
         lr=args.lr,
         batch_size=args.batch_size,
         seed=args.seed,
+        progress=progress,
     )
     print(
         f"warm-start: {m['steps']} steps in {m['time_s']:.1f}s, loss {m['final_loss']:.3f}, held-out greedy "

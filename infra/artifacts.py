@@ -181,10 +181,12 @@ def _warm_start(start: Path, out: Path, stage: str, params: dict, saying: str,
                 announce: Callable[[str], None]) -> str:
     """`out` trained from `start` on the arithmetic train split with params.yaml's `stage` values, as that DVC
     stage does; returns `stage`."""
-    from rl_core.training.warm_start import warm_start
+    from rl_core.training.warm_start import DEFAULT_STEPS, progress_lines, warm_start
 
     announce(saying)
-    metrics = warm_start(start, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", out, **params[stage])
+    steps = params[stage].get("steps", DEFAULT_STEPS)
+    metrics = warm_start(start, ARITHMETIC_DIR / "train.jsonl", ARITHMETIC_DIR / "val.jsonl", out, **params[stage],
+                         progress=progress_lines(steps, announce, what=stage.replace("_", " ")))
     announce(f"{stage.replace('_', ' ')}: held-out accuracy {metrics['val_accuracy_before']:.3f} -> "
              f"{metrics['val_accuracy']:.3f}")
     return stage

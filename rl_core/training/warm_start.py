@@ -20,6 +20,7 @@ with any number of cores. The saved snapshot is what RL results depend on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,10 +94,12 @@ def _train_warm_start(
     task: str = "arithmetic",
     max_eval_tokens: int = 4,
     max_val_examples: int | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> dict:
     """Train `init_dir`'s model for `steps` AdamW steps, save model+tokenizer to `out_dir`, return metrics.
 
-    The model is trained on CPU in float32 wherever it is loaded. Metrics: `steps`, `final_loss` (mean of the last 10 steps), `val_accuracy_before`,
+    The model is trained on CPU in float32 wherever it is loaded; `progress(step, loss)` is called after every step
+    (`progress_lines`). Metrics: `steps`, `final_loss` (mean of the last 10 steps), `val_accuracy_before`,
     `val_accuracy` (held-out greedy exact match after training), `n_train`, `n_val`, `time_s`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +117,7 @@ def _train_warm_start(
     before = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
 
     losses = _fit(model, lambda rows: encode_supervised_batch(tokenizer, [train[i] for i in rows], task), len(train),
-                  steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+                  steps=steps, lr=lr, batch_size=batch_size, seed=seed, progress=progress)
     after = evaluate_accuracy(model, tokenizer, val, **eval_kwargs)
     out = _save(model, tokenizer, out_dir)
     tail = losses[-10:]
@@ -134,14 +137,16 @@ def _train_warm_start(
     }
 
 
-def _fit(model, encode, rows: int, *, steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+def _fit(model, encode, rows: int, *, steps: int, lr: float, batch_size: int, seed: int,
+         progress: Callable[[int, float], None] | None = None) -> list[float]:
     """`steps` AdamW steps (gradient norm clipped at 1) on batches `encode(row indices)` drawn by
-    `PromptSampler(rows, batch_size, seed)`; returns each step's loss. Leaves the model in eval mode."""
+    `PromptSampler(rows, batch_size, seed)`, `progress(step, loss)` after each; returns each step's loss. Leaves the
+    model in eval mode."""
     sampler = PromptSampler(rows, batch_size, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses: list[float] = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         ids, mask, labels = encode(sampler.next_batch())
         loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
@@ -149,8 +154,35 @@ def _fit(model, encode, rows: int, *, steps: int, lr: float, batch_size: int, se
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step, losses[-1])
     model.eval()
     return losses
+
+
+def progress_lines(steps: int, say: Callable[[str], None] = print, *, what: str = "warm-start",
+                   every_s: float = 15.0) -> Callable[[int, float], None]:
+    """A `progress(step, loss)` for a warm start of `steps` steps that says a line at every tenth of them and at
+    least every `every_s` seconds: the step, the mean loss since the last line, the seconds so far and an estimate
+    of those left."""
+    started = last = time.perf_counter()
+    tenth = max(1, steps // 10)
+    window: list[float] = []
+
+    def progress(step: int, loss: float) -> None:
+        nonlocal last
+        window.append(loss)
+        now = time.perf_counter()
+        if step % tenth and step != steps and now - last < every_s:
+            return
+        elapsed = now - started
+        left = elapsed / step * (steps - step)
+        say(f"{what}: step {step}/{steps} ({100 * step // steps}%), loss {sum(window) / len(window):.3f}, "
+            f"{elapsed:.0f} s so far, about {left:.0f} s left")
+        window.clear()
+        last = now
+
+    return progress
 
 
 def _save(model, tokenizer, out_dir: str | Path) -> Path:
@@ -203,7 +235,8 @@ def encode_chat_batch(tokenizer, conversations) -> tuple[torch.Tensor, torch.Ten
 
 def warm_start_chats(init_dir: str | Path, train_path: str | Path, val_path: str | Path, out_dir: str | Path, *,
                      steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE,
-                     seed: int = 0, max_val: int = 256, chat_template: str | None = None) -> dict:
+                     seed: int = 0, max_val: int = 256, chat_template: str | None = None,
+                     progress: Callable[[int, float], None] | None = None) -> dict:
     """A warm start on whole conversations (JSONL rows `{"messages": [...], "tools": [...]}`, `encode_chat_batch`):
     the format an
     agent task's episodes take, learned before RL. Trained like `warm_start` (float32, `WARM_START_THREADS`
@@ -232,7 +265,7 @@ def warm_start_chats(init_dir: str | Path, train_path: str | Path, val_path: str
 
         before = held_out()
         losses = _fit(model, lambda rows: encode_chat_batch(tokenizer, [train[i] for i in rows]), len(train),
-                      steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+                      steps=steps, lr=lr, batch_size=batch_size, seed=seed, progress=progress)
         after = held_out()
         out = _save(model, tokenizer, out_dir)
     finally:

@@ -11,7 +11,7 @@ from rl_core.data import make_arithmetic_data
 from rl_core.evaluation.heldout import evaluate_accuracy
 from rl_core.model.loading import build_tiny_model, load_policy
 from rl_core.tasks import Example, load_examples
-from rl_core.training.warm_start import encode_supervised_batch, warm_start
+from rl_core.training.warm_start import encode_supervised_batch, progress_lines, warm_start
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,10 @@ def test_short_warm_start_is_deterministic_and_saves_a_loadable_model(setup):
     root, init, data = setup
     kw = {"steps": 15, "lr": 1e-3, "batch_size": 16, "seed": 0, "max_val_examples": 20}
     a = warm_start(init, data["train"], data["val"], root / "a", **kw)
-    b = warm_start(init, data["train"], data["val"], root / "b", **kw)
+    seen: list[tuple[int, float]] = []
+    b = warm_start(init, data["train"], data["val"], root / "b", **kw, progress=lambda *step: seen.append(step))
+    assert [s for s, _ in seen] == list(range(1, 16))  # after every step, the same bytes with it as without
+    assert sum(loss for _, loss in seen[-10:]) / 10 == b["final_loss"]
     wa, wb, w0 = (load_file(d / "model.safetensors") for d in (root / "a", root / "b", init))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], w0[k]) for k in wa)
@@ -98,3 +101,19 @@ def test_default_warm_start_lands_in_target_band(warm_model, workdir):
     val = workdir / "data" / "arithmetic" / "val.jsonl"
     again = evaluate_accuracy(model, tok, load_examples(val, "arithmetic"), max_tokens=4)
     assert again["accuracy"] == m["val_accuracy"]
+
+
+def test_progress_says_a_line_at_every_tenth_with_the_mean_loss_since_the_last():
+    lines: list[str] = []
+    progress = progress_lines(20, lines.append, what="warm start", every_s=1e9)
+    for step in range(1, 21):
+        progress(step, float(step))
+    assert len(lines) == 10
+    assert lines[0].startswith("warm start: step 2/20 (10%), loss 1.500, ")
+    assert lines[-1].startswith("warm start: step 20/20 (100%), loss 19.500, ") and lines[-1].endswith("about 0 s left")
+    few: list[str] = []
+    progress = progress_lines(3, few.append)
+    for step in (1, 2, 3):
+        progress(step, 1.0)
+    assert [line.split(",")[0] for line in few] == ["warm-start: step 1/3 (33%)", "warm-start: step 2/3 (66%)",
+                                                    "warm-start: step 3/3 (100%)"]
