@@ -83,7 +83,8 @@ def validate_recipe(recipe: str, overrides: list[str], no_env: bool) -> int:
     print(yaml.safe_dump(redact(config_dict(cfg)), sort_keys=False, default_flow_style=False), end="")
     print(f"# config hash: {config_hash(cfg)}")
     print(redact_message(report.render()), file=sys.stderr if report.errors else sys.stdout)
-    data = check_data(cfg, read_hub=not no_env)  # the rows `run` reads, every bad one (a hub id: not with --no-env)
+    # the rows `run` reads, every bad one (a hub id: not with --no-env); an environment's first episode, opened
+    data = check_data(cfg, read_hub=not no_env, open_episode=True)
     print(redact_message(data.render()), file=sys.stderr if data.errors else sys.stdout)
     memory_ok = print_memory_plan(cfg, reported=report.errors)
     return 0 if report.ok and data.ok and memory_ok else 1

@@ -81,9 +81,12 @@ class LocalEnvironments:
         began = time.perf_counter()
         try:
             messages = [dict(m) for m in env.reset()]
-            tools = env.tool_schemas()
         except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
             return Opening(error=_failure(f"{type(env).__name__}.reset", exc), seconds=time.perf_counter() - began)
+        try:
+            tools = env.tool_schemas()
+        except Exception as exc:  # noqa: BLE001 - a tool without a schema: named, with where it is defined
+            return Opening(error=f"{type(env).__name__}'s tools: {user_error(exc)}", seconds=time.perf_counter() - began)
         self.live[key] = env
         return Opening(messages, tools, time.perf_counter() - began, max_tokens=env.first_turn_max_tokens)
 

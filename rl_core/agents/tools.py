@@ -59,8 +59,17 @@ def tool_schema(fn: Callable) -> dict:
         return get_json_schema(fn)
     except Exception as exc:
         name = getattr(fn, "__qualname__", repr(fn))
-        raise ValueError(f"tool {name}: no JSON schema ({exc}); a tool is a function with type hints on every "
-                         "parameter and a docstring whose `Args:` section describes each one") from exc
+        raise ValueError(f"tool {name}{_defined_at(fn)}: no JSON schema ({exc}); a tool is a function with type "
+                         "hints on every parameter and a docstring whose `Args:` section describes each one") from exc
+
+
+def _defined_at(fn: Callable) -> str:
+    """` (file:line)` where `fn` is defined, when Python knows it, else nothing."""
+    fn = inspect.unwrap(fn)
+    try:
+        return f" ({inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno})"
+    except (TypeError, AttributeError):
+        return ""
 
 
 def tool_table(tools: Sequence[Callable]) -> dict[str, Callable]:

@@ -110,8 +110,10 @@ def not_checked_why(source: str, read_hub: bool, build_hint: str | None) -> str 
     return None
 
 
-def check_data(cfg: PosttrainConfig, *, read_hub: bool = True) -> DataReport:
-    """Read both splits as the run does and collect every bad row (see the module's docstring)."""
+def check_data(cfg: PosttrainConfig, *, read_hub: bool = True, open_episode: bool = False) -> DataReport:
+    """Read both splits as the run does and collect every bad row (see the module's docstring). With
+    `open_episode` (`posttrain validate`), an environment task also opens one episode on data.train's first row,
+    in this process (`first_episode_problem`)."""
     from rl_core.tasks import get_task, load_split, row_templates
 
     d = cfg.data
@@ -138,12 +140,33 @@ def check_data(cfg: PosttrainConfig, *, read_hub: bool = True) -> DataReport:
             s.problems = [f"{s.key}={s.source!r}: no examples (the split is empty); point {s.key} at a split with data"]
         elif not offline:
             loaded[s.key] = rows
+    if open_episode and loaded.get("data.train") and task.environment is not None:
+        if problem := first_episode_problem(task.environment, loaded["data.train"][0]):
+            report.problems.append(f"data.task={d.task}: {problem}")
     if len(loaded) == 2 and d.prompt_template == "auto":
         try:
             row_templates(loaded["data.train"] + loaded["data.val"], task, d.prompt_template)
         except ValueError as exc:
             report.problems.append(f"data.train, data.val: {exc}")
     return report
+
+
+def first_episode_problem(environment: type, example) -> str | None:
+    """What stops an episode of `environment` from opening on `example`, as the rollout opens one (the class built
+    on the row, `reset`, its tools' schemas), else None; the episode is closed after. An agent function's episode is
+    not opened: its tools come with its requests, which need a model to answer."""
+    from rl_core.agents.gateway.agent import AgentEnvironment
+    from rl_core.agents.host import LocalEnvironments
+
+    if issubclass(environment, AgentEnvironment):
+        return None
+    host = LocalEnvironments()
+    (opening,) = host.open(environment, [("validate", example)])
+    host.discard(["validate"])
+    if opening.error is None:
+        return None
+    return (f"an episode on data.train's first row ({example.row or 'row 1'}) cannot start: {opening.error}; the run "
+            "would leave out every row it fails on")
 
 
 def _pair_rows(source: str) -> int:

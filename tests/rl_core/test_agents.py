@@ -92,7 +92,7 @@ def test_a_tool_schema_comes_from_type_hints_and_docstring_and_a_bare_function_i
     assert schema["function"]["name"] == "calculator"
     assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
     assert schema["function"]["parameters"]["required"] == ["expression"]
-    with pytest.raises(ValueError, match="tool no_docstring: no JSON schema .* docstring"):
+    with pytest.raises(ValueError, match=r"tool no_docstring \(.*test_agents.py:\d+\): no JSON schema .* docstring"):
         tool_schema(no_docstring)
     with pytest.raises(ValueError, match="two tools are named 'calculator'"):
         tool_table([calculator, calculator])
