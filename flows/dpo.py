@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger
 
 from flows.params import NO_KNOBS, RunKnobs, open_run
 from flows.progress import RunProgress
-from flows.restarts import run_with_restarts
+from flows.restarts import run_with_restarts, worth_retrying
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster.cluster import Cluster
@@ -108,7 +108,8 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
     # the preflight plan again, with the data's real lengths: its sequence (prompt + max_tokens) = the widest pair
     check_memory(cfg, max(max_model_len - 2 * cfg.rollout.max_tokens, 1))
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
-    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
+    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s,
+             "retry_condition_fn": worth_retrying}
 
     step = run.start_step
     with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster, \

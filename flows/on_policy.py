@@ -34,6 +34,7 @@ from prefect.utilities.annotations import quote
 
 from flows import startup
 from flows.progress import RunProgress
+from flows.restarts import worth_retrying
 from flows.runner import Timer, TrainingRun, mean_over_ranks
 from infra.artifacts import ensure_quickstart_artifacts
 from infra.cluster.cluster import Cluster
@@ -72,7 +73,8 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
     check_memory(cfg, role.max_model_len - cfg.rollout.max_tokens)
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     startup.mark("inputs")  # data, tokenizer, resume plan
-    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s}
+    retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s,
+             "retry_condition_fn": worth_retrying}
     rollout = rollout_task.with_options(**retry)
     reward = reward_task.with_options(**retry)
     episodes = episodes_task.with_options(**retry)

@@ -4,6 +4,7 @@ newest checkpoint (`job.max_restarts`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from rl_core.config import PosttrainConfig
 
@@ -30,6 +31,13 @@ def lost_actor(exc: BaseException) -> bool:
             (None if exc.__suppress_context__ else exc.__context__)
         exc, seen = chained, seen + 1
     return False
+
+
+def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition for the phase tasks (`retry_condition_fn`): every failure but one its error marks
+    `retryable=False`, a bug in user code that the same call raises again (an environment's reward() raising a
+    TypeError): that step fails at once, its error said once, instead of after job.task_retries identical tries."""
+    return getattr(state.data, "retryable", True) is not False
 
 
 def run_with_restarts(cfg: PosttrainConfig, body: Callable[[PosttrainConfig], dict],

@@ -42,6 +42,33 @@ def user_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {redact_message(message)}" if message else type(exc).__name__
 
 
+# What a bug in user code raises: the same call on the same input raises it again, so retrying the step cannot help.
+BUG_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, ZeroDivisionError, AssertionError,
+              NotImplementedError, RecursionError)
+
+
+def is_bug(exc: BaseException) -> bool:
+    """Whether `exc` is a programming error (`BUG_ERRORS`) rather than one a retry may not meet again (a
+    connection, a timeout, a resource)."""
+    return isinstance(exc, BUG_ERRORS)
+
+
+def raised_at(exc: BaseException) -> str:
+    """` at <file>:<line>`: where in the user's own code `exc` was raised (the innermost frame of its traceback
+    outside Python's library, the installed packages and posttrain's packages), else nothing."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    skip = tuple(str(p) for p in {*(Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib",
+                                                                                        "purelib", "platlib")),
+                                  *(root / own for own in ("rl_core", "infra", "flows", "tasks", "cli"))})
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(skip)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def call_user_code(what: str, fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = None, *,
                    error: Callable[[str], BaseException] = UserCodeError, hint: str = "") -> Any:
     """`fn(*args, **kwargs)`; an exception it raises becomes `error(f"{what} raised {user_error(exc)}{hint}")`,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl_core.agents.environment import Environment, Reply, Turn
-from rl_core.user_code import user_error
+from rl_core.user_code import is_bug, raised_at, user_error
 
 
 @dataclass
@@ -48,11 +48,13 @@ class Answer:
     tool_errors: int = 0
     refused: int = 0  # an agent function's requests the gateway refused (rl_core.agents.gateway.agent)
     error: str | None = None
+    retryable: bool = True  # False: `error` is a bug in the environment's code (`is_bug`), which a retry meets again
     lost: bool = False
 
 
 def _failure(what: str, exc: BaseException) -> str:
-    return f"{what} raised {user_error(exc)}"  # the environment's error, credentials removed
+    """The environment's error, credentials removed, with where in its code it was raised."""
+    return f"{what} raised {user_error(exc)}{raised_at(exc)}"
 
 
 class LocalEnvironments:
@@ -113,7 +115,7 @@ class LocalEnvironments:
             try:
                 answer = Answer(reward=float(env.reward()))
             except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
-                answer = Answer(error=_failure(f"{type(env).__name__}.reward()", exc))
+                answer = Answer(error=_failure(f"{type(env).__name__}.reward()", exc), retryable=not is_bug(exc))
             out.append(self._counted(env, answer, began))
         return out
 

@@ -38,7 +38,12 @@ log = logging.getLogger("posttrain.agents")
 
 
 class EnvironmentFailure(RuntimeError):
-    """An environment failed where no episode can go on without it (its `reset` or `reward`); names the row."""
+    """An environment failed where no episode can go on without it (its `reset` or `reward`); names the row.
+    `retryable` is False for a bug in its code (`rl_core.user_code.is_bug`): the phase's task is not retried."""
+
+    def __init__(self, message: str, *, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def _where(example: Any) -> str:
@@ -94,7 +99,7 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
         if answer.lost:
             reward, episode.env_error = 0.0, episode.env_error or answer.error
         elif answer.error is not None:
-            raise EnvironmentFailure(f"{_where(examples[j // n])}: {answer.error}")
+            raise EnvironmentFailure(f"{_where(examples[j // n])}: {answer.error}", retryable=answer.retryable)
         else:
             episode.tool_calls, episode.tool_errors = answer.tool_calls, answer.tool_errors
             episode.refused_requests = answer.refused

@@ -1,0 +1,70 @@
+"""A bug in an environment's code (a programming error, `is_bug`) fails its step once, naming where in the user's
+code it was raised, instead of being retried job.task_retries times into the same error: `raised_at`, the host's
+`Answer.retryable`, `EnvironmentFailure.retryable` and the flows' retry condition (`flows.restarts.worth_retrying`)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from rl_core.agents import Environment, Reply
+from rl_core.agents.host import LocalEnvironments
+from rl_core.agents.rollout import EnvironmentFailure
+from rl_core.tasks import Example
+from rl_core.user_code import is_bug, raised_at
+
+
+def parse_score(text: str) -> float:
+    return float(text.split("=")[1])  # IndexError on text without '='
+
+
+class Buggy(Environment):
+    def respond(self, turn) -> Reply:
+        return Reply(done=True)
+
+    def reward(self) -> float:
+        return parse_score(self.example.prompt)
+
+
+class Offline(Environment):
+    def respond(self, turn) -> Reply:
+        return Reply(done=True)
+
+    def reward(self) -> float:
+        raise ConnectionError("the grader is unreachable")
+
+
+BUG_LINE = parse_score.__code__.co_firstlineno + 1
+
+
+def test_a_bug_is_named_where_the_users_code_raised_it_and_is_not_retryable():
+    try:
+        parse_score("no equals sign")
+    except IndexError as exc:
+        assert is_bug(exc) and raised_at(exc) == f" at {__file__}:{BUG_LINE}"
+    assert not is_bug(ConnectionError("down")) and not is_bug(TimeoutError()) and not is_bug(OSError())
+    assert raised_at(ValueError("never raised")) == ""  # no traceback: nothing to name
+
+    host = LocalEnvironments()
+    host.open(Buggy, [("b", Example("score", ""))])
+    host.open(Offline, [("o", Example("score", ""))])
+    bug, offline = host.finish(["b"]) + host.finish(["o"])
+    assert bug.error == f"Buggy.reward() raised IndexError: list index out of range at {__file__}:{BUG_LINE}"
+    assert bug.retryable is False
+    assert offline.error.startswith("Offline.reward() raised ConnectionError: the grader is unreachable at ")
+    assert offline.retryable is True
+
+
+def test_the_flows_retry_every_failure_but_a_bug_in_user_code():
+    from prefect.states import Failed
+
+    from flows.restarts import worth_retrying
+
+    bug = pickle.loads(pickle.dumps(EnvironmentFailure("rows.jsonl:1: Buggy.reward() raised ...", retryable=False)))
+    assert bug.retryable is False and str(bug) == "rows.jsonl:1: Buggy.reward() raised ..."  # as Prefect keeps it
+    assert worth_retrying(None, None, Failed(data=bug)) is False
+    assert worth_retrying(None, None, Failed(data=EnvironmentFailure("rows.jsonl:1: down"))) is True
+    assert worth_retrying(None, None, Failed(data=RuntimeError("engine lost"))) is True
+    with pytest.raises(EnvironmentFailure):
+        raise bug
