@@ -13,6 +13,7 @@ from rl_core.agents import Turn
 from rl_core.agents.host import LocalEnvironments
 from rl_core.config import load_config
 from rl_core.tasks import Example
+from tests import user_code
 
 ENV = "data.task=tests.user_code:WaitingRoom"
 
@@ -69,5 +70,8 @@ def test_the_pool_answers_as_the_driver_and_a_hanging_or_crashing_tool_loses_onl
         rows = [("r0", Example("bad reward", "0", None, {}, "f.jsonl:9"))]
         pool.open(WaitingRoom, rows)
         (answer,) = pool.finish(["r0"])
-        assert not answer.lost and answer.error == "WaitingRoom.reward() raised ValueError: no score for this row"
+        assert not answer.lost and answer.retryable  # a ValueError: not a programming error, so the step retries
+        raised = 'raise ValueError("no score for this row")'
+        line = next(i for i, text in enumerate(open(user_code.__file__).read().splitlines(), 1) if raised in text)
+        assert answer.error == f"WaitingRoom.reward() raised ValueError: no score for this row at {user_code.__file__}:{line}"
         assert pool.where == {} and pool.lost == {}
