@@ -289,6 +289,9 @@ class Episode:
     def record(self, reward: float) -> dict:
         """The episode as JSON: the opening messages (`prompt`), the rest of the conversation in TRL's form
         (`completion`: assistant turns with their tool calls, tool results, the environment's messages), its
-        `reward` and `stats`."""
+        `reward` and `stats`, and each turn's sampled text where one of its calls did not parse (`malformed_turns`,
+        None for the others)."""
         return {"prompt": self.messages[:self.prompt_messages], "completion": self.messages[self.prompt_messages:],
-                "reward": reward, "stats": self.stats(), "error": self.env_error}
+                "reward": reward, "stats": self.stats(), "error": self.env_error,
+                # per turn, its text as sampled where a call in it did not parse (TRL's form keeps parsed calls only)
+                "malformed_turns": [t.text if any(c.error for c in t.calls) else None for t in self.turns]}

@@ -143,12 +143,17 @@ def display_texts(completions: Completions, tokenizer) -> list[str]:
 
 def conversation_text(record: dict) -> str:
     """An episode's conversation after its opening messages, as text for people (the MLflow completions table, the
-    Prefect run): one `role: content` block per message, tool calls as the JSON the model wrote."""
-    lines = []
+    Prefect run): one `role: content` block per message, tool calls as JSON; an assistant turn with a call that did
+    not parse as the model wrote it, every call in it included (`malformed_turns`)."""
+    lines, malformed, turn = [], record.get("malformed_turns") or [], 0
     for message in record["completion"]:
         text = message.get("content") or ""
         for call in message.get("tool_calls") or ():
             text += ("\n" if text else "") + "<tool_call>" + json.dumps(call["function"]) + "</tool_call>"
+        if message["role"] == "assistant":
+            if turn < len(malformed) and malformed[turn] is not None:
+                text = malformed[turn]
+            turn += 1
         lines.append(f"{message['role']}: {text}")
     return "\n".join(lines)
 

@@ -227,6 +227,11 @@ def test_bad_calls_are_answered_and_counted_and_the_limits_truncate():
     assert episode.messages[-1]["content"] == "error: there is no tool 'calc' (tools: calculator)"
     sample(episode, "<tool_call>{oops}</tool_call>")  # the second and last turn: the limit ends it
     assert episode.done and episode.truncated and episode.stats()["cut_by"] == "max_turns"
+    from rl_core.agents.rollout import conversation_text
+
+    shown = conversation_text(episode.record(0.0))  # what the completions table shows: the calls as written
+    assert 'assistant: <tool_call>{"name": "calc", "arguments": {}}</tool_call>' in shown
+    assert "assistant: <tool_call>{oops}</tool_call>" in shown
     assert episode.stats()["tool_calls"] == 2 and episode.stats()["tool_errors"] == 2
     with pytest.raises(RuntimeError, match="has ended"):
         sample(episode, "2")
