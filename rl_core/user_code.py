@@ -72,12 +72,16 @@ def raised_at(exc: BaseException) -> str:
 def call_user_code(what: str, fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = None, *,
                    error: Callable[[str], BaseException] = UserCodeError, hint: str = "") -> Any:
     """`fn(*args, **kwargs)`; an exception it raises becomes `error(f"{what} raised {user_error(exc)}{hint}")`,
-    raised with neither cause nor context: nothing of the original (message, arguments, traceback, locals) goes on."""
+    raised with neither cause nor context: nothing of the original (message, arguments, traceback, locals) goes on.
+    The new error's `retryable` is False when the original was a programming error (`is_bug`): the phase's task
+    is then not retried (`flows.restarts.worth_retrying`)."""
     try:
         return fn(*args, **(kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - the user's code: described, redacted, raised as the caller's error
-        failure = f"{what} raised {user_error(exc)}{hint}"
-    raise error(failure)  # outside the except block: the new error has no __context__
+        failure, bug = f"{what} raised {user_error(exc)}{hint}", is_bug(exc)
+    raised = error(failure)
+    raised.retryable = not bug
+    raise raised  # outside the except block: the new error has no __context__
 
 
 def load_object(path: str, key: str) -> Any:

@@ -132,7 +132,9 @@ class RewardPool(HelperPool):
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, RewardError):  # `call_reward`'s own error, already described and redacted
-                return RewardError(str(cause))
+                error = RewardError(str(cause))
+                error.retryable = getattr(cause, "retryable", True)  # a bug in the function: not retried
+                return error
             return RewardError(f"reward {fn.name!r} ({fn.key}) failed in its reward worker: {user_error(cause or exc)}")
         except ray.exceptions.RayActorError:
             return _DIED

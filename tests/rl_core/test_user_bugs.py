@@ -68,3 +68,27 @@ def test_the_flows_retry_every_failure_but_a_bug_in_user_code():
     assert worth_retrying(None, None, Failed(data=RuntimeError("engine lost"))) is True
     with pytest.raises(EnvironmentFailure):
         raise bug
+
+
+def test_a_reward_function_with_a_bug_is_not_retried_and_one_that_lost_its_service_is():
+    from rl_core.rewards import RewardError, RewardFunction, RewardInputs, call_reward
+
+    def typo(completions, **_):
+        return [len(c) for c in completions.text]  # AttributeError: a list has no `text`
+
+    def offline(completions, **_):
+        raise TimeoutError("the judge did not answer")
+
+    inputs = RewardInputs(["1+1="], ["2"], {}, ["rows.jsonl:1"])
+    with pytest.raises(RewardError, match="reward 'typo' .* raised AttributeError") as bug:
+        call_reward(RewardFunction("typo", typo, key="data.rewards[0]"), inputs)
+    with pytest.raises(RewardError, match="raised TimeoutError: the judge did not answer") as lost:
+        call_reward(RewardFunction("offline", offline, key="data.rewards[1]"), inputs)
+    assert bug.value.retryable is False and lost.value.retryable is True
+    # as a reward worker sends it back (pickled), and as the flows' retry condition reads it
+    from prefect.states import Failed
+
+    from flows.restarts import worth_retrying
+
+    assert worth_retrying(None, None, Failed(data=pickle.loads(pickle.dumps(bug.value)))) is False
+    assert worth_retrying(None, None, Failed(data=pickle.loads(pickle.dumps(lost.value)))) is True
