@@ -61,7 +61,7 @@ def raised_at(exc: BaseException) -> str:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    skip = tuple(str(p) for p in {*(Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib",
+    skip = tuple(f"{p}/" for p in {*(Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib",
                                                                                         "purelib", "platlib")),
                                   *(root / own for own in ("rl_core", "infra", "flows", "tasks", "cli"))})
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
