@@ -109,6 +109,10 @@ class Environment:
         """The episode's reward, read once it has ended."""
         raise NotImplementedError(f"{type(self).__name__} must define reward()")
 
+    def close(self) -> None:
+        """Release what the episode holds (a sandbox, a client), once its reward is read or it is discarded; called
+        once, also when the episode failed."""
+
     # -- tools
     def tool_schemas(self) -> list[dict] | None:
         """The JSON schemas the chat template renders (None: no tools), read once `reset` has run."""

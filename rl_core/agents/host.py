@@ -7,7 +7,7 @@ the same records, so the rollout (`rl_core.agents.rollout`) does not know where 
 
     open(environment, [(k, example)])  -> [Opening]   the opening messages and the tools' JSON schemas
     respond([(k, turn)])               -> [Answer]    the environment's reply to the policy's turn
-    finish([k])                        -> [Answer]    the episode's reward; the environment is dropped
+    finish([k])                        -> [Answer]    the episode's reward; the environment is closed and dropped
     discard([k])                                      drop environments without a reward (a rollout that failed)
 
 A call that raised carries `error` (the exception, named); an answer to a call that did not return in time, or
@@ -117,6 +117,7 @@ class LocalEnvironments:
             except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
                 answer = Answer(error=_failure(f"{type(env).__name__}.reward()", exc), retryable=not is_bug(exc))
             out.append(self._counted(env, answer, began))
+            _close(env)
         return out
 
     @staticmethod
@@ -129,10 +130,15 @@ class LocalEnvironments:
 
     def discard(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
-            env = self.live.pop(key, None)
-            close = getattr(env, "close", None)
-            if callable(close):  # an environment holding more than itself (an agent function's thread and session)
-                try:
-                    close()
-                except Exception:  # noqa: BLE001, S110 - a discarded episode's cleanup never hides why it was discarded
-                    pass
+            _close(self.live.pop(key, None))
+
+
+def _close(env: Environment | None) -> None:
+    """`env.close()` where it has one (a sandbox, an agent function's thread and session to release); what it raises
+    never hides the episode's reward or why it was discarded."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001, S110 - see the docstring
+            pass

@@ -36,11 +36,14 @@ CHAT_STAGES = ("pipelines/chat_arithmetic/dvc.yaml:chat_arithmetic", "pipelines/
 TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
 MOE_STAGES = ("pipelines/moe_arithmetic/dvc.yaml:tiny_moe_model", "pipelines/moe_arithmetic/dvc.yaml:moe_warm_start")
+CODE_STAGES = ("pipelines/code_arithmetic/dvc.yaml:code_arithmetic",
+               "pipelines/code_arithmetic/dvc.yaml:code_warm_start")
 OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_STAGES[0]: "data/guess-number",
             GUESS_STAGES[1]: "artifacts/tiny-model/guess-warm", TOOL_STAGES[0]: "data/tool-arithmetic",
             TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm", CHAT_STAGES[0]: "data/chat-arithmetic",
             CHAT_STAGES[1]: "artifacts/tiny-model/chat", MOE_STAGES[0]: "artifacts/tiny-moe/init",
-            MOE_STAGES[1]: "artifacts/tiny-moe/warm"}
+            MOE_STAGES[1]: "artifacts/tiny-moe/warm", CODE_STAGES[0]: "data/code-arithmetic",
+            CODE_STAGES[1]: "artifacts/tiny-model/code-warm"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -381,13 +384,14 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     assert all(int(e.columns["max_chars"]) == len(e.answer) for e in val)
 
     params = yaml.safe_load(params_path.read_text())
-    for warm in ("guess_warm_start", "tool_warm_start", "chat_warm_start", "moe_warm_start"):
+    for warm in ("guess_warm_start", "tool_warm_start", "chat_warm_start", "moe_warm_start", "code_warm_start"):
         params[warm]["steps"] = 2  # the stage as it runs, not its full length
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     for example, stages, model in (("guess_number", GUESS_STAGES, "tiny-model/guess-warm"),
                                    ("tool_arithmetic", TOOL_STAGES, "tiny-model/tool-warm"),
                                    ("chat_arithmetic", CHAT_STAGES, "tiny-model/chat"),
-                                   ("moe_arithmetic", MOE_STAGES, "tiny-moe/warm")):
+                                   ("moe_arithmetic", MOE_STAGES, "tiny-moe/warm"),
+                                   ("code_arithmetic", CODE_STAGES, "tiny-model/code-warm")):
         output = _dvc(clone, env, "repro", f"pipelines/{example}/dvc.yaml")
         assert all(f"Running stage '{stage}'" in output for stage in stages) and "Running stage 'train'" not in output
         assert (clone / "artifacts" / model / "model.safetensors").is_file()

@@ -156,8 +156,8 @@ class AgentEnvironment(Environment):
         return 0 if session is None else session.refused - session.ended
 
     def close(self) -> None:
-        """The episode is dropped without a reward (its rollout failed): the agent's requests are refused from now
-        on, so its thread ends."""
+        """The episode has ended, or is dropped without a reward (its rollout failed): the agent's requests are
+        refused from now on, so its thread ends."""
         if getattr(self, "session", None) is not None:
             self.gateway.sessions.drop(self.session)
 
