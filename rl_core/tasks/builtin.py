@@ -6,5 +6,6 @@ from rl_core.tasks.arithmetic import ArithmeticTask
 from rl_core.tasks.base import Task
 from rl_core.tasks.gsm8k import GSM8KTask
 from rl_core.tasks.prompts import PromptsTask
+from rl_core.tasks.reasoning_gym import ReasoningGymTask
 
-TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), GSM8KTask(), PromptsTask())}
+TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), GSM8KTask(), PromptsTask(), ReasoningGymTask())}
