@@ -35,6 +35,7 @@ class Opening:
     seconds: float = 0.0
     error: str | None = None
     max_tokens: int | None = None  # the first turn's cap (`Environment.first_turn_max_tokens`)
+    retryable: bool = True  # False: the error is a bug in the environment's code, which a retry meets again
 
 
 @dataclass
@@ -71,7 +72,8 @@ class LocalEnvironments:
             try:
                 env = environment(example)
             except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
-                out.append(Opening(error=_failure(environment.__name__, exc), seconds=time.perf_counter() - began))
+                out.append(Opening(error=_failure(environment.__name__, exc), seconds=time.perf_counter() - began,
+                                   retryable=not is_bug(exc)))
                 continue
             opening = self.adopt(key, env)
             opening.seconds = time.perf_counter() - began  # construction and reset
@@ -84,11 +86,13 @@ class LocalEnvironments:
         try:
             messages = [dict(m) for m in env.reset()]
         except Exception as exc:  # noqa: BLE001 - named to the caller, which says which row
-            return Opening(error=_failure(f"{type(env).__name__}.reset", exc), seconds=time.perf_counter() - began)
+            return Opening(error=_failure(f"{type(env).__name__}.reset", exc), seconds=time.perf_counter() - began,
+                           retryable=not is_bug(exc))
         try:
             tools = env.tool_schemas()
         except Exception as exc:  # noqa: BLE001 - a tool without a schema: named, with where it is defined
-            return Opening(error=f"{type(env).__name__}'s tools: {user_error(exc)}", seconds=time.perf_counter() - began)
+            return Opening(error=f"{type(env).__name__}'s tools: {user_error(exc)}", seconds=time.perf_counter() - began,
+                           retryable=False)
         self.live[key] = env
         return Opening(messages, tools, time.perf_counter() - began, max_tokens=env.first_turn_max_tokens)
 

@@ -64,7 +64,8 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
     An episode that cannot start (its environment's construction or `reset` fails, or its opening prompt does not
     fit `max_episode_tokens`) leaves its row out of the step: the row's `n` episodes end unstarted
     (`Episode.unstarted`: no loss token, reward 0, `rollout/unstarted_episodes`), a warning names the row, and the
-    other rows play on; only a step where no row can start stops, naming them. An environment that fails to score
+    other rows play on; only a step where no row can start stops, naming them (not retryable when no row failed
+    for a reason a retry may not meet: `Opening.retryable`). An environment that fails to score
     (`reward`) stops the rollout naming the row; one whose `respond` fails ends that episode, counted in its
     `env_errors`; one lost to a timeout (its own or another episode's on the same actor) ends its episode with
     reward 0, counted the same way."""
@@ -75,9 +76,10 @@ def rollout_episodes(engine: RolloutEngine, task: Any, examples: Sequence[Any], 
     try:
         openings = host.open(environment, [(key, examples[j // n]) for j, key in enumerate(keys)])
         episodes, failed = _start(openings, tokenizer, n, max_turns, max_episode_tokens)
-        if len(failed) == len(examples):
+        if len(failed) == len(examples):  # retried only where some row failed for a reason a retry may not meet
             raise EnvironmentFailure("no episode of this step could start: " + "; ".join(
-                f"{_where(examples[i])}: {why}" for i, why in list(failed.items())[:3]))
+                f"{_where(examples[i])}: {why}" for i, why in list(failed.items())[:3]),
+                retryable=any(o.retryable for o in openings if o.error is not None))
         for i, why in failed.items():
             log.warning("%s: %s; its %d episode(s) are left out of this step", _where(examples[i]), why, n)
         host.discard([keys[j] for j in range(len(keys)) if j // n in failed])

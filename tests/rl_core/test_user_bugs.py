@@ -92,3 +92,36 @@ def test_a_reward_function_with_a_bug_is_not_retried_and_one_that_lost_its_servi
 
     assert worth_retrying(None, None, Failed(data=pickle.loads(pickle.dumps(bug.value)))) is False
     assert worth_retrying(None, None, Failed(data=pickle.loads(pickle.dumps(lost.value)))) is True
+
+
+class BrokenReset(Environment):
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": self.example.prompt.upper(1)}]  # TypeError: a bug
+
+
+class ServerDownReset(Environment):
+    def reset(self) -> list[dict]:
+        raise ConnectionError("the game server is down")
+
+
+class NoSchemaTool(Environment):
+    def reset(self) -> list[dict]:
+        self.tools = (lambda x: x,)  # no type hints, no docstring: no schema
+        return super().reset()
+
+
+@pytest.mark.parametrize("environment, retryable", [(BrokenReset, False), (NoSchemaTool, False),
+                                                    (ServerDownReset, True)])
+def test_a_step_no_row_of_which_starts_is_retried_only_when_a_retry_may_start_one(environment, retryable):
+    from rl_core.agents.rollout import rollout_episodes
+    from rl_core.model.loading import build_tiny_tokenizer
+    from rl_core.tasks.environment import EnvironmentTask
+
+    task = EnvironmentTask(environment, f"tests:{environment.__name__}")
+    examples = [Example("a", row="rows.jsonl:1"), Example("b", row="rows.jsonl:2")]
+    with pytest.raises(EnvironmentFailure, match="no episode of this step could start: rows.jsonl:1") as failure:
+        rollout_episodes(None, task, examples, build_tiny_tokenizer(), 2, None, max_turns=2, max_episode_tokens=64)
+    assert failure.value.retryable is retryable
+    host = LocalEnvironments()
+    [opening] = host.open(environment, [("k", examples[0])])
+    assert opening.retryable is retryable and opening.error is not None
