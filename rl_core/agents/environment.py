@@ -55,8 +55,9 @@ class Turn:
     context_tokens: int = 0  # the episode's ids before it
 
     @classmethod
-    def parse(cls, text: str) -> Turn:
-        content, calls = parse_tool_calls(text)
+    def parse(cls, text: str, style: str = "hermes") -> Turn:
+        """The turn `text`, its calls read in the chat template's tool-call format (`tool_call_format`)."""
+        content, calls = parse_tool_calls(text, style)
         return cls(text, content, tuple(calls))
 
     @property

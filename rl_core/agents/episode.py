@@ -40,6 +40,7 @@ from typing import Any
 
 from rl_core.agents.environment import Environment, Turn
 from rl_core.agents.host import Answer, LocalEnvironments, Opening
+from rl_core.agents.tools import tool_call_format
 
 ANCHOR = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
 CHARS_PER_TOKEN = 8  # the first guess of the characters a token spans (English text: about 4); it only saves renders
@@ -136,6 +137,7 @@ class Episode:
             if start.error:
                 raise RuntimeError(start.error)
         self.tokenizer = tokenizer
+        self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))  # how its turns write calls
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.tools = start.tools
         self.turn_cap = start.max_tokens  # the next turn's own cap, if its environment set one
@@ -216,7 +218,7 @@ class Episode:
         versions = [int(versions)] * len(ids) if isinstance(versions, int) else [int(v) for v in versions]
         if len(versions) != len(ids):
             raise ValueError(f"a turn needs one policy version per sampled id (got {len(versions)} for {len(ids)})")
-        turn = replace(Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True)),
+        turn = replace(Turn.parse(self.tokenizer.decode(list(ids), skip_special_tokens=True), self.tool_format),
                        sampled_tokens=len(ids), context_tokens=len(self.ids))
         room = self.max_tokens - len(self.ids)  # the turn's budget was the least of this, its cap and per-turn max
         self.ids += [int(i) for i in ids]

@@ -4,8 +4,9 @@ A tool is a plain Python function with type hints and a Google-style docstring (
 parameter). Its schema is transformers' `get_json_schema(fn)`, the form a chat template's `tools=`
 takes, so the model sees the tools the way its template presents them.
 
-Calls are read in the Hermes / Qwen format the Qwen2.5 and Qwen3 templates teach: each call is a JSON
-object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. Whatever goes wrong
+Calls are read in the format the chat template teaches (`tool_call_format`): by default the Hermes / Qwen format
+the Qwen2.5 and Qwen3 templates teach, each call a JSON object `{"name": ..., "arguments": {...}}` between
+`<tool_call>` and `</tool_call>`; Llama 3.1-3.3's bare JSON calls and Mistral's `[TOOL_CALLS]` lists too. Whatever goes wrong
 with a call (text that is not JSON, no name, arguments that are not an object, a tool that does not
 exist, arguments it does not take, a tool that raises or returns something that is not text or JSON)
 becomes an error message the model reads as the tool's answer, and is counted: never an exception that
@@ -39,6 +40,10 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 ERROR_PREFIX = "error: "
 MAX_CALL_CHARS = 64 * 1024  # characters of one call's body (between the tags): ample for any tool's arguments
 MAX_CALL_DEPTH = 64  # levels of objects and arrays in one call, the arguments' own included
+FORMATS = ("hermes", "llama3_json", "mistral")
+MISTRAL_LIST = re.compile(r'\[\s*\{\s*"name"')  # [TOOL_CALLS][{"name": ...}] without its token
+# `name{...}`: Mistral's [TOOL_CALLS]name[ARGS]{...} without its tokens
+MISTRAL_CALL = re.compile(r"\s*([A-Za-z_][\w.-]*)\s*(?=\{)")
 
 
 @dataclass(frozen=True)
@@ -83,14 +88,93 @@ def tool_table(tools: Sequence[Callable]) -> dict[str, Callable]:
     return table
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside the `<tool_call>` blocks (stripped) and the calls in them, in order. A block the model did
-    not close (it stopped or ran out of tokens inside it) is a call with an error."""
+def tool_call_format(chat_template: str | Mapping[str, str] | None) -> str:
+    """The tool-call format a chat template teaches (one of FORMATS): `hermes` for `<tool_call>` blocks (Qwen2.5,
+    Qwen3, Hermes and most templates), `mistral` for one that writes `[TOOL_CALLS]`, `llama3_json` for Llama
+    3.1-3.3's bare JSON calls (`<|python_tag|>`, `"parameters"`); `hermes` when it shows none of them."""
+    template = "\n".join(chat_template.values()) if isinstance(chat_template, Mapping) else chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def parse_tool_calls(text: str, style: str = "hermes") -> tuple[str, list[ToolCall]]:
+    """The text outside the calls (stripped) and the calls, in order, read in format `style` (`tool_call_format`;
+    the text is decoded without special tokens, so Mistral's `[TOOL_CALLS]` and Llama's `<|python_tag|>` are gone):
+
+    - `hermes`: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block; a block the model did not
+      close (it stopped or ran out of tokens inside it) is a call with an error;
+    - `llama3_json`: a turn that is a JSON object (`{"name": ..., "parameters": {...}}`), or several joined by `;`;
+    - `mistral`: a JSON list of calls at the turn's end (`[{"name": ..., "arguments": {...}}]`), the text before
+      it the content; or calls written `name{...}` (the `[TOOL_CALLS]name[ARGS]{...}` form) making up the turn.
+    """
+    if style == "llama3_json":
+        stripped = text.strip()
+        if not stripped.startswith("{"):
+            return stripped, []
+        return "", [_parse_call(part.strip()) for part in _split_calls(stripped)]
+    if style == "mistral":
+        return _parse_mistral(text.strip())
+    if style != "hermes":
+        raise ValueError(f"unknown tool-call format {style!r}; one of {', '.join(FORMATS)}")
     calls = []
     for match in TOOL_CALL.finditer(text):
         body, closed = match.group(1).strip(), bool(match.group(2))
         calls.append(_parse_call(body) if closed else ToolCall(error="the <tool_call> block is not closed"))
     return TOOL_CALL.sub("", text).strip(), calls
+
+
+def _split_calls(text: str) -> list[str]:
+    """Llama's calls joined by `;` (outside strings), each a JSON object."""
+    parts, depth, quoted, escaped, start = [], 0, False, False, 0
+    for i, char in enumerate(text):
+        if quoted:
+            escaped, quoted = (not escaped and char == "\\"), quoted and (escaped or char != '"')
+            continue
+        if char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == ";" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p for p in parts + [text[start:]] if p.strip()]
+
+
+def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
+    found = MISTRAL_LIST.search(text)
+    if found is not None:
+        start = found.start()
+        body = text[start:]
+        if len(body) > MAX_CALL_CHARS:
+            return text[:start].strip(), [ToolCall(error=f"the tool calls have {len(body)} characters; at most "
+                                                         f"{MAX_CALL_CHARS}")]
+        try:
+            items = _read_json(body, depth=-1)
+        except json.JSONDecodeError as exc:
+            return text[:start].strip(), [ToolCall(error=f"the tool calls are not JSON ({exc.msg} at character "
+                                                         f"{exc.pos})")]
+        except (RecursionError, _TooDeep):
+            return text[:start].strip(), [ToolCall(error=f"the tool calls nest deeper than {MAX_CALL_DEPTH} levels")]
+        except ValueError as exc:
+            return text[:start].strip(), [ToolCall(error=f"the tool calls cannot be read ({exc})")]
+        return text[:start].strip(), [_call_from(item) for item in items] if isinstance(items, list) else \
+            [ToolCall(error='Mistral tool calls are a JSON list [{"name": ..., "arguments": {...}}]')]
+    calls, rest = [], text
+    while (match := MISTRAL_CALL.match(rest)) is not None:
+        try:
+            _, end = json.JSONDecoder().raw_decode(rest, match.end())
+        except (ValueError, RecursionError):
+            break
+        calls.append(_parse_call(json.dumps({"name": match.group(1), "arguments": rest[match.end():end]})))
+        rest = rest[end:].lstrip()
+    return (text, []) if rest else ("", calls)
 
 
 def _parse_call(body: str) -> ToolCall:
@@ -104,9 +188,14 @@ def _parse_call(body: str) -> ToolCall:
         return ToolCall(error=f"the tool call nests deeper than {MAX_CALL_DEPTH} levels")
     except ValueError as exc:  # a number past Python's integer digit limit
         return ToolCall(error=f"the tool call cannot be read ({exc})")
+    return _call_from(data)
+
+
+def _call_from(data: Any) -> ToolCall:
+    """The call a parsed JSON value holds (`parameters` read as `arguments`, Llama's name for them)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return ToolCall(error='a tool call is {"name": <tool name>, "arguments": {...}}')
-    arguments = data.get("arguments", {})
+    arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = _read_json(arguments, depth=1)
