@@ -16,11 +16,9 @@ The DVC stages `code_arithmetic` (rows, games and the template) and `code_warm_s
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
-from examples.tool_arithmetic import TEMPLATE, make_rows
+from examples import tool_arithmetic
 from rl_core.agents import Environment, Reply, Turn
 from rl_core.agents.sandbox import Limits, LocalSandbox, python_tool
 
@@ -58,41 +56,11 @@ class CodeArithmetic(Environment):
 def make_transcripts(rows: list[dict], seed: int = 0, call_share: float = 0.25) -> list[dict]:
     """One warm-start game per row: `call_share` of them print the sum with code and copy the output, the others
     answer at once."""
-    import random
-
-    from rl_core.agents.tools import tool_schema
-
-    rng = random.Random(seed)
-    tools = [tool_schema(python_tool(None))]
-    out = []
-    for row in rows:
-        question = {"role": "user", "content": row["prompt"]}
-        if rng.random() < call_share:
-            messages = [question, {"role": "assistant", "content": call_text(row["prompt"])},
-                        {"role": "tool", "name": "python", "content": row["answer"]},
-                        {"role": "assistant", "content": row["answer"]}]
-        else:
-            messages = [question, {"role": "assistant", "content": row["answer"]}]
-        out.append({"messages": messages, "tools": tools})
-    return out
+    return tool_arithmetic.make_transcripts(rows, seed, call_share, tool=python_tool(None), call=call_text)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="write the code-arithmetic example's rows, warm-start games and "
-                                                 "chat template")
-    parser.add_argument("--out", default="data/code-arithmetic")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    train, val = make_rows(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    splits = (("train", train), ("val", val), ("warm-train", make_transcripts(train, args.seed)),
-              ("warm-val", make_transcripts(val, args.seed + 1)))
-    for name, rows in splits:
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    print(f"wrote {len(train)} train and {len(val)} held-out rows, their warm-start games and the chat template "
-          f"to {out}/")
+    tool_arithmetic.main(argv, name="code-arithmetic", transcripts=make_transcripts)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from rl_core.agents import Environment, Reply, Turn
@@ -89,21 +90,23 @@ def make_rows(seed: int = 0, train_size: int = 2000, val_size: int = 200) -> tup
     return rows[val_size:], rows[:val_size]
 
 
-def make_transcripts(rows: list[dict], seed: int = 0, call_share: float = 0.25) -> list[dict]:
-    """One warm-start game per row: `call_share` of them call the calculator and copy its result, the others answer
-    at once."""
+def make_transcripts(rows: list[dict], seed: int = 0, call_share: float = 0.25, tool: Callable = calculator,
+                     call: Callable[[str], str] = call_text) -> list[dict]:
+    """One warm-start game per row: `call_share` of them call `tool` (the turn `call(prompt)` writes) and copy its
+    result, the others answer at once."""
     import random
 
     from rl_core.agents.tools import tool_schema
 
     rng = random.Random(seed)
-    tools = [tool_schema(calculator)]
+    schema = tool_schema(tool)
+    tools, name = [schema], schema["function"]["name"]
     out = []
     for row in rows:
         question = {"role": "user", "content": row["prompt"]}
         if rng.random() < call_share:
-            messages = [question, {"role": "assistant", "content": call_text(row["prompt"])},
-                        {"role": "tool", "name": "calculator", "content": row["answer"]},
+            messages = [question, {"role": "assistant", "content": call(row["prompt"])},
+                        {"role": "tool", "name": name, "content": row["answer"]},
                         {"role": "assistant", "content": row["answer"]}]
         else:
             messages = [question, {"role": "assistant", "content": row["answer"]}]
@@ -111,19 +114,21 @@ def make_transcripts(rows: list[dict], seed: int = 0, call_share: float = 0.25) 
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="write the tool-arithmetic example's rows, warm-start games and "
-                                                 "chat template")
-    parser.add_argument("--out", default="data/tool-arithmetic")
+def main(argv: list[str] | None = None, *, name: str = "tool-arithmetic",
+         transcripts: Callable[[list[dict], int], list[dict]] = make_transcripts) -> None:
+    """Write an example's rows, its warm-start games (`transcripts`) and the chat template to `--out`."""
+    parser = argparse.ArgumentParser(description=f"write the {name} example's rows, warm-start games and chat "
+                                                 "template")
+    parser.add_argument("--out", default=f"data/{name}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     train, val = make_rows(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    splits = (("train", train), ("val", val), ("warm-train", make_transcripts(train, args.seed)),
-              ("warm-val", make_transcripts(val, args.seed + 1)))
-    for name, rows in splits:
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    splits = (("train", train), ("val", val), ("warm-train", transcripts(train, args.seed)),
+              ("warm-val", transcripts(val, args.seed + 1)))
+    for split, rows in splits:
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "chat_template.jinja").write_text(TEMPLATE)
     print(f"wrote {len(train)} train and {len(val)} held-out rows, their warm-start games and the chat template "
           f"to {out}/")
