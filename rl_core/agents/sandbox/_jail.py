@@ -86,10 +86,9 @@ def build(cfg):
     for name in ("null", "zero", "random", "urandom"):
         open(f"{root}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
-    owner = f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] else ""
-    for name, size in (("sandbox", cfg["disk_bytes"]),):
-        os.makedirs(f"{root}/{name}")
-        mount("tmpfs", f"{root}/{name}", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700{owner}")
+    owner = f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] else ""  # the sandbox's user, when it has its own
+    os.makedirs(root + "/sandbox")
+    mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_bytes']},mode=0700{owner}")
     os.makedirs(root + "/proc")
     os.chdir(root)
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
