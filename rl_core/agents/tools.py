@@ -116,7 +116,7 @@ def parse_tool_calls(text: str, style: str = "hermes") -> tuple[str, list[ToolCa
         stripped = text.strip()
         if not stripped.startswith("{"):
             return stripped, []
-        return "", [_parse_call(part.strip()) for part in _split_calls(stripped)]
+        return "", _parse_llama(stripped)
     if style == "mistral":
         return _parse_mistral(text.strip())
     if style != "hermes":
@@ -128,23 +128,17 @@ def parse_tool_calls(text: str, style: str = "hermes") -> tuple[str, list[ToolCa
     return TOOL_CALL.sub("", text).strip(), calls
 
 
-def _split_calls(text: str) -> list[str]:
-    """Llama's calls joined by `;` (outside strings), each a JSON object."""
-    parts, depth, quoted, escaped, start = [], 0, False, False, 0
-    for i, char in enumerate(text):
-        if quoted:
-            escaped, quoted = (not escaped and char == "\\"), quoted and (escaped or char != '"')
-            continue
-        if char == '"':
-            quoted = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-        elif char == ";" and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    return [p for p in parts + [text[start:]] if p.strip()]
+def _parse_llama(text: str) -> list[ToolCall]:
+    """Llama's calls: JSON objects joined by `;`; where the rest does not read as one, it is a call with an error."""
+    calls, rest = [], text
+    while rest:
+        try:
+            _, end = json.JSONDecoder().raw_decode(rest)
+        except (ValueError, RecursionError):
+            return [*calls, _parse_call(rest)]  # the error, said as for any call
+        calls.append(_parse_call(rest[:end]))
+        rest = rest[end:].lstrip().removeprefix(";").lstrip()
+    return calls
 
 
 def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:

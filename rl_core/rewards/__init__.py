@@ -34,7 +34,7 @@ def per_completion(fn: Callable[[str, str], float]) -> RewardFn:
     """`fn(completion, answer) -> float` as a batched reward function."""
 
     def batched(prompts, completions, answer, **_):
-        return [float(fn(_text(c), a)) for c, a in zip(completions, answer, strict=True)]
+        return [float(fn(completion_text(c), a)) for c, a in zip(completions, answer, strict=True)]
 
     # the name and docs, not functools.wraps: its __wrapped__ would give the batched function fn's signature
     batched.__name__ = batched.__qualname__ = getattr(fn, "__name__", "reward")
@@ -96,7 +96,8 @@ def reward_inputs(examples: Sequence[Any], texts: Sequence[str], episodes: Seque
     return RewardInputs(prompts, completions, columns, rows)
 
 
-def _text(completion: Any) -> str:
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself, or the content of the last message of a conversational one."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
 
 

@@ -14,10 +14,10 @@ import functools
 import re
 from typing import Any
 
+from rl_core.rewards import completion_text
 from rl_core.tasks.base import Example, Task
 
 SOURCE = re.compile(r"^(?P<names>[a-z0-9_]+(\+[a-z0-9_]+)*):(?P<seed>\d+):(?P<size>\d+)$")
-COLUMNS = ("rg_source", "rg_index")
 
 
 def _library():
@@ -57,21 +57,17 @@ def dataset(source: str):
     return rg.create_dataset("composite", seed=seed, size=size, datasets=specs)
 
 
-def answer_between_tags(text: str) -> str | None:
-    """The text between the last `<answer>` and `</answer>`, stripped (None: no such pair)."""
+def reasoning_gym_reward(prompts: list, completions: list, rg_source: list, rg_index: list, **_: Any) -> list[float]:
+    """reasoning-gym's own score of each completion's answer (the text between its last `<answer>` tags, the
+    library's `extract_answer`) against its problem."""
     from reasoning_gym.utils import extract_answer
 
-    return extract_answer(text, tag_name="answer")
-
-
-def reasoning_gym_reward(prompts: list, completions: list, rg_source: list, rg_index: list, **_: Any) -> list[float]:
-    """reasoning-gym's own score of each completion's tagged answer against its problem."""
     scores = []
     for completion, source, index in zip(completions, rg_source, rg_index, strict=True):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
         data = dataset(source)
         try:
-            score = float(data.score_answer(answer_between_tags(text), entry=data[int(index)]))
+            answer = extract_answer(completion_text(completion), tag_name="answer")
+            score = float(data.score_answer(answer, entry=data[int(index)]))
         except Exception:  # noqa: BLE001 - some scorers raise on what they cannot parse: the answer is wrong
             score = 0.0
         scores.append(score)

@@ -73,6 +73,8 @@ class Sandbox:
     """One episode's sandbox (a backend subclasses it). `start` before anything, `stop` at the end (it is safe to
     call twice, and a sandbox is a context manager)."""
 
+    python: str = "python3"  # the sandbox's Python (a backend names its own)
+
     def __init__(self, limits: Limits | None = None):
         self.limits = limits or Limits()
 
@@ -96,8 +98,6 @@ class Sandbox:
     def stop(self) -> None:
         raise NotImplementedError
 
-    python: str = "python3"  # the sandbox's Python (a backend names its own)
-
     # on top of them
     def run_python(self, code: str, *, seconds: float | None = None) -> RunResult:
         """Run `code` with the sandbox's Python, isolated mode (no PYTHON* variables, no user site, no current
@@ -118,6 +118,13 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def writable(path: str, data: bytes, limits: Limits) -> str:
+    """`inside(path)`, once `data` is known to fit `limits.file_bytes` (SandboxError naming the sizes else)."""
+    if len(data) > limits.file_bytes:
+        raise SandboxError(f"{len(data)} bytes for {path!r}: over Limits.file_bytes ({limits.file_bytes})")
+    return inside(path)
 
 
 def inside(path: str) -> str:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from rl_core.agents.sandbox._jail import collect, feed
-from rl_core.agents.sandbox.base import Limits, RunResult, Sandbox, SandboxError, inside
+from rl_core.agents.sandbox.base import Limits, RunResult, Sandbox, SandboxError, inside, writable
 
 ENV = ("HOME=/sandbox", "TMPDIR=/sandbox", "LANG=C.UTF-8", "OPENBLAS_NUM_THREADS=1", "OMP_NUM_THREADS=1",
        "PYTHONDONTWRITEBYTECODE=1")
@@ -112,9 +112,8 @@ class ContainerSandbox(Sandbox):
         return base64.b64decode(reply["stdout"])
 
     def write(self, path: str, data: bytes) -> None:
-        if len(data) > self.limits.file_bytes:
-            raise SandboxError(f"{len(data)} bytes for {path!r}: over Limits.file_bytes ({self.limits.file_bytes})")
-        result = self.run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", inside(path)],
+        result = self.run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh",
+                           writable(path, data, self.limits)],
                           stdin=data, seconds=10)
         if not result.ok:
             raise SandboxError(f"cannot write {path!r} in the sandbox: {result.stderr.strip()[-300:]}")

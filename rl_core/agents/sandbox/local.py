@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from rl_core.agents.sandbox.base import Limits, RunResult, Sandbox, SandboxError, inside
+from rl_core.agents.sandbox.base import Limits, RunResult, Sandbox, SandboxError, inside, writable
 
 JAIL = Path(__file__).with_name("_jail.py")
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -108,9 +108,8 @@ class LocalSandbox(Sandbox):
         return base64.b64decode(reply["stdout"])
 
     def write(self, path: str, data: bytes) -> None:
-        if len(data) > self.limits.file_bytes:
-            raise SandboxError(f"{len(data)} bytes for {path!r}: over Limits.file_bytes ({self.limits.file_bytes})")
-        reply = self._request({"op": "write", "path": inside(path), "stdin": base64.b64encode(data).decode()}, 10.0)
+        reply = self._request({"op": "write", "path": writable(path, data, self.limits),
+                               "stdin": base64.b64encode(data).decode()}, 10.0)
         result = _result(reply, 0.0)
         if not result.ok:
             raise SandboxError(f"cannot write {path!r} in the sandbox: {_last_line(result.stderr)}")
