@@ -46,6 +46,7 @@ from infra.workers.teacher import TeacherRole
 from rl_core.agents.rollout import display_texts, truncation_warning
 from rl_core.batch.dynamic_sampling import DynamicSampling, Round, Selected, round_pass_rates
 from rl_core.config import PosttrainConfig
+from rl_core.placement.run_shape import batch_row_multiple
 from rl_core.preflight.machine import check_memory
 from rl_core.rewards import success_reward, successes
 from rl_core.rewards.configured import reward_names
@@ -200,8 +201,11 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                 examples = [role.train[rows[i]] for i in completions.prompt_index.tolist()]
                 run.sample(step, examples, texts, rewards, completions.finish_reason, scores.values, completions)
                 with timer.phase("annotate"):
+                    # sample ids unique over the run: an agent episode's rows are at most rollout.max_turns, and
+                    # the filler fewer than its episodes (batch_row_multiple divides them)
+                    stride = len(rewards) * (ro.max_turns + 1 if agents else 1)
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
-                                              (step - 1) * len(rewards), quote(padding), step=step)
+                                              (step - 1) * stride, quote(padding), batch_row_multiple(cfg), step=step)
                 if teacher is not None:
                     with timer.phase("teacher"):
                         scored = teacher_task(quote(teacher), quote(annotated.batch), step=step)

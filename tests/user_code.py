@@ -88,3 +88,14 @@ class WaitingRoom(Environment):
         if self.example.prompt == "bad reward":
             raise ValueError("no score for this row")
         return float(sum(not r.error for r in self.tool_results))
+
+
+def compacting_agent(client, row):
+    """Two turns, the second asked in a conversation that does not extend the first (the opening and a note of the
+    policy's answer in its place), so every episode whose first turn is answered starts a new sample; 1.0 when the
+    last answer has an even length (a reward that varies within a group)."""
+    opening = {"role": "user", "content": row["prompt"]}
+    first = client.chat.completions.create(model="policy", messages=[opening]).choices[0].message
+    note = {"role": "user", "content": "You said " + (first.content or "")[:20] + ". Once more:"}
+    second = client.chat.completions.create(model="policy", messages=[opening, note]).choices[0].message
+    return float(len(second.content or "") % 2 == 0)

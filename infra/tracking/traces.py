@@ -61,6 +61,10 @@ def _turn_spans(client: Any, root: Any, record: dict, turn_tokens: Sequence[int]
     from mlflow.entities import SpanType
 
     messages = list(record["completion"])
+    # after a new sample, the assistant messages before the last sample's own turns are as the agent sent them:
+    # no sampled tokens of their own here
+    own = record["stats"].get("last_sample_turns", len(turn_tokens))
+    resent = sum(m.get("role") == "assistant" for m in messages) - own
     turn, i = 0, 0
     while i < len(messages):
         message = messages[i]
@@ -71,7 +75,8 @@ def _turn_spans(client: Any, root: Any, record: dict, turn_tokens: Sequence[int]
             i += 1
             continue
         turn += 1
-        tokens = turn_tokens[turn - 1] if turn - 1 < len(turn_tokens) else None
+        at = len(turn_tokens) - own + (turn - 1 - resent)  # this message's turn among the episode's
+        tokens = turn_tokens[at] if turn > resent and 0 <= at < len(turn_tokens) else None
         span = client.start_span(f"turn {turn}", root.trace_id, root.span_id, span_type=SpanType.LLM,
                                  inputs=None, attributes={"posttrain.turn": turn, "posttrain.policy_version": version,
                                                           **({"posttrain.sampled_tokens": tokens} if tokens else {})})

@@ -21,6 +21,7 @@ from rl_core.algorithms.registry import build_objective
 from rl_core.config import PosttrainConfig, config_from_dict
 from rl_core.model.loading import enable_tf32, matmul_precision_kept
 from rl_core.model.protocol import enable_gradient_checkpointing
+from rl_core.placement.run_shape import mini_batch_rows
 
 
 class PolicyWorker:
@@ -244,7 +245,7 @@ class PolicyWorker:
             asleep_used = (total - free) / 2**30
         t0 = time.perf_counter()
         rl = self.cfg.rl
-        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, rl.mini_batch_per_replica,
+        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, mini_batch_rows(self.cfg, shard.batch_size),
                                            rl.micro_batch_max_tokens)
         self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}

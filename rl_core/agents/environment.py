@@ -75,11 +75,18 @@ class Turn:
 class Reply:
     """The environment's answer to a turn: the next messages (tool results, a user turn) and whether the episode
     ends (then `messages` is usually empty); `max_tokens` caps the next turn below `rollout.max_tokens` (None: no
-    cap of its own)."""
+    cap of its own).
+
+    `new_sample`: `messages` is not an addition but the whole conversation from now on (a compacted or edited
+    history): the episode's ids so far end as one training sample, and its next sample opens with these messages
+    rendered as a prompt, with `tools` (None: the episode's tools; [] none). Each sample trains with its own mask
+    and the episode's advantage (`rl_core.agents.episode`)."""
 
     messages: list[dict] = field(default_factory=list)
     done: bool = False
     max_tokens: int | None = None
+    new_sample: bool = False
+    tools: list[dict] | None = None
 
 
 class Environment:

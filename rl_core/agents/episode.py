@@ -16,9 +16,17 @@ after the stop token that ends the anchor's assistant turn: it holds whatever th
 (a newline, say) and the new messages, up to the next generation prompt. A template that renders the anchor's
 turns differently once more messages follow cannot give a delta, and is refused naming the fix.
 
-Limits: `max_turns` assistant turns, and `max_tokens` for the whole episode (prompt included). A turn that runs
+Limits: `max_turns` assistant turns, and `max_tokens` for each of its samples (prompt included). A turn that runs
 out of tokens before its stop token, or an episode that reaches a limit before the environment ends it, is
 `truncated`.
+
+Samples. An environment may answer a turn with a conversation that does not extend the one so far
+(`Reply(new_sample=True)`: a compacted or edited history, an agent's request that rewrites earlier turns). Its
+messages cannot be a delta after ids already sampled without training the policy on tokens it did not sample,
+so the ids so far end as one sample (`earlier`) and the next sample opens with the new conversation rendered as
+a prompt (with its tools and the generation prompt), all masked. Each sample is its own row of the batch with its
+own loss mask; they share the episode's reward and advantage (`rl_core.annotate`), so the group's baseline
+counts the episode once. Turns count over the episode (`max_turns`), tokens per sample (`max_tokens`).
 
 The budget before the template: the environment's messages (a tool's output, a reply, the opening) are rendered
 and tokenized only as far as the budget left can need (`bounded`). Their text is cut to `CHARS_PER_TOKEN`
@@ -35,7 +43,7 @@ episode unrendered (`oversized_replies`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rl_core.agents.environment import Environment, Turn
@@ -119,6 +127,18 @@ def template_delta(tokenizer, messages: Sequence[dict], *, stop_text: str, tools
     return list(tokenizer(after[end + len(stop_text):], add_special_tokens=False)["input_ids"])
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One training sample of an episode (module docstring): its ids, which of them the policy sampled, their
+    log-probs and policy versions, and the length of its prompt."""
+
+    ids: list[int]
+    sampled: list[bool]
+    logp: list[float]
+    versions: list[int]
+    prompt_len: int
+
+
 class Episode:
     """One environment's conversation, turn by turn (layout and limits in the module docstring). The engine samples
     from `ids` at most `turn_budget()` tokens; `take_turn` records them, and the environment's answer to the turn
@@ -147,10 +167,11 @@ class Episode:
         self.oversized_replies = 0  # replies that did not fit the budget left (the episode ended there)
         self.messages: list[dict] = list(start.messages)
         self.prompt_messages = len(self.messages)
+        self.opening = list(self.messages)  # the opening messages (`record`'s prompt), whatever samples follow
+        self.earlier: list[Sample] = []  # the episode's samples before the one in `ids` (module docstring)
+        self.sample_turns = 0  # the turns of the earlier samples
         try:
-            prompt, fits = bounded(lambda shown: list(tokenizer.apply_chat_template(
-                shown, tools=self.tools, add_generation_prompt=True, tokenize=True)["input_ids"]), self.messages,
-                max_tokens)
+            prompt, fits = self._prompt(self.messages, self.tools)
         except Exception as exc:  # noqa: BLE001 - the template refused what the environment (or an agent) sent
             raise ValueError(f"the chat template cannot render the opening messages and tools "
                              f"({type(exc).__name__}: {exc})") from None
@@ -159,9 +180,7 @@ class Episode:
             measured = f"{len(prompt)} tokens" if len(prompt) < max_tokens + MARGIN_TOKENS else \
                 f"more than {max_tokens} tokens ({chars} characters of text)"
             raise ValueError(f"the opening prompt has {measured}, the episode's budget is {max_tokens}")
-        self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
-        self.versions = [0] * len(prompt)  # the policy version that sampled each token (0 where none did)
-        self.prompt_len = len(prompt)
+        self._open_sample(prompt)
         self.turns: list[Turn] = []
         self.turn_tokens: list[int] = []  # the ids each turn sampled
         self.done = self.truncated = False
@@ -184,12 +203,28 @@ class Episode:
         episode.oversized_replies, episode.turn_cap = 0, None
         # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
         episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
+        episode.opening, episode.earlier, episode.sample_turns = [], [], 0
         episode.turn_tokens = []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
         episode.versions = [0]
         episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
         episode.cut_by = None
         return episode
+
+    def _prompt(self, messages: Sequence[dict], tools: list[dict] | None) -> tuple[list[int], bool]:
+        """A sample's prompt for `messages` and `tools`, and whether it leaves room for a sampled token (`bounded`)."""
+        return bounded(lambda shown: list(self.tokenizer.apply_chat_template(
+            shown, tools=tools, add_generation_prompt=True, tokenize=True)["input_ids"]), messages, self.max_tokens)
+
+    def _open_sample(self, prompt: list[int]) -> None:
+        self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
+        self.versions = [0] * len(prompt)  # the policy version that sampled each token (0 where none did)
+        self.prompt_len = len(prompt)
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of the episode, the one in `ids` last."""
+        return [*self.earlier, Sample(self.ids, self.sampled, self.logp, self.versions, self.prompt_len)]
 
     def turn_budget(self, per_turn: int) -> int:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
@@ -255,6 +290,9 @@ class Episode:
         if len(self.turns) >= self.max_turns:
             self._end(truncated=True, cut_by="max_turns")
             return
+        if reply.new_sample:
+            self._new_sample(reply)
+            return
         stop_text = self.tokenizer.decode([stop_id])
         try:
             delta, fits = bounded(lambda shown: template_delta(self.tokenizer, shown, tools=self.tools,
@@ -276,6 +314,25 @@ class Episode:
         self.logp += [0.0] * len(delta)
         self.versions += [0] * len(delta)
 
+    def _new_sample(self, reply: Any) -> None:
+        """The episode goes on in a new sample that opens with `reply.messages` (module docstring); it ends instead
+        when the template cannot render them or they leave no room for a token."""
+        tools = self.tools if reply.tools is None else (list(reply.tools) or None)
+        try:
+            prompt, fits = self._prompt(reply.messages, tools)
+        except Exception as exc:  # noqa: BLE001 - the template refused this conversation: this episode ends
+            self.env_error = f"the chat template cannot render the new sample's messages ({type(exc).__name__}: {exc})"
+            self._end(truncated=True, cut_by="environment_error")
+            return
+        if not fits:
+            self.oversized_replies += 1
+            self._end(truncated=True, cut_by="max_episode_tokens")
+            return
+        self.earlier.append(self.samples[-1])
+        self.sample_turns = len(self.turns)
+        self.tools, self.messages = tools, list(reply.messages)
+        self._open_sample(prompt)
+
     def _end(self, truncated: bool, cut_by: str | None = None) -> None:
         self.done, self.truncated, self.cut_by = True, truncated, cut_by
 
@@ -286,14 +343,24 @@ class Episode:
                 "truncated": self.truncated, "cut_by": self.cut_by, "env_errors": int(self.env_error is not None),
                 "started": self.started,
                 "oversized_replies": self.oversized_replies, "tokens": len(self.ids),
-                "sampled_tokens": sum(self.sampled), "turn_tokens": list(self.turn_tokens), "env_s": self.env_s}
+                "sampled_tokens": sum(sum(s.sampled) for s in self.samples), "samples": 1 + len(self.earlier),
+                "last_sample_turns": len(self.turns) - self.sample_turns,
+                "turn_tokens": list(self.turn_tokens), "env_s": self.env_s}
 
     def record(self, reward: float) -> dict:
         """The episode as JSON: the opening messages (`prompt`), the rest of the conversation in TRL's form
         (`completion`: assistant turns with their tool calls, tool results, the environment's messages), its
-        `reward` and `stats`, and each turn's sampled text where one of its calls did not parse (`malformed_turns`,
-        None for the others)."""
-        return {"prompt": self.messages[:self.prompt_messages], "completion": self.messages[self.prompt_messages:],
+        `reward` and `stats`, and each assistant turn's sampled text where one of its calls did not parse
+        (`malformed_turns`, None for the others). After a new sample, the conversation is the last sample's, after
+        the opening messages it still begins with; its earlier assistant turns are as the environment sent them."""
+        start = self.prompt_messages
+        if self.earlier:
+            start = next((i for i, (a, b) in enumerate(zip(self.messages, self.opening)) if a != b),
+                         min(len(self.messages), len(self.opening)))
+        completion = self.messages[start:]
+        own = [t.text if any(c.error for c in t.calls) else None for t in self.turns[self.sample_turns:]]
+        resent = sum(m.get("role") == "assistant" for m in completion) - len(own)
+        return {"prompt": self.opening, "completion": completion,
                 "reward": reward, "stats": self.stats(), "error": self.env_error,
                 # per turn, its text as sampled where a call in it did not parse (TRL's form keeps parsed calls only)
-                "malformed_turns": [t.text if any(c.error for c in t.calls) else None for t in self.turns]}
+                "malformed_turns": ([None] * max(0, resent) if self.earlier else []) + own}

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rl_core.agents.episode import Episode
+from rl_core.agents.episode import Episode, Sample
 from rl_core.agents.host import LocalEnvironments
 from rl_core.agents.scheduling import run_episodes
 from rl_core.rollout.base import Completions, RolloutEngine, SamplingParams
@@ -163,51 +163,65 @@ def conversation_text(record: dict) -> str:
 def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: int, eos_token_id: int,
                             policy_version: int) -> Completions:
     """The ended episodes as `Completions` (layout in the module docstring); episodes `i*n .. i*n+n-1` are the `n`
-    episodes of prompt `i`. Its `policy_version` is the oldest that sampled a token (`Episode.versions`;
-    `policy_version` when none was sampled), and `token_version` each token's, when they differ."""
+    episodes of prompt `i`, each row its episode's last sample, and the samples before it (`Episode.earlier`) in
+    `earlier_samples`, each pointing at its episode's row. Its `policy_version` is the oldest that sampled a token
+    (`Episode.versions`; `policy_version` when none was sampled), and `token_version` each token's, when they
+    differ."""
     if not episodes or len(episodes) % n or not all(e.done for e in episodes):
         raise ValueError(f"episodes_to_completions takes ended episodes, n={n} per prompt (got {len(episodes)}, "
                          f"{sum(not e.done for e in episodes)} still live)")
-    P = max(e.prompt_len for e in episodes)
-    R = max(1, max(len(e.ids) - e.prompt_len for e in episodes))
-    rows = len(episodes)
-    input_ids = torch.full((rows, P + R), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((rows, P + R), dtype=torch.long)
-    mask = torch.zeros((rows, P + R), dtype=torch.float32)
-    logp = torch.zeros((rows, P + R), dtype=torch.float32)
-    version = torch.zeros((rows, P + R), dtype=torch.long)
-    for j, e in enumerate(episodes):
-        start = P - e.prompt_len
-        end = start + len(e.ids)
-        input_ids[j, start:end] = torch.tensor(e.ids, dtype=torch.long)
-        attention[j, start:end] = 1
-        mask[j, start:end] = torch.tensor(e.sampled, dtype=torch.float32)
-        logp[j, start:end] = torch.tensor(e.logp, dtype=torch.float32)
-        version[j, start:end] = torch.tensor(e.versions, dtype=torch.long)
-    sampled = version[mask > 0]
+    last = _laid_out([e.samples[-1] for e in episodes], pad_token_id)
+    owners = [j for j, e in enumerate(episodes) for _ in e.earlier]
+    earlier = _laid_out([s for e in episodes for s in e.earlier], pad_token_id) if owners else None
+    sampled = torch.cat([t["version"][t["mask"] > 0] for t in (last, earlier) if t is not None])
     mixed = sampled.numel() > 0 and int(sampled.min()) != int(sampled.max())
     if sampled.numel():
         policy_version = int(sampled.min())  # the oldest that sampled a token (Completions.policy_version)
-    return Completions(
-        input_ids=input_ids, attention_mask=attention, response_mask=mask, sampling_logp=logp,
-        prompt_index=torch.arange(rows // n).repeat_interleave(n),
-        finish_reason=["length" if e.truncated else "stop" for e in episodes],
-        policy_version=policy_version, prompt_length=P, eos_token_id=eos_token_id, pad_token_id=pad_token_id, n=n,
-        token_version=version if mixed else None,
-    )
+
+    def completions(t: dict, prompt_index: torch.Tensor, finish_reason: list[str]) -> Completions:
+        return Completions(
+            input_ids=t["ids"], attention_mask=t["attention"], response_mask=t["mask"], sampling_logp=t["logp"],
+            prompt_index=prompt_index, finish_reason=finish_reason, policy_version=policy_version,
+            prompt_length=t["P"], eos_token_id=eos_token_id, pad_token_id=pad_token_id, n=n,
+            token_version=t["version"] if mixed else None)
+
+    out = completions(last, torch.arange(len(episodes) // n).repeat_interleave(n),
+                      ["length" if e.truncated else "stop" for e in episodes])
+    if earlier is not None:  # an earlier sample ended where its episode went on in a new one: never cut
+        out.earlier_samples = completions(earlier, torch.tensor(owners, dtype=torch.long), ["stop"] * len(owners))
+    return out
+
+
+def _laid_out(samples: list[Sample], pad_token_id: int) -> dict[str, Any]:
+    """Samples as the rows of `[rows, P + R]` tensors: prompts left-padded to the longest, `P`."""
+    P = max(s.prompt_len for s in samples)
+    R = max(1, max(len(s.ids) - s.prompt_len for s in samples))
+    shape = (len(samples), P + R)
+    t = {"ids": torch.full(shape, pad_token_id, dtype=torch.long), "attention": torch.zeros(shape, dtype=torch.long),
+         "mask": torch.zeros(shape, dtype=torch.float32), "logp": torch.zeros(shape, dtype=torch.float32),
+         "version": torch.zeros(shape, dtype=torch.long), "P": P}
+    for j, s in enumerate(samples):
+        start = P - s.prompt_len
+        end = start + len(s.ids)
+        t["ids"][j, start:end] = torch.tensor(s.ids, dtype=torch.long)
+        t["attention"][j, start:end] = 1
+        t["mask"][j, start:end] = torch.tensor(s.sampled, dtype=torch.float32)
+        t["logp"][j, start:end] = torch.tensor(s.logp, dtype=torch.float32)
+        t["version"][j, start:end] = torch.tensor(s.versions, dtype=torch.long)
+    return t
 
 
 # The limits that cut an episode short (`Episode.cut_by`), each with the config key that sets it (None: a turn's own
 # cap, from its environment's Reply or Opening or an agent request's max_tokens) and what it means.
 CUT_LIMITS = {
-    "max_turns": ("rollout.max_turns", "its environment had not ended it by then; raise it, or end episodes with "
-                                       "Reply(done=True)"),
-    "max_tokens": ("rollout.max_tokens", "a turn ran out of tokens before its stop token; raise it, or warm-start "
-                                         "the model on shorter turns"),
-    "max_episode_tokens": ("rollout.max_episode_tokens", "the conversation (prompt, turns, replies) filled the "
-                                                         "episode's budget; raise it, or keep replies short"),
-    "turn_cap": (None, "a turn reached its own cap (its environment's Reply.max_tokens or Opening.max_tokens, or "
-                       "an agent request's max_tokens)"),
+    "max_turns": ("rollout.max_turns", ("its environment had not ended it by then; raise it, or end episodes with "
+                                       "Reply(done=True)")),
+    "max_tokens": ("rollout.max_tokens", ("a turn ran out of tokens before its stop token; raise it, or warm-start "
+                                         "the model on shorter turns")),
+    "max_episode_tokens": ("rollout.max_episode_tokens", ("the conversation (prompt, turns, replies) filled the "
+                                                         "episode's budget; raise it, or keep replies short")),
+    "turn_cap": (None, ("a turn reached its own cap (its environment's Reply.max_tokens or Opening.max_tokens, or "
+                       "an agent request's max_tokens)")),
 }
 
 
@@ -243,5 +257,7 @@ def episode_stats(records: Sequence[dict]) -> dict[str, float]:
             "rollout/refused_requests": float(sum(r["stats"].get("refused_requests", 0) for r in records)),
             "rollout/env_reward_mean": sum(float(r["reward"]) for r in records) / n, "perf/env_s": total["env_s"],
             "rollout/episodes": float(len(records)),
+            # samples an episode started where its conversation did not extend the last (rl_core.agents.episode)
+            "rollout/new_samples": float(sum(r["stats"].get("samples", 1) - 1 for r in records)),
             **{f"rollout/cut_by_{limit}": float(sum(r["stats"].get("cut_by") == limit for r in records))
                for limit in CUT_LIMITS}}

@@ -75,25 +75,13 @@ def next_round_size(target: int, kept: int, generated: int) -> int:
 
 
 def select_groups(completions: Completions, groups: Sequence[int]) -> Completions:
-    """The rows of `groups` (prompt indices of `completions`), in that order, renumbered 0..len(groups)-1."""
+    """The rows of `groups` (prompt indices of `completions`), in that order, renumbered 0..len(groups)-1 (their
+    episodes' earlier samples with them)."""
     index = completions.prompt_index
-    rows_of = [torch.nonzero(index == int(g)).flatten() for g in groups]
-    rows = torch.cat(rows_of) if rows_of else torch.zeros(0, dtype=torch.long)
-    picked = rows.tolist()
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[rows]
-
-    return Completions(
-        input_ids=completions.input_ids[rows], attention_mask=completions.attention_mask[rows],
-        response_mask=completions.response_mask[rows], sampling_logp=completions.sampling_logp[rows],
-        prompt_index=torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(rows_of)])
-        if rows_of else torch.zeros(0, dtype=torch.long),
-        finish_reason=[completions.finish_reason[i] for i in picked], policy_version=completions.policy_version,
-        prompt_length=completions.prompt_length, eos_token_id=completions.eos_token_id,
-        pad_token_id=completions.pad_token_id, n=completions.n,
-        episodes=None if completions.episodes is None else [completions.episodes[i] for i in picked],
-        token_version=take(completions.token_version), routes=take(completions.routes))
+    rows_of = [torch.nonzero(index == int(g)).flatten().tolist() for g in groups]
+    picked = completions.rows([r for rows in rows_of for r in rows])
+    picked.prompt_index = torch.tensor([i for i, rows in enumerate(rows_of) for _ in rows], dtype=torch.long)
+    return picked
 
 
 @dataclass

@@ -62,6 +62,9 @@ class AnnotationsTable(pa.DataFrameModel):
     """One row per completion of a step, after reward and annotation."""
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
+    # the episode row a row trains for: its own sample_id, an earlier sample's episode row, -1 a row that only fills
+    # the batch's shape (rl_core.annotate)
+    sample_of: Series[int] = pa.Field(ge=-1)
     prompt_id: Series[int] = pa.Field(ge=0)
     group_id: Series[int] = pa.Field(ge=0)
     group_size: Series[int] = pa.Field(ge=1)
@@ -88,8 +91,22 @@ class AnnotationsTable(pa.DataFrameModel):
 
     @pa.dataframe_check(name="complete_groups")
     def _complete_groups(cls, df: pd.DataFrame) -> Series[bool]:
-        counts = df.groupby("group_id")["sample_id"].transform("count")
-        return counts == df["group_size"]
+        counts = df[_episode_rows(df)].groupby("group_id")["sample_id"].count()
+        return df["group_id"].map(counts).fillna(0).astype(int) == df["group_size"]
+
+    @pa.dataframe_check(name="a_sample_shares_its_episode's_group_reward_and_advantage")
+    def _samples_share(cls, df: pd.DataFrame) -> Series[bool]:
+        episode = df[_episode_rows(df)].set_index("sample_id")
+        part = df["sample_of"] >= 0
+        of = df["sample_of"].where(part, df["sample_id"])
+        same = pd.Series(True, index=df.index)
+        for column in ("group_id", "reward", "advantage"):
+            same &= ~part | (of.map(episode[column]) == df[column])
+        return same
+
+    @pa.dataframe_check(name="a_filler_row_has_no_loss_and_no_advantage")
+    def _filler(cls, df: pd.DataFrame) -> Series[bool]:
+        return (df["sample_of"] >= 0) | ((df["masked_len"] == df["response_len"]) & (df["advantage"] == 0))
 
     @pa.dataframe_check(name="response_len>=1 (unless the episode did not start)")
     def _a_response(cls, df: pd.DataFrame) -> Series[bool]:
@@ -107,6 +124,11 @@ class AnnotationsTable(pa.DataFrameModel):
     def _one_policy_version(cls, df: pd.DataFrame) -> Series[bool]:
         mode = df["policy_version"].mode()
         return df["policy_version"] == (mode.iloc[0] if len(mode) else -1)
+
+
+def _episode_rows(df: pd.DataFrame) -> pd.Series:
+    """The rows a group's statistics count: one per completion or episode (`sample_of` is the row's own id)."""
+    return df["sample_of"] == df["sample_id"]
 
 
 def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float = 1e-4,
@@ -137,8 +159,8 @@ def _bounded_schema(max_tokens: int, group_relative: bool, atol: float) -> pa.Da
     )
     if group_relative:
         def zero_sum(df: pd.DataFrame) -> pd.Series:
-            sums = df.groupby("group_id")["advantage"].transform("sum")
-            return sums.abs() <= atol * df["group_size"]
+            sums = df[_episode_rows(df)].groupby("group_id")["advantage"].sum()
+            return df["group_id"].map(sums).fillna(0.0).abs() <= atol * df["group_size"]
 
         schema = copy.deepcopy(schema)
         schema.checks = [*schema.checks, pa.Check(zero_sum, name="group_advantages_sum_to_zero")]

@@ -72,3 +72,16 @@ def num_mini_batches(cfg: PosttrainConfig) -> int:
     per = per_replica_batch(cfg)
     mini = cfg.rl.mini_batch_per_replica or per
     return max(per // mini, 1) if per else 1
+
+
+def batch_row_multiple(cfg: PosttrainConfig) -> int:
+    """What a step's rows are a multiple of, so the ranks, their mini-batches and micro-batches split it evenly:
+    `cluster.num_workers x n_mini x rl.micro_batch_per_replica`. A batch whose rows vary (agent episodes that start
+    new samples, `rl_core.annotate`) is filled to it; the usual batch already is one."""
+    return cfg.cluster.num_workers * num_mini_batches(cfg) * (cfg.rl.micro_batch_per_replica or 1)
+
+
+def mini_batch_rows(cfg: PosttrainConfig, rows: int) -> int | None:
+    """Rows per optimizer step of a rank's shard of `rows`: n_mini steps whatever its rows (a batch filled to
+    `batch_row_multiple` splits evenly), so `rl.mini_batch_per_replica` for the usual batch; None: one step."""
+    return max(1, rows // num_mini_batches(cfg)) if cfg.rl.mini_batch_per_replica else None

@@ -140,9 +140,9 @@ def check_data(cfg: PosttrainConfig, *, read_hub: bool = True, open_episode: boo
             s.problems = [f"{s.key}={s.source!r}: no examples (the split is empty); point {s.key} at a split with data"]
         elif not offline:
             loaded[s.key] = rows
-    if open_episode and loaded.get("data.train") and task.environment is not None:
-        if problem := first_episode_problem(task.environment, loaded["data.train"][0]):
-            report.problems.append(f"data.task={d.task}: {problem}")
+    if (open_episode and loaded.get("data.train") and task.environment is not None
+            and (problem := first_episode_problem(task.environment, loaded["data.train"][0]))):
+        report.problems.append(f"data.task={d.task}: {problem}")
     if len(loaded) == 2 and d.prompt_template == "auto":
         try:
             row_templates(loaded["data.train"] + loaded["data.val"], task, d.prompt_template)

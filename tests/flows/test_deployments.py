@@ -29,7 +29,7 @@ from rl_core.preflight.rules import check
 from tests.conftest import FAST, LEAN, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
-               "grpo/tool-arithmetic", "grpo/tool-arithmetic-agent", "grpo/guess-number", "grpo/code-arithmetic", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
+               "grpo/tool-arithmetic", "grpo/tool-arithmetic-agent", "grpo/tool-arithmetic-sdk-agent", "grpo/guess-number", "grpo/code-arithmetic", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
                "regression/nightly-regression"}
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -47,7 +47,8 @@ def test_prefect_yaml_declares_the_deployments():
     assert set(by_name) == {d.split("/")[1] for d in DEPLOYMENTS}
     for name, file in (("gspo-gsm8k", "gspo_gsm8k"), ("grpo-gsm8k", "grpo_gsm8k"), ("dr-grpo-gsm8k", "dr_grpo_gsm8k"),
                        ("arithmetic", "arithmetic"), ("tool-arithmetic", "tool_arithmetic"),
-                       ("tool-arithmetic-agent", "tool_arithmetic_agent"), ("guess-number", "guess_number"),
+                       ("tool-arithmetic-agent", "tool_arithmetic_agent"),
+                       ("tool-arithmetic-sdk-agent", "tool_arithmetic_sdk_agent"), ("guess-number", "guess_number"),
                        ("code-arithmetic", "code_arithmetic")):
         d = by_name[name]
         assert d["entrypoint"] == "flows/grpo.py:grpo"

@@ -1,7 +1,9 @@
 """An agent function end to end (recipes/tool_arithmetic_agent.py, docs/agents.md "Bring your own agent"): the GRPO
 flow runs the agent, written with the plain `openai` client, in the environment actors; its requests reach the
 gateway in the same actor and are sampled on the rollout engine as episodes' turns; the trainer reads the sampler's
-log-probs on exactly those ids, and the held-out split is scored by the same agent, greedily."""
+log-probs on exactly those ids, and the held-out split is scored by the same agent, greedily. The agent here
+(`tests.user_code:compacting_agent`) asks its second turn in a conversation that does not extend the first, so its
+episodes train as two samples each, in a batch whose rows vary, filled to the micro-batches' split."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from tests.run_helpers import read_metrics
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_the_tool_arithmetic_agent_trains_through_the_gateway_in_the_environment_actors(in_workdir, tmp_path):
+def test_an_agent_function_trains_through_the_gateway_in_the_environment_actors_with_new_samples(in_workdir, tmp_path):
     from examples.tool_arithmetic import TEMPLATE
     from examples.tool_arithmetic import main as build_data
     from flows.grpo import grpo
@@ -25,6 +27,7 @@ def test_the_tool_arithmetic_agent_trains_through_the_gateway_in_the_environment
     grpo(recipe("tool_arithmetic_agent"), [
         f"model.name_or_path={model}", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
         "rl.max_steps=2", "rl.save_every=2", "rl.validation.max_prompts=4", "rl.validation.every_steps=2",
+        "data.task=tests.user_code:compacting_agent", "rl.micro_batch_per_replica=2",
         "data.env_workers=1", "data.reward_workers=0", "tracking.system_metrics=false",
         "tracking.sample_completions_every=0", "tracking.trace_episodes=2", "job.name=agent-fn",
         f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
@@ -34,6 +37,7 @@ def test_the_tool_arithmetic_agent_trains_through_the_gateway_in_the_environment
     for r in steps:
         # every episode got its answer: a turn that stopped, answered to the agent, which then ended the episode
         assert r["rollout/turns_mean"] >= 1.0 and r["rollout/env_errors"] == 0.0
+        assert r["rollout/new_samples"] >= 1.0  # trained beside their episodes' rows, each with its own mask
         assert r["rollout/unstarted_episodes"] == 0.0
         assert r["rollout/logp_abs_diff_max"] <= 1e-5  # the trainer reads the sampler's ids as sampled
         assert r["rollout/response_len_max"] <= 8 * 3

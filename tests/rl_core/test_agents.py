@@ -187,7 +187,7 @@ def test_the_episode_is_the_sampled_ids_plus_template_deltas_and_the_mask_marks_
     assert stats.pop("env_s") > 0  # reset and respond ran, timed
     assert stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "refused_requests": 0, "truncated": False, "cut_by": None, "env_errors": 0, "started": True,
                      "oversized_replies": 0, "tokens": len(episode.ids),
-                     "sampled_tokens": len(turns[0]) + len(turns[1]), "turn_tokens": [len(turns[0]), len(turns[1])]}
+                     "sampled_tokens": len(turns[0]) + len(turns[1]), "samples": 1, "last_sample_turns": 2, "turn_tokens": [len(turns[0]), len(turns[1])]}
 
 
 def test_a_template_that_drops_earlier_reasoning_never_changes_what_was_sampled():

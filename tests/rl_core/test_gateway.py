@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from examples.tool_arithmetic_agent import calculator_agent
 from rl_core.agents.gateway import MODEL, agent_environment
 from rl_core.agents.gateway.server import MAX_BODY_BYTES
 from rl_core.agents.rollout import rollout_episodes
@@ -114,7 +115,7 @@ def play(agent, rows=ROWS, n=2, max_turns=3, max_tokens=120, **options):
     return out, engine, model, tok
 
 
-@pytest.mark.parametrize("agent", [sync_agent, streaming_agent])
+@pytest.mark.parametrize("agent", [sync_agent, streaming_agent, calculator_agent])
 def test_an_openai_client_agent_trains_on_exactly_the_ids_the_engine_sampled(agent):
     out, engine, model, tok = play(agent)
     assert [r["reward"] for r in out.episodes] == [1.0] * 4  # called the calculator, then answered its result
@@ -148,7 +149,7 @@ SEEN: dict[str, list] = {}
 
 def probing_agent(client, row):
     """Sends bad requests first (each answer's status and code kept in SEEN), then plays as `sync_agent`, sending
-    one edited conversation in between."""
+    the conversation again without a new message in between."""
     import openai
 
     seen = SEEN.setdefault(row["prompt"], [])
@@ -170,9 +171,8 @@ def probing_agent(client, row):
     messages = list(good["messages"])
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALC]).choices[0].message
     messages.append(first.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
-    edited = [messages[0], {"role": "assistant", "content": "I did it in my head"}, *run_calls(first)]
     try:
-        client.chat.completions.create(model=MODEL, messages=edited, tools=[CALC])
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[CALC])
     except openai.BadRequestError as exc:
         seen.append((exc.status_code, exc.code))
     messages += run_calls(first)
@@ -189,7 +189,7 @@ def test_bad_requests_get_openai_errors_and_the_episode_goes_on():
     assert out.episodes[0]["stats"]["refused_requests"] == 5
     assert SEEN["12+30"] == [(401, "invalid_api_key"), (404, "session_not_found"), (404, "model_not_found"),
                              (400, "temperature"), (400, "n"), (413, "request_too_large"),
-                             (400, "conversation_diverged")]
+                             (400, "no_new_message")]
 
 
 def late_agent(client, row):

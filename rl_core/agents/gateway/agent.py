@@ -18,8 +18,11 @@ The token-exact rule. A request continues the episode when its messages begin wi
 recorded it (the first request's messages, each turn as it was answered, each later request's new messages),
 compared by role, text and calls (`normal`), and it brings the same tools: then only the new messages are rendered
 (the chat template's delta) and appended after the ids the policy sampled, which are never re-tokenized. A request
-that does not continue it (a conversation edited, compacted or re-ordered, other tools) is refused with an error
-the agent reads, and counted; the episode goes on with the agent's next request.
+that does not continue it (a conversation edited, compacted or re-ordered, a template that drops earlier turns'
+reasoning, other tools) starts a new sample of the same episode (`Reply(new_sample=True)`): the ids so far are one
+training sample, and the next opens with the request's whole conversation rendered as a prompt, so no token the
+policy did not sample is ever trained on; the split is counted (`rollout/new_samples`). A request that repeats
+the conversation without adding a message is refused (400), as the turn it asks for was answered already.
 
 Time: the environment's calls are bounded as any environment's (`data.env_timeout_s` on the environment actors):
 `reset` until the first request, `respond` until the next one. An episode that reaches a limit (`rollout.max_turns`,
@@ -128,11 +131,17 @@ class AgentEnvironment(Environment):
             if self.failure is not None:
                 raise RuntimeError(f"the agent function raised {self.failure}")
             return Reply(done=True)
-        new = request.messages[before:]
-        self.recorded += [normal(m) for m in new]
         names = {c["id"]: c["function"]["name"] for c in message.get("tool_calls") or ()}
+        fresh = not self._continues(request)
+        # the turn's tool results: the new messages, or in a new sample's conversation those answering its calls
+        new = [m for m in request.messages if m.get("tool_call_id") in names] if fresh else request.messages[before:]
         self.tool_results += [ToolResult(names.get(m.get("tool_call_id"), str(m.get("name") or "")),
                                          template_message(m)["content"], False) for m in new if m["role"] == "tool"]
+        if fresh:
+            self.recorded, self.request_tools = [normal(m) for m in request.messages], request.tools
+            return Reply([template_message(m) for m in request.messages], max_tokens=request.max_tokens,
+                         new_sample=True, tools=request.tools or [])
+        self.recorded += [normal(m) for m in new]
         return Reply([template_message(m) for m in new], max_tokens=request.max_tokens)
 
     def reward(self) -> float:
@@ -183,8 +192,8 @@ class AgentEnvironment(Environment):
             self.session.end()
 
     def _next(self, first: bool = False) -> Any:
-        """The agent's next request that continues the episode (refusing those that do not), or None once the
-        function has ended."""
+        """The agent's next request that asks for a turn (refusing those that do not), or None once the function
+        has ended."""
         while (item := self.session.next()) is not None:
             request, future = item
             problem = self._breaks(request, first)
@@ -193,22 +202,18 @@ class AgentEnvironment(Environment):
                 if first:
                     self.request_tools, self.first_turn_max_tokens = request.tools, request.max_tokens
                 return request
-            self.session.refuse(future, ApiError(400, problem, code="conversation_diverged"))
+            self.session.refuse(future, ApiError(400, problem, code="no_new_message"))
         return None
 
-    def _breaks(self, request: Any, first: bool) -> str | None:
-        """Why `request` does not continue the episode, or None when it does."""
-        if first:
-            return None
-        if request.tools != self.request_tools:
-            return ("the request's tools differ from the episode's first request's; an episode keeps its tools (the "
-                    "chat template renders them once, in the prompt)")
+    def _continues(self, request: Any) -> bool:
+        """Whether `request` brings the episode's tools and begins with its conversation as recorded (module
+        docstring): its new messages are then a delta after the sampled ids; else it starts a new sample."""
         sent = [normal(m) for m in request.messages]
-        if sent[:len(self.recorded)] != self.recorded:
-            at = next((i for i, (a, b) in enumerate(zip(sent, self.recorded)) if a != b), len(sent))
-            return (f"messages[{at}] differs from the conversation so far, as the gateway recorded it: a request must "
-                    "send the conversation unchanged (the policy's turns as they were answered) and add to it; "
-                    "an edited or compacted conversation would train the policy on tokens it did not sample")
-        if len(sent) == len(self.recorded):
-            return "the request adds no message to the conversation; send the turn's tool results or a user message"
+        return request.tools == self.request_tools and sent[:len(self.recorded)] == self.recorded
+
+    def _breaks(self, request: Any, first: bool) -> str | None:
+        """Why `request` asks for no turn (it repeats the conversation so far), or None."""
+        if not first and self._continues(request) and len(request.messages) == len(self.recorded):
+            return ("the request adds no message to the conversation; send the turn's tool results or a user message "
+                    "(the turn it asks for was answered already)")
         return None

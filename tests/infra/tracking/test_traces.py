@@ -31,6 +31,9 @@ def test_sampled_episodes_are_traces_of_the_run_with_a_span_per_turn_and_tool_ca
     experiment = client.create_experiment("agents", artifact_location=(tmp_path / "artifacts").as_uri())
     run = client.create_run(experiment).info.run_id
     records = [record(j, str(j)) for j in range(5)]
+    # row 0 went on in a new sample after its second of three turns: its first assistant message is the one the
+    # agent sent again (no sampled tokens of its own in the trace), its last is the last sample's own turn
+    records[0]["stats"].update(turns=3, turn_tokens=[12, 9, 5], samples=2, last_sample_turns=1)
     ids = log_episode_traces(client, uri, experiment, run, 7, records, [0.1 * j for j in range(5)], 2,
                              policy_version=6)
     assert len(ids) == 2
@@ -41,7 +44,8 @@ def test_sampled_episodes_are_traces_of_the_run_with_a_span_per_turn_and_tool_ca
         root = next(s for s in trace.data.spans if s.parent_id is None)
         by_row[root.attributes["posttrain.row"]] = trace
         assert trace.info.tags["posttrain.step"] == "7"
-        assert root.attributes["posttrain.policy_version"] == 6 and root.attributes["posttrain.turns"] == 2
+        assert root.attributes["posttrain.policy_version"] == 6
+        assert root.attributes["posttrain.turns"] == (3 if root.attributes["posttrain.row"] == 0 else 2)
     assert sorted(by_row) == [0, 4]  # spread over the step: the first and the last episode
     trace = by_row[4]
     spans = {s.name: s for s in trace.data.spans}
@@ -56,3 +60,6 @@ def test_sampled_episodes_are_traces_of_the_run_with_a_span_per_turn_and_tool_ca
     assert tool.inputs == {"arguments": {"expression": "1+2"}} and tool.outputs == {"content": "3"}
     assert spans["environment"].outputs["message"] == {"role": "user", "content": "and now?"}
     assert json.loads(json.dumps(trace.to_dict()))  # the whole trace reads back as JSON
+    split = {s.name: s for s in by_row[0].data.spans}
+    assert "posttrain.sampled_tokens" not in split["turn 1"].attributes
+    assert split["turn 2"].attributes["posttrain.sampled_tokens"] == 5
