@@ -119,3 +119,64 @@ def test_rollout_correction_on_a_mixed_version_batch_with_holes_is_the_closed_fo
             want = min(rho, cap) if mode == "tis" else (rho if 1 / cap <= rho <= cap else 0.0)
             assert float(weights[r, t]) == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert holes > 0  # the environment's replies sit between sampled turns
+
+
+def test_a_sync_inside_a_turn_gives_the_turns_later_tokens_the_new_version():
+    """rollout.in_flight_updates on agent episodes: the load is asked for during the second decoding forward of the
+    second engine call (every live episode's turn 2, lock-step), so each turn 2 has its first three tokens from
+    version 0 and the rest from version 1, turn 1 is version 0 throughout. The new weights zero the final norm: a
+    token sampled after the load has log-prob -log(V) exactly, whatever KV cache the older weights left; a version-0
+    token has the old model's log-prob."""
+    import threading
+    import time
+
+    tok = tokenizer()
+    old = stopping_policy(tok)
+    model = copy.deepcopy(old)
+    engine = HFEngine(model, tok)
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    new["model.norm.weight"].zero_()
+    calls, decodes, loader = [0], [0], []
+    generate = engine.generate
+
+    def counted(*args, **kwargs):
+        calls[0], decodes[0] = calls[0] + 1, 0
+        return generate(*args, **kwargs)
+
+    def during_forward(_module, _args, kwargs):
+        if calls[0] != 2 or kwargs["input_ids"].shape[1] != 1:
+            return
+        decodes[0] += 1
+        if decodes[0] == 2:  # the forward behind position 2's logits
+            loader.append(threading.Thread(target=engine.update_weights, args=(new, 1)))
+            loader[0].start()
+            while not engine.swap.load_waiting:
+                time.sleep(0.001)
+
+    engine.generate = counted
+    hook = model.register_forward_pre_hook(during_forward, with_kwargs=True)
+    try:
+        c = episodes(engine, tok, scheduling="lock_step", mixed_versions=True)
+    finally:
+        hook.remove()
+        for t in loader:
+            t.join()
+    assert engine.policy_version == 1 and c.policy_version == 0 and loader
+    sampled = c.response_mask > 0
+    split_turns = 0
+    for r in range(len(c)):
+        on = sampled[r].nonzero().flatten().tolist()
+        turns = [[on[0]]] if on else []
+        for t in on[1:]:
+            (turns[-1].append(t) if t == turns[-1][-1] + 1 else turns.append([t]))
+        versions = [c.token_version[r, turn].tolist() for turn in turns]
+        assert versions[0] == [0] * len(versions[0])  # turn 1: before the load
+        if len(versions) > 1:
+            assert versions[1] == [int(k >= 3) for k in range(len(versions[1]))]
+            split_turns += len(versions[1]) > 3
+        assert all(v == [1] * len(v) for v in versions[2:])
+    assert split_turns > 0, "no turn 2 decoded past the load"
+    vocab = model.get_output_embeddings().weight.shape[0]
+    after, before = sampled & (c.token_version == 1), sampled & (c.token_version == 0)
+    assert torch.allclose(c.sampling_logp[after], torch.full_like(c.sampling_logp[after], -math.log(vocab)), atol=1e-5)
+    assert (c.sampling_logp - logprobs(old, c))[before].abs().max().item() <= 1e-5

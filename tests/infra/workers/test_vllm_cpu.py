@@ -117,6 +117,62 @@ def test_an_engine_that_loads_a_weight_wrong_fails_the_sync(vllm_cluster):
     assert cluster.sync_weights(3)["rollout/sync_probe_logp_abs_diff"] < 1e-5
 
 
+def test_a_sync_during_vllm_episodes_lands_between_two_turns(vllm_cluster, warm_model, workdir):
+    """vLLM finishes the call in flight before it takes new weights (`rollout.in_flight_updates` is the HF engine's),
+    so agent episodes meet a sync between two turns (rl.async_steps): each turn is one version, the first turn's the
+    warm start's (version 4, its log-probs), every later turn the new weights' (version 5, the random init's)."""
+    from examples.guess_number import GuessNumber, prompt
+    from rl_core.agents.rollout import rollout_episodes
+    from rl_core.tasks import Example
+    from rl_core.tasks.environment import EnvironmentTask
+
+    cluster, role = vllm_cluster
+    init_dir = workdir / "artifacts" / "tiny-model" / "init"
+    states = {name: load_file(next(path.glob("*.safetensors"))) for name, path in
+              (("warm", Path(warm_model[0])), ("init", init_dir))}
+
+    def push(name: str, version: int) -> None:
+        def replace_weights(worker, state):
+            worker.trainer.model.load_state_dict(state)
+            return True
+
+        ray.get(cluster.workers[0].__ray_call__.remote(replace_weights, states[name]))
+        cluster.sync_weights(version)
+
+    class SyncAfterTheFirstTurn:  # the sync, once every episode's first turn is back (lock-step: one call)
+        calls = 0
+
+        def generate(self, prompt_ids, n, sampling):
+            out = cluster.engines.generate(prompt_ids, n, sampling)
+            self.calls += 1
+            if self.calls == 1:
+                push("init", 5)
+            return out
+
+    push("warm", 4)
+    task = EnvironmentTask(GuessNumber, "examples.guess_number:GuessNumber")
+    rows = [Example(prompt(9), str(secret)) for secret in (2, 5, 9, 4)]
+    c, _ = rollout_episodes(SyncAfterTheFirstTurn(), task, rows, role.tokenizer, 2, role.sampling(3), max_turns=3,
+                            max_episode_tokens=EPISODE_TOKENS, scheduling="lock_step", mixed_versions=True)
+    sampled, versions = c.response_mask > 0, c.token_versions()
+    later = 0
+    for r in range(len(c)):
+        on = sampled[r].nonzero().flatten().tolist()
+        starts = [t for t in on if t - 1 not in on]
+        for k, start in enumerate(starts):  # turn k of the episode: its run of sampled tokens
+            end = next((t for t in range(start, c.input_ids.shape[1]) if not sampled[r, t]), c.input_ids.shape[1])
+            assert set(versions[r, start:end].tolist()) == {4 if k == 0 else 5}, (r, k)
+            later += k > 0
+    assert later > 0, "no episode played a turn after the sync"
+    assert c.policy_version == 4 and c.token_version is not None
+    on_warm = trainer_logprobs(warm_model[0], c, temperature=1.0)
+    on_init = trainer_logprobs(init_dir, c, temperature=1.0)
+    old, new = sampled & (versions == 4), sampled & (versions == 5)
+    assert (c.sampling_logp - on_warm)[old].abs().max().item() <= 1e-3
+    assert (c.sampling_logp - on_init)[new].abs().max().item() <= 1e-3
+    assert (c.sampling_logp - on_warm)[new].abs().max().item() > 1e-2  # the later turns came from the new weights
+
+
 def test_colocated_vllm_in_two_trainer_ranks(cwd):
     """cluster.placement=colocated with rollout.backend=vllm and two trainer ranks: each rank builds vLLM's CPU
     build in its own process, off the ranks' gloo group (infra.workers.distributed.outside_default_group), and three GRPO
