@@ -38,9 +38,11 @@ from infra.services.prefect_api import use_prefect_server_defaults
 from tests.builders import STARTUP_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
-_PREFECT_HOME = tempfile.mkdtemp(prefix="posttrain-test-prefect-")
-# Set before anything imports prefect: its settings are read once.
-os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
+# Set before anything imports prefect: its settings are read once. The session's process makes it (xdist's workers
+# and the processes tests start inherit it) and removes it when it exits.
+if "PREFECT_HOME" not in os.environ:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="posttrain-test-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
