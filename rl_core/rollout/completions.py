@@ -78,10 +78,13 @@ class Completions:
         return {k: float((lag == k).sum()) / total for k in range(most + 1)}
 
     def earlier_of(self, rows: list[int]) -> Completions | None:
-        """The earlier samples of `rows` (`earlier_samples`), theirs renumbered to the rows' places in the list."""
+        """The earlier samples of `rows` (`earlier_samples`), renumbered to their rows' places in the list (a row
+        listed twice keeps them at its first place)."""
         if self.earlier_samples is None:
             return None
-        place = {int(r): i for i, r in enumerate(rows)}
+        place: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            place.setdefault(int(r), i)
         own = [j for j, r in enumerate(self.earlier_samples.prompt_index.tolist()) if r in place]
         if not own:
             return None

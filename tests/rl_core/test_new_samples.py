@@ -138,6 +138,7 @@ def test_earlier_samples_travel_with_their_episodes_rows_through_save_select_and
     assert picked.earlier_samples.prompt_index.tolist() == [0]
     assert torch.equal(picked.earlier_samples.input_ids, out.earlier_samples.input_ids[1:])
     assert select_groups(out, [0]).earlier_samples.prompt_index.tolist() == [1]
+    assert out.rows([1, 1]).earlier_samples.prompt_index.tolist() == [0]  # a row listed twice: its samples once
     both = concat_completions([out, out])
     assert both.earlier_samples.prompt_index.tolist() == [1, 2, 5, 6]
     assert out.staleness(3) == (3.0, 3)  # the earlier samples' tokens count, all of version 0
