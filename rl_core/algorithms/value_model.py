@@ -1,0 +1,49 @@
+"""The critic's model for PPO: the policy's architecture with a value head, `AutoModelForTokenClassification` with one
+label (the backbone loaded from the policy's weights, the head `score` new), so it saves and loads as a Hugging Face
+model of its own.
+
+Alignment: the value of the state before token t is read where the policy reads token t's log-prob, at the hidden
+state of position t − 1 (`token_values`), so `values[i, t]` pairs with `logp[i, t]` and the GAE of
+`rl_core.primitives.gae` on the same mask.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rl_core.primitives.logprobs import position_ids_from_mask
+
+
+def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                head_std: float = 0.0):
+    """The critic built from the policy at `name_or_path` (a hub id or a local directory): its backbone's weights, and a
+    value head of one output initialised N(0, head_std²) (0: every value starts at 0) with no bias."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(
+        str(name_or_path), num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
+    head = model.score if hasattr(model, "score") else model.classifier  # the head's name in transformers' models
+    with torch.no_grad():
+        if head_std > 0:
+            head.weight.normal_(0.0, head_std)
+        else:
+            head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+    return model
+
+
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` float32: the critic's value of the state before each token (the hidden state of the position before
+    it, module docstring); 0 at a row's first position and wherever `attention_mask` is 0. Left-padded rows get
+    positions counted from their first real token."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    scores = out.logits[..., 0].float()
+    values = torch.zeros_like(scores)
+    values[:, 1:] = scores[:, :-1]
+    real = attention_mask.bool()
+    previous_real = torch.zeros_like(real)
+    previous_real[:, 1:] = real[:, :-1]
+    return values * (real & previous_real)
