@@ -79,8 +79,7 @@ def annotate(
     reward_t, group_ids, advantages = reward_t[owner], group_ids[owner], advantages[owner]
     filler = torch.arange(len(owner)) >= len(owner) - fill
     if fill:
-        last = completions.rows([len(completions) - 1] * fill)
-        completions = concat_completions([completions, last], index_offsets=[0, 0])
+        completions = completions.rows([*range(len(completions)), *[len(completions) - 1] * fill])
     n_rows = len(owner)
     loss_mask = completions.response_mask.float()
     if knobs.shared_prefix_min_tokens > 0:

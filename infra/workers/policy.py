@@ -245,8 +245,8 @@ class PolicyWorker:
             asleep_used = (total - free) / 2**30
         t0 = time.perf_counter()
         rl = self.cfg.rl
-        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, mini_batch_rows(self.cfg, shard.batch_size),
-                                           rl.micro_batch_max_tokens)
+        mini = mini_batch_rows(self.cfg, shard.batch_size)
+        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, mini, rl.micro_batch_max_tokens)
         self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0

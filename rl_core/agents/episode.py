@@ -166,7 +166,6 @@ class Episode:
         self.tool_calls = self.tool_errors = self.refused_requests = 0  # the environment's counts, as of its last answer
         self.oversized_replies = 0  # replies that did not fit the budget left (the episode ended there)
         self.messages: list[dict] = list(start.messages)
-        self.prompt_messages = len(self.messages)
         self.opening = list(self.messages)  # the opening messages (`record`'s prompt), whatever samples follow
         self.earlier: list[Sample] = []  # the episode's samples before the one in `ids` (module docstring)
         self.sample_turns = 0  # the turns of the earlier samples
@@ -202,7 +201,7 @@ class Episode:
         episode.refused_requests = 0
         episode.oversized_replies, episode.turn_cap = 0, None
         # what reward functions read: no opening messages, one empty assistant turn (the policy said nothing)
-        episode.messages, episode.prompt_messages, episode.turns = [{"role": "assistant", "content": ""}], 0, []
+        episode.messages, episode.turns = [{"role": "assistant", "content": ""}], []
         episode.opening, episode.earlier, episode.sample_turns = [], [], 0
         episode.turn_tokens = []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
@@ -353,10 +352,8 @@ class Episode:
         `reward` and `stats`, and each assistant turn's sampled text where one of its calls did not parse
         (`malformed_turns`, None for the others). After a new sample, the conversation is the last sample's, after
         the opening messages it still begins with; its earlier assistant turns are as the environment sent them."""
-        start = self.prompt_messages
-        if self.earlier:
-            start = next((i for i, (a, b) in enumerate(zip(self.messages, self.opening)) if a != b),
-                         min(len(self.messages), len(self.opening)))
+        start = next((i for i, (a, b) in enumerate(zip(self.messages, self.opening)) if a != b),
+                     min(len(self.messages), len(self.opening)))  # the opening messages it still begins with
         completion = self.messages[start:]
         own = [t.text if any(c.error for c in t.calls) else None for t in self.turns[self.sample_turns:]]
         resent = sum(m.get("role") == "assistant" for m in completion) - len(own)

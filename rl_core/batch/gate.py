@@ -97,12 +97,10 @@ class AnnotationsTable(pa.DataFrameModel):
     @pa.dataframe_check(name="a_sample_shares_its_episode's_group_reward_and_advantage")
     def _samples_share(cls, df: pd.DataFrame) -> Series[bool]:
         episode = df[_episode_rows(df)].set_index("sample_id")
-        part = df["sample_of"] >= 0
-        of = df["sample_of"].where(part, df["sample_id"])
-        same = pd.Series(True, index=df.index)
+        agrees = pd.Series(True, index=df.index)
         for column in ("group_id", "reward", "advantage"):
-            same &= ~part | (of.map(episode[column]) == df[column])
-        return same
+            agrees &= df["sample_of"].map(episode[column]) == df[column]
+        return (df["sample_of"] < 0) | agrees  # a filler row has no episode
 
     @pa.dataframe_check(name="a_filler_row_has_no_loss_and_no_advantage")
     def _filler(cls, df: pd.DataFrame) -> Series[bool]:

@@ -20,8 +20,8 @@ class Completions:
     every token is `policy_version`'s. `routes [N, P+R, L, k]` uint8: the experts a mixture-of-experts engine sent
     every token to (`rl_core.model.routing`, `model.routing_replay=rollout`); None when not recorded.
     `earlier_samples`: the samples of agent episodes before each one's last (`rl_core.agents.episode`, "Samples"),
-    as completions of their own (`n` as theirs) whose `prompt_index` is the row of the episode they belong to (None: no episode
-    started a new sample); the versions, staleness and lags count their tokens too.
+    as completions of their own (`n` as theirs) whose `prompt_index` is the row of the episode they belong to
+    (None: no episode started a new sample); the versions, staleness and lags count their tokens too.
     """
 
     input_ids: torch.Tensor
