@@ -1,7 +1,8 @@
 """The on-policy step loop, shared by the GRPO-family flow and the OPD flow (the `on_policy` and `teacher`
 topologies of rl_core.algorithms.registry).
 
-Each step runs `rollout (an agent task: episodes) -> reward -> annotate [-> teacher -> distill] -> validate -> train -> sync`, then the
+Each step runs `rollout (an agent task: episodes) -> reward -> annotate [-> teacher -> distill | -> values] -> validate -> train
+-> sync` (the teacher with OPD, the critic's values with PPO), then the
 checkpoint and the evaluation on cadence (`TrainingRun.end_step`). It only orders phases; the work is in
 tasks, rl_core and infra.
 
@@ -51,6 +52,7 @@ from rl_core.preflight.machine import check_memory
 from rl_core.rewards import success_reward, successes
 from rl_core.rewards.configured import reward_names
 from tasks.annotate import annotate_task
+from tasks.critic import values_task
 from tasks.evaluate import evaluate_task
 from tasks.reward import reward_task
 from tasks.rollout import episodes_task, rollout_task, sync_task
@@ -206,6 +208,9 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
                     stride = len(rewards) * (ro.max_turns + 1 if agents else 1)
                     annotated = annotate_task(quote(completions), quote(rewards), quote(rows), quote(cfg.rl),
                                               (step - 1) * stride, quote(padding), batch_row_multiple(cfg), step=step)
+                if cfg.rl.objective.has_critic:
+                    with timer.phase("values"):
+                        annotated = values_task(quote(cluster), quote(annotated), quote(cfg.rl), step=step)
                 if teacher is not None:
                     with timer.phase("teacher"):
                         scored = teacher_task(quote(teacher), quote(annotated.batch), step=step)

@@ -53,7 +53,7 @@ from rl_core.rewards.configured import reward_names
 from tasks.checkpoint import commit_checkpoint_task, save_model_task, start_checkpoint_task
 from tasks.rollout import prune_rollout_cache
 
-PUBLIC_PREFIXES = ("train/", "rollout/", "perf/", "val/")
+PUBLIC_PREFIXES = ("train/", "critic/", "rollout/", "perf/", "val/")  # critic/: PPO's value model
 # trainer-side diagnostics that describe the rollout, published under rollout/*
 ROLLOUT_KEYS = {"train/rollout_logp_abs_diff": "rollout/logp_abs_diff",
                 "train/rollout_logp_abs_diff_max": "rollout/logp_abs_diff_max"}

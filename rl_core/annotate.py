@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from rl_core.agents.rollout import episode_stats
+from rl_core.algorithms.base import GroupAdvantageKnobs
 from rl_core.annotators.advantage import group_advantages
 from rl_core.annotators.shared_prefix import shared_prefix_loss_mask
 from rl_core.batch.trajectory import Trajectory
@@ -61,9 +62,10 @@ def annotate(
     group_ids = torch.as_tensor(completions.prompt_index, dtype=torch.long)
     # A non-finite reward is the gate's to refuse (naming the rows): its group gets NaN advantages.
     finite = torch.isfinite(reward_t)
-    knobs = rl.objective  # the group-advantage knobs of the objective
+    knobs = rl.objective  # the group-advantage knobs of the objective; PPO has none (its critic's phase sets them)
+    grouped = isinstance(knobs, GroupAdvantageKnobs)
     advantages = group_advantages(torch.where(finite, reward_t, 0.0), group_ids, unbiased=knobs.unbiased_advantage,
-                                  eps=knobs.advantage_eps).float()
+                                  eps=knobs.advantage_eps).float() if grouped else torch.zeros(episodes)
     if not bool(finite.all()):
         poisoned = torch.isin(group_ids, group_ids[~finite])
         advantages = torch.where(poisoned, torch.full_like(advantages, float("nan")), advantages)
@@ -82,12 +84,12 @@ def annotate(
         completions = completions.rows([*range(len(completions)), *[len(completions) - 1] * fill])
     n_rows = len(owner)
     loss_mask = completions.response_mask.float()
-    if knobs.shared_prefix_min_tokens > 0:
+    if grouped and knobs.shared_prefix_min_tokens > 0:
         loss_mask = shared_prefix_loss_mask(completions.input_ids, loss_mask, reward_t, group_ids,
                                             knobs.shared_prefix_min_tokens)
     prefix_masked = float(1 - loss_mask.sum() / completions.response_mask.float().sum().clamp_min(1))
     truncated = torch.tensor([reason != "stop" for reason in completions.finish_reason], dtype=torch.bool)
-    if knobs.mask_truncated:  # cut by a limit: out of the loss, its reward still in its group's advantages
+    if grouped and knobs.mask_truncated:  # cut by a limit: out of the loss, its reward still in its group's advantages
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     # in the batch for its shape only: weight 0 in every reduction
     shape_only = filler | torch.isin(group_ids, torch.as_tensor(list(padding), dtype=torch.long))

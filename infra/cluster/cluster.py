@@ -221,6 +221,16 @@ class Cluster(AbstractContextManager):
         shards = [batch.select(list(range(r * size, (r + 1) * size))) for r in range(n)]
         return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shards)])
 
+    def values(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """PPO: the critic's values `[B, T]` of the batch (and the reference's log-probs with a KL in the reward),
+        each rank scoring the shard `train` gives it."""
+        n = len(self.workers)
+        size = batch.batch_size // n
+        answers = ray.get([w.values.remote(batch.select(list(range(r * size, (r + 1) * size))))
+                           for r, w in enumerate(self.workers)])
+        values = torch.cat([v for v, _ in answers])
+        return values, None if answers[0][1] is None else torch.cat([ref for _, ref in answers])
+
     def sync_weights(self, version: int) -> dict[str, float]:
         """Bring every engine to rank 0's weights as policy `version`; check the echoed versions and checksums.
 

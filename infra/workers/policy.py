@@ -1,9 +1,9 @@
 """One data-parallel trainer rank as a Ray actor (`PolicyWorker`).
 
 `Cluster` (infra/cluster/cluster.py) places these actors, each built from the resolved config as data
-(`infra.workers.actor.worker_config`); each rank builds its trainer (`build_trainer`: policy, frozen reference when
-the objective needs one, the objective from the registry, `LLMTrainer`), joins the data-parallel process group, and,
-colocated, hosts its rollout engine.
+(`infra.workers.actor.worker_config`); each rank builds its trainer (`infra.workers.trainer_build.build_trainer`:
+policy, frozen reference when the objective needs one, the objective from the registry, `LLMTrainer`) and, with PPO,
+its critic (`infra.workers.critic`), joins the data-parallel process group, and, colocated, hosts its rollout engine.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 
 from infra.processes import use_threads
 from infra.workers.actor import actor_device, held_weights, node_info, to_cpu
+from infra.workers.critic import CRITIC, RankCritic
 from infra.workers.engines import build_engine, engine_dtype
-from rl_core.algorithms.registry import build_objective
-from rl_core.config import PosttrainConfig, config_from_dict
-from rl_core.model.loading import enable_tf32, matmul_precision_kept
-from rl_core.model.protocol import enable_gradient_checkpointing
+from infra.workers.trainer_build import build_trainer
+from rl_core.config import config_from_dict
+from rl_core.model.loading import matmul_precision_kept
 from rl_core.placement.run_shape import mini_batch_rows
 
 
@@ -35,6 +35,7 @@ class PolicyWorker:
         self.device = actor_device(gpus)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.trainer = self.tokenizer = self.engine = None
+        self.critic: RankCritic | None = None
         self._store = self._weight_store = self.weight_group = None
         self._checkpoint_group: Any = None  # a CPU (gloo) group of the trainer ranks, for checkpoints alone
         self._writing: Any = None  # the future of the checkpoint being written (`start_checkpoint`)
@@ -86,6 +87,8 @@ class PolicyWorker:
             # the checkpoint's collectives run in a background thread while training's run: a group of their own
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.trainer, self.tokenizer = build_trainer(self.cfg, reducer, self.device)
+        if self.cfg.rl.objective.has_critic:
+            self.critic = RankCritic(self.cfg, reducer, self.device, self.trainer)
         if self.cfg.cluster.placement == "colocated":
             # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
             shared = None if self.trainer.sharded else self.trainer.model
@@ -246,8 +249,13 @@ class PolicyWorker:
         t0 = time.perf_counter()
         rl = self.cfg.rl
         mini = mini_batch_rows(self.cfg, shard.batch_size)
-        metrics = self.trainer.train_step(shard, rl.micro_batch_per_replica, mini, rl.micro_batch_max_tokens)
-        self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
+        sizes = (rl.micro_batch_per_replica, mini, rl.micro_batch_max_tokens)
+        metrics = self.critic.train_step(shard, *sizes) if self.critic is not None else {}
+        if self.critic is not None and self.trainer.policy_version < rl.objective.critic_warmup_steps:
+            self.trainer.skip_batch()  # the critic's warm-up: the policy stays as it is
+        else:
+            metrics.update(self.trainer.train_step(shard, *sizes))
+            self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["perf/train_compute_s"] = time.perf_counter() - t0
         if gpu:
@@ -255,6 +263,12 @@ class PolicyWorker:
             metrics["perf/gpu_asleep_used_gib"] = asleep_used
             metrics["perf/gpu_train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
+
+    def values(self, shard: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """PPO: the critic's values of this rank's rows (and the reference's log-probs with a KL in the reward)."""
+        if self.engine is not None:
+            self.engine.sleep()
+        return self.critic.values(shard)
 
     def evaluate_pairs(self, batch: Any, split: str = "val") -> dict[str, float]:
         """DPO: held-out pair metrics (`val/loss`, `val/reward_accuracy`, ...) of this rank's policy, no grad."""
@@ -295,6 +309,8 @@ class PolicyWorker:
             raise RuntimeError(f"trainer rank {self.rank}: a checkpoint is still being written; "
                                "wait for checkpoint_written(wait=True) before the next")
         tensors, rest = self.trainer.shard_state()
+        if self.critic is not None:  # its shards and state beside the policy's, in the same files
+            tensors[CRITIC], rest[CRITIC] = self.critic.shard_state()
         replicated = not self.trainer.sharded and self.world_size > 1  # whole copies: each rank writes a share
         self._writing = write_shards(tensors, directory, self._checkpoint_group,
                                      (self.rank, self.world_size) if replicated else None)
@@ -318,6 +334,8 @@ class PolicyWorker:
 
         rest = {k: v for k, v in rest.items() if k != "rng"} if rng is None else {**rest, "rng": rng}
         self.trainer.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
+        if self.critic is not None:
+            self.critic.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
 
     def read_text(self, path: str) -> str | None:
         """The text of `path` on this node, None when there is none (whether this node sees a driver's file)."""
@@ -331,16 +349,17 @@ class PolicyWorker:
 
         Sharded, every rank calls this: the full weights are gathered into rank 0's host memory first, tensor by
         tensor. With LoRA the directory holds the merged model, and `adapter/` the adapter in PEFT's format
-        (`rl_core.model.lora`)."""
+        (`rl_core.model.lora`); with PPO `critic/` holds the critic (`infra.workers.critic`)."""
         from infra.checkpoints.shards import release_staging
         from rl_core.model.loading import save_policy
 
         release_staging()  # the checkpoints' host copies go before the export's (the host-memory plan's moments)
         state = self.trainer.exported_model_state() if self.trainer.sharded else None
-        if self.rank != 0:
-            return None
-        save_policy(self.trainer.model, self.tokenizer, path, state=state, base=self.cfg.model.name_or_path)
-        return path
+        if self.rank == 0:
+            save_policy(self.trainer.model, self.tokenizer, path, state=state, base=self.cfg.model.name_or_path)
+        if self.critic is not None:  # PPO: the critic beside it, as a model of its own
+            self.critic.save_pretrained(str(Path(path) / CRITIC), self.rank)
+        return path if self.rank == 0 else None
 
     def shutdown(self) -> None:
         """Leave the weight-sync group and the data-parallel process group."""
@@ -352,44 +371,3 @@ class PolicyWorker:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-
-def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.device | None = None):
-    """`(trainer, tokenizer)` of one rank: policy (+ frozen reference when the objective needs one), objective."""
-    from rl_core.algorithms.context import ObjectiveContext
-    from rl_core.model import lora
-    from rl_core.model.loading import load_policy, torch_dtype
-    from rl_core.placement.run_shape import shard_mesh
-    from rl_core.training.trainer import LLMTrainer
-
-    torch.manual_seed(cfg.job.seed)
-    enable_tf32(device or torch.device("cpu"))
-    if mesh := shard_mesh(cfg):  # built sharded: every rank reads its own shards (float32 masters)
-        from infra.workers.sharded_load import load_sharded_policy
-
-        model, tokenizer = load_sharded_policy(cfg.model, device or torch.device("cpu"),
-                                               torch_dtype(cfg.model.compute_dtype), mesh,
-                                               cfg.model.gradient_checkpointing)
-    else:
-        model, tokenizer = load_policy(cfg.model, device=device)  # float32 master weights
-        if cfg.model.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        if lora.enabled(cfg.model):  # frozen base, trainable adapters (preflight refuses LoRA when sharded)
-            model = lora.wrap(model, cfg.model.lora)
-    objective = build_objective(cfg, ObjectiveContext.from_config(cfg))  # rl.objective.build (built-in or custom)
-    auxiliary: dict[str, torch.nn.Module] = {}
-    if objective.reference_scorer is not None:
-        ref_cfg = cfg.model if cfg.rl.reference is None else cfg.model.model_copy(update={"name_or_path": cfg.rl.reference})
-        if lora.is_lora(model) and cfg.rl.reference is None:  # the initial policy: the base, adapter disabled
-            reference = lora.ReferenceView(model)
-        else:
-            reference, _ = load_policy(ref_cfg, device=device, dtype=cfg.model.compute_dtype)  # frozen: compute dtype
-            reference.eval().requires_grad_(False)
-        auxiliary["reference"] = reference
-    trainer = LLMTrainer(model, objective, cfg.rl.optimizer, auxiliary_models=auxiliary, dp_reducer=dp_reducer,
-                         compute_dtype=torch_dtype(cfg.model.compute_dtype), max_staleness=cfg.rl.async_steps,
-                         max_rollout_logp_abs_diff=cfg.rollout.max_logp_abs_diff,
-                         # a mini-batch of dynamic sampling's padding alone (or of truncated rows) has no loss token
-                         skip_empty_updates=getattr(cfg.rl.objective, "mask_truncated", False)
-                         or cfg.rollout.filter_groups,
-                         routing_replay=cfg.model.routing_replay)
-    return trainer, tokenizer

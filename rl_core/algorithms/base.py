@@ -54,6 +54,11 @@ class ObjectiveConfig(BaseModel):
         return True
 
     @property
+    def has_critic(self) -> bool:
+        """It trains a value model beside the policy (`rl.objective.type=ppo`)."""
+        return False
+
+    @property
     def reads_reference(self) -> bool:
         """It needs the frozen reference model's log-probs (`rl.reference`, or the initial policy)."""
         return False

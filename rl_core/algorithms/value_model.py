@@ -19,12 +19,26 @@ from rl_core.primitives.logprobs import position_ids_from_mask
 def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                 head_std: float = 0.0):
     """The critic built from the policy at `name_or_path` (a hub id or a local directory): its backbone's weights, and a
-    value head of one output initialised N(0, head_std²) (0: every value starts at 0) with no bias."""
-    from transformers import AutoModelForTokenClassification
+    value head of one output initialised N(0, head_std²) (0: every value starts at 0) with no bias, and no dropout
+    before it."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging
 
-    model = AutoModelForTokenClassification.from_pretrained(
-        str(name_or_path), num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
-    head = model.score if hasattr(model, "score") else model.classifier  # the head's name in transformers' models
+    config = AutoConfig.from_pretrained(str(name_or_path), num_labels=1, trust_remote_code=trust_remote_code)
+    config.classifier_dropout = 0.0  # a value is a regression target: no dropout before the head (transformers' 0.1)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report names the new head and the unused LM head: checked below instead
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            str(name_or_path), config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
+    finally:
+        logging.set_verbosity(verbosity)
+    head_name = "score" if hasattr(model, "score") else "classifier"  # the head's name in transformers' models
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{head_name}."))
+    if missing:
+        raise ValueError(f"the critic's backbone from {name_or_path} lacks {len(missing)} weight(s) ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''}): it is not a model of the policy's architecture")
+    head = getattr(model, head_name)
     with torch.no_grad():
         if head_std > 0:
             head.weight.normal_(0.0, head_std)

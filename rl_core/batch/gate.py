@@ -94,13 +94,9 @@ class AnnotationsTable(pa.DataFrameModel):
         counts = df[_episode_rows(df)].groupby("group_id")["sample_id"].count()
         return df["group_id"].map(counts).fillna(0).astype(int) == df["group_size"]
 
-    @pa.dataframe_check(name="a_sample_shares_its_episode's_group_reward_and_advantage")
+    @pa.dataframe_check(name="a_sample_shares_its_episode's_group_and_reward")
     def _samples_share(cls, df: pd.DataFrame) -> Series[bool]:
-        episode = df[_episode_rows(df)].set_index("sample_id")
-        agrees = pd.Series(True, index=df.index)
-        for column in ("group_id", "reward", "advantage"):
-            agrees &= df["sample_of"].map(episode[column]) == df[column]
-        return (df["sample_of"] < 0) | agrees  # a filler row has no episode
+        return _shares(df, ("group_id", "reward"))
 
     @pa.dataframe_check(name="a_filler_row_has_no_loss_and_no_advantage")
     def _filler(cls, df: pd.DataFrame) -> Series[bool]:
@@ -124,6 +120,15 @@ class AnnotationsTable(pa.DataFrameModel):
         return df["policy_version"] == (mode.iloc[0] if len(mode) else -1)
 
 
+def _shares(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.Series:
+    """Every row of an episode holds its episode row's values of `columns` (a filler row has no episode)."""
+    episode = df[_episode_rows(df)].set_index("sample_id")
+    agrees = pd.Series(True, index=df.index)
+    for column in columns:
+        agrees &= df["sample_of"].map(episode[column]) == df[column]
+    return (df["sample_of"] < 0) | agrees
+
+
 def _episode_rows(df: pd.DataFrame) -> pd.Series:
     """The rows a group's statistics count: one per completion or episode (`sample_of` is the row's own id)."""
     return df["sample_of"] == df["sample_id"]
@@ -131,7 +136,8 @@ def _episode_rows(df: pd.DataFrame) -> pd.Series:
 
 def annotations_schema(max_tokens: int, group_relative: bool = True, atol: float = 1e-4,
                        versions: tuple[int, int] | None = None) -> pa.DataFrameSchema:
-    """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0; with
+    """`AnnotationsTable` plus the run's bounds: lengths within `max_tokens`; group advantages sum to ~0 and an
+    episode's samples share its advantage; with
     `versions=(oldest, newest)`, the policy version that sampled the batch within them (the staleness bound)."""
     schema = _bounded_schema(max_tokens, group_relative, atol)
     if versions is None:
@@ -160,8 +166,10 @@ def _bounded_schema(max_tokens: int, group_relative: bool, atol: float) -> pa.Da
             sums = df[_episode_rows(df)].groupby("group_id")["advantage"].sum()
             return df["group_id"].map(sums).fillna(0.0).abs() <= atol * df["group_size"]
 
-        schema = copy.deepcopy(schema)
-        schema.checks = [*schema.checks, pa.Check(zero_sum, name="group_advantages_sum_to_zero")]
+        schema = copy.deepcopy(schema)  # group advantages are per episode (PPO's per token differ between samples)
+        schema.checks = [*schema.checks, pa.Check(zero_sum, name="group_advantages_sum_to_zero"),
+                         pa.Check(lambda df: _shares(df, ("advantage",)),
+                                  name="a_sample_shares_its_episode's_advantage")]
     return schema
 
 

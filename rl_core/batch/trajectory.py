@@ -8,6 +8,8 @@ Layout (every `[B, T]` field shares the same `B` and `T`):
 - `rewards [B]`, `group_ids [B]` long, `sample_ids [B]` long (unique), `policy_version` int.
 - `advantages [B]` or `[B, T]`: set by the annotate stage (None before).
 - `old_logp`, `ref_logp`, `teacher_logp [B, T]`: optional per-token log-probs of π_old / reference / teacher.
+- `old_values`, `returns [B, T]`: optional, PPO's critic values when the batch was collected and the GAE returns
+  that are its targets (`rl_core.algorithms.ppo`).
 - `routes [B, T, L, k]` uint8, optional: a mixture-of-experts model's per-token input, the experts of every token
   in every layer (`rl_core.model.routing`); the trainer binds it around the forward, an objective never reads it.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 _TOKEN_FIELDS = ("attention_mask", "loss_mask", "rollout_logp")
-_OPTIONAL_TOKEN_FIELDS = ("old_logp", "ref_logp", "teacher_logp")
+_OPTIONAL_TOKEN_FIELDS = ("old_logp", "ref_logp", "teacher_logp", "old_values", "returns")
 _ROW_FIELDS = ("rewards", "group_ids", "sample_ids")
 
 
@@ -43,6 +45,8 @@ class Trajectory:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
     routes: torch.Tensor | None = None
 
     def __post_init__(self):

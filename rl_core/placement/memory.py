@@ -44,7 +44,7 @@ from rl_core.placement.formulas import (
 from rl_core.placement.host_memory import HostPlan
 from rl_core.placement.items import RolePlan, gib, params_text
 from rl_core.placement.model_shape import ModelShape, model_shape, probe_model_shape
-from rl_core.placement.roles import add_teachers_on_rank, engine_role, trainer_role
+from rl_core.placement.roles import add_critic_on_rank, add_teachers_on_rank, engine_role, trainer_role
 from rl_core.placement.run_shape import (
     num_engines,
     per_replica_batch,
@@ -290,6 +290,8 @@ def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, 
     roles = [trainer_role(cfg, shape, prompt_tokens, gpu_bytes, reference_shape or shape)]
     if teacher_replicas(cfg):
         add_teachers_on_rank(cfg, roles[0], teacher_shape, prompt_tokens)
+    if cfg.rl.objective.has_critic:
+        add_critic_on_rank(cfg, roles[0], shape, prompt_tokens)
     if cfg.cluster.placement == "separate":
         roles.append(engine_role(cfg, shape, prompt_tokens, gpu_bytes))
     host = host_memory.host_plan(cfg, shape.n_params, shape.n_param_tensors, shape.linears, remote_ray=remote_ray,

@@ -8,6 +8,7 @@ import math
 from rl_core.config.schema import PosttrainConfig
 from rl_core.model.lora import adapter_counts
 from rl_core.placement.formulas import (
+    CRITIC,
     FORWARD,
     FSDP_LAYERS_IN_FLIGHT,
     GENERATE,
@@ -266,3 +267,37 @@ def add_teachers_on_rank(cfg: PosttrainConfig, role: RolePlan, t: ModelShape | N
              k * logits_bytes(t, rows * cfg.rollout.max_tokens, c, False), (SCORE,))
     role.add(f"teacher scoring: one layer's working set, no grad{each}",
              k * nograd_forward_bytes(t, rows, seq, c, c, mask=False), (SCORE,))
+
+
+def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prompt: int) -> None:
+    """PPO's critic on every trainer rank (`infra.workers.critic`): its float32 weights and AdamW state stay resident;
+    its gradients, activations and step temporaries live in its own phase (V: its values, then its step, before the
+    policy's forward), sharded like the policy."""
+    cl, mesh = cfg.cluster, shard_mesh(cfg)
+    div = mesh[1] if mesh else 1
+    c, P, T = compute_bytes(cfg), s.n_params, s.n_param_tensors
+    shard = f", 1/{div} shard ({cl.sharding.upper()})" if mesh else ""
+    role.phases = (*role.phases, CRITIC)
+    for it in role.items:  # a colocated vLLM engine sleeps for the values phase: its asleep buffers stay
+        if it.name.startswith("vLLM asleep") and it.phases is not None:
+            it.phases = (*it.phases, CRITIC)
+    if cfg.rl.objective.critic_model:
+        role.notes.append(f"rl.objective.critic_model={cfg.rl.objective.critic_model}: planned at the policy's shape")
+    role.add(f"critic parameters: float32 master weights{shard}", math.ceil(4 * P / div))
+    role.add(f"critic AdamW state: exp_avg + exp_avg_sq float32{shard}", math.ceil(8 * P / div) + 4 * T)
+    role.add(f"critic gradients: float32{shard}", math.ceil(4 * P / div), (CRITIC,), "released after its step")
+    seq, rows = prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
+    tokens, _ = micro_batch_tokens(cfg, rows, seq)
+    ckpt = cfg.model.gradient_checkpointing
+    role.add(f"critic activations: {tokens} tokens{', checkpointed per layer' if ckpt else ''} (a one-output head)",
+             activation_bytes(s, 1, tokens, c, ckpt), (CRITIC,))
+    if mesh:
+        per = 2 * c + (4 if c == 2 else 0)
+        role.add("critic FSDP gathered: root + layers in flight", per * (s.root_params + FSDP_LAYERS_IN_FLIGHT * s.layer),
+                 (CRITIC,))
+    elif c == 2:
+        role.add("critic bf16 weight copies: autocast casts of every Linear weight", 2 * s.matmul, (CRITIC,))
+    if not mesh and cl.num_workers > 1:
+        role.add("critic gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * P), (CRITIC,))
+    if role.on_gpu:
+        role.add(f"critic AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * P / div), (CRITIC,))

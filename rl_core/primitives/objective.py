@@ -257,7 +257,8 @@ class Objective:
 
     `fn(model, batch) -> (loss, metrics)`; `old_logp_cache` (ratio surrogates), `reference_scorer`
     (`scorer(reference_model, batch) -> [B, T]`, the network comes from the trainer's
-    `auxiliary_models["reference"]`), `identity` (every value that changes the math).
+    `auxiliary_models["reference"]`), `identity` (every value that changes the math), `multiple_updates` (the loss stays valid over
+    several optimizer steps on one batch though it has no π_old, e.g. PPO's clipped value loss).
     """
 
     fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -266,6 +267,7 @@ class Objective:
     old_logp_cache: OldLogpCache | None = None
     reference_scorer: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
     identity: dict[str, Any] = field(default_factory=dict)
+    multiple_updates: bool = False  # valid over several optimizer steps on one batch without π_old (a value loss)
 
     def __post_init__(self):
         if not isinstance(self.reduction, Reduction):

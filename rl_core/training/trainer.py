@@ -200,7 +200,7 @@ class LLMTrainer(TrainerState):
             raise ValueError("train_step got an empty batch")
         minis = batch.split(mini_batch_size) if mini_batch_size else [batch]
         cache = self.objective.old_logp_cache
-        if cache is None and len(minis) > 1:
+        if cache is None and len(minis) > 1 and not self.objective.multiple_updates:
             raise ValueError(f"mini_batch_size={mini_batch_size} gives {len(minis)} updates per batch, but the objective "
                              "has no pi_old (on-policy only, e.g. rl.objective.type=legacy_pg); use one update per batch")
         plans = [plan_micro_batches(mini, micro_batch_size, micro_batch_max_tokens, reduction=self.objective.reduction,
@@ -227,6 +227,11 @@ class LLMTrainer(TrainerState):
                 cache.invalidate()
         self.policy_version += 1
         return {**combine_step_metrics(results, self.metric_split), **replay}
+
+    def skip_batch(self) -> None:
+        """Count a collected batch as trained without training on it (PPO's critic warm-up): the weights, optimizer
+        and schedule stay as they are, the policy version moves on as the engines' does."""
+        self.policy_version += 1
 
     def _stale(self, batch: Trajectory) -> bool:
         """Whether `batch` was sampled by an older policy (only with `max_staleness` > 0); refuses one older than

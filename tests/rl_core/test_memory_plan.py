@@ -472,3 +472,23 @@ def test_the_flow_rechecks_the_plan_with_the_data_s_longest_prompt(qwen3b_dir):
     with pytest.raises(ConfigError, match=r"longest prompt \(20000 tokens\)") as err:
         check_memory(cfg, prompt_tokens=20000)
     assert "trainer rank (x4)" in str(err.value) and "rl.micro_batch_per_replica" in str(err.value)
+
+
+def test_ppo_plans_the_critic_on_every_rank_sharded_like_the_policy(qwen3b_dir):
+    """The critic's float32 weights and AdamW state stay resident (the policy's shape, 16 B a parameter sharded
+    like the policy's); its gradients and activations live in its own phase V, where the policy's are released."""
+    grpo = plan_for_config(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT), 80 * GIB)[0].role("trainer")
+    cfg = cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "rl.objective={type: ppo}", "rollout.n=1", "rollout.prompts_per_step=64")
+    plan, _ = plan_for_config(cfg, 80 * GIB)
+    trainer = plan.role("trainer")
+    p, t, shards = plan.shape.n_params, plan.shape.n_param_tensors, cfg.cluster.num_workers
+    assert mem.CRITIC in trainer.phases and mem.CRITIC not in grpo.phases
+    assert trainer.item("critic parameters").bytes == -(-4 * p // shards) and trainer.item("critic parameters").phases is None
+    assert trainer.item("critic AdamW state").bytes == -(-8 * p // shards) + 4 * t
+    gradients, activations = trainer.item("critic gradients"), trainer.item("critic activations")
+    assert gradients.phases == activations.phases == (mem.CRITIC,)
+    assert activations.bytes == trainer.item("activations").bytes  # the same micro-batch through the same backbone
+    assert not any(it.name.startswith("critic") for it in grpo.items)
+    in_v = {it.name for it in trainer.items if it.phases and mem.CRITIC in it.phases}
+    assert {name.split(":")[0] for name in in_v} == {  # no policy gradient, activation or awake engine
+        "critic gradients", "critic activations", "critic FSDP gathered", "critic AdamW step temporary", "vLLM asleep"}

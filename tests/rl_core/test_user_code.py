@@ -56,8 +56,8 @@ def test_every_objective_has_a_flow_and_every_recipe_a_registered_objective():
 
 
 def test_an_unknown_objective_type_lists_the_registered_ones():
-    (msg,) = errors("rl.objective.type=ppo")
-    assert msg.startswith("rl.objective") and "'ppo'" in msg
+    (msg,) = errors("rl.objective.type=trpo")
+    assert msg.startswith("rl.objective") and "'trpo'" in msg
     assert all(f"'{name}'" in msg for name in OBJECTIVES)
 
 
