@@ -35,6 +35,7 @@ GUESS_STAGES = ("pipelines/guess_number/dvc.yaml:guess_number", "pipelines/guess
 CHAT_STAGES = ("pipelines/chat_arithmetic/dvc.yaml:chat_arithmetic", "pipelines/chat_arithmetic/dvc.yaml:chat_warm_start")
 TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
+PPO_STAGE = "pipelines/ppo_arithmetic/dvc.yaml:ppo_train"
 MOE_STAGES = ("pipelines/moe_arithmetic/dvc.yaml:tiny_moe_model", "pipelines/moe_arithmetic/dvc.yaml:moe_warm_start")
 CODE_STAGES = ("pipelines/code_arithmetic/dvc.yaml:code_arithmetic",
                "pipelines/code_arithmetic/dvc.yaml:code_warm_start")
@@ -43,7 +44,7 @@ OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_ST
             TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm", CHAT_STAGES[0]: "data/chat-arithmetic",
             CHAT_STAGES[1]: "artifacts/tiny-model/chat", MOE_STAGES[0]: "artifacts/tiny-moe/init",
             MOE_STAGES[1]: "artifacts/tiny-moe/warm", CODE_STAGES[0]: "data/code-arithmetic",
-            CODE_STAGES[1]: "artifacts/tiny-model/code-warm"}
+            CODE_STAGES[1]: "artifacts/tiny-model/code-warm", PPO_STAGE: "runs/ppo-arithmetic/final_model"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -350,8 +351,8 @@ def test_dvc_exp_run_varies_train_params_reruns_only_train_and_exp_show_compares
 def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     """`dvc repro pipelines/gsm8k/dvc.yaml` with gsm8k_data.source pointing at official-format JSONL, the
     own-data example's pipeline (its rows load as the example's task reads them), the two agent examples'
-    (their rows and a two-step warm start on their games) and the chat example's (its rows and a two-step warm start
-    of the quickstart's warm start on its conversations)."""
+    (their rows and a two-step warm start on their games), the chat example's (its rows and a two-step warm start
+    of the quickstart's warm start on its conversations) and PPO's run (one step)."""
     root, clone, env, _ = pipeline
     source = root / "gsm8k-source"
     source.mkdir()
@@ -399,6 +400,13 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     assert (moe["model_type"], moe["num_local_experts"], moe["num_experts_per_tok"]) == ("mixtral", 4, 2)
     # the tool example's warm start keeps the example's template, which renders tools
     assert "tool_call" in (clone / "artifacts/tiny-model/tool-warm/chat_template.jinja").read_text()
+    params = yaml.safe_load(params_path.read_text())
+    params["ppo_train"]["max_steps"] = 1  # PPO's run, one step: the critic is trained and exported beside the policy
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    output = _dvc(clone, env, "repro", "pipelines/ppo_arithmetic/dvc.yaml")
+    assert "Running stage 'ppo_train'" in output and "Running stage 'train'" not in output
+    assert [r["step"] for r in _read_jsonl(clone / "runs/ppo-arithmetic/metrics.jsonl") if "critic/loss" in r] == [1]
+    assert (clone / "runs/ppo-arithmetic/final_model/critic/model.safetensors").is_file()
     assert _status(clone, env) == {}  # now the whole repository is up to date
 
 

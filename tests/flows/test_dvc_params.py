@@ -61,6 +61,8 @@ def test_params_yaml_train_values_mirror_the_recipe():
     recipe = flatten(load_config(REPO / params["run"]["recipe"]))
     assert {key: value for key, value, _ in parse_dotlist(overrides)} == {key: recipe[key] for key, _, _ in
                                                                          parse_dotlist(overrides)}
+    # and PPO's pipeline runs its recipe's own steps
+    assert params["ppo_train"]["max_steps"] == load_config(REPO / "recipes/ppo_arithmetic.py").rl.max_steps
 
 
 def test_run_params_dry_run_prints_the_resolved_values(tmp_path, capsys):
