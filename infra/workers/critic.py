@@ -6,7 +6,8 @@ actor and data-parallel group, with an `LLMTrainer` of its own (its optimizer, s
 takes its step on the returns before the policy's (`train_step`), writes its shards into the policy's checkpoint
 under `critic` (`shard_state`) and saves itself as a Hugging Face model (`save_pretrained`). Sharded
 (`cluster.sharding=fsdp|hsdp`) it is wrapped like the policy (`infra.workers.distributed.shard_policy`), so its
-forwards are collectives every rank runs.
+forwards are collectives every rank runs; with LoRA (`model.lora`) it trains adapters of the same settings and its
+whole value head.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class RankCritic:
     def __init__(self, cfg: Any, dp_reducer: Any, device: torch.device, policy_trainer: Any):
         from rl_core.algorithms.context import ObjectiveContext
         from rl_core.algorithms.ppo import value_objective
-        from rl_core.algorithms.value_model import value_model
+        from rl_core.algorithms.value_model import value_head_name, value_model
+        from rl_core.model import lora
         from rl_core.model.loading import resolve_model_path, torch_dtype
         from rl_core.model.protocol import enable_gradient_checkpointing
         from rl_core.placement.run_shape import shard_mesh
@@ -43,6 +45,8 @@ class RankCritic:
                              "token ids, so it must share the policy's tokenizer")
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if lora.enabled(cfg.model):  # the policy's adapters' settings; the value head trains whole
+            model = lora.wrap(model, cfg.model.lora, value_head=value_head_name(model))
         compute = torch_dtype(cfg.model.compute_dtype)
         if mesh := shard_mesh(cfg):
             from infra.workers.distributed import shard_policy
@@ -96,9 +100,14 @@ class RankCritic:
 
     def save_pretrained(self, path: str, rank: int) -> None:
         """The critic as a transformers directory (`AutoModelForTokenClassification`, one label, safetensors) at
-        `path`; sharded, every rank joins the gather and rank 0 writes."""
+        `path`, with LoRA its adapters merged; sharded, every rank joins the gather and rank 0 writes."""
+        from rl_core.model import lora
+
         state = self.trainer.exported_model_state() if self.trainer.sharded else None
         if rank != 0:
             return
         model = self.trainer.model
-        model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if lora.is_lora(model):
+            lora.save_merged(model, path)
+        else:
+            model.save_pretrained(path, state_dict=state, safe_serialization=True)

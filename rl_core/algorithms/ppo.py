@@ -98,9 +98,6 @@ class PPO(LossTypeKnob, KLKnobs, ClipKnobs):
 
     def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
         super().check(cfg, err, warn, n_mini)
-        if cfg.model.lora.r:
-            err(f"model.lora.r={cfg.model.lora.r} with rl.objective.type=ppo: the critic trains its whole model; "
-                "LoRA for the policy and critic is not built yet; set model.lora.r=0")
         if cfg.rl.async_steps:
             err(f"rl.async_steps={cfg.rl.async_steps} with rl.objective.type=ppo: the critic's values of a stale batch "
                 "are not built yet; set rl.async_steps=0")

@@ -33,7 +33,7 @@ def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
             str(name_or_path), config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
     finally:
         logging.set_verbosity(verbosity)
-    head_name = "score" if hasattr(model, "score") else "classifier"  # the head's name in transformers' models
+    head_name = value_head_name(model)
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{head_name}."))
     if missing:
         raise ValueError(f"the critic's backbone from {name_or_path} lacks {len(missing)} weight(s) ({', '.join(missing[:3])}"
@@ -47,6 +47,11 @@ def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
         if head.bias is not None:
             head.bias.zero_()
     return model
+
+
+def value_head_name(model: torch.nn.Module) -> str:
+    """The value head's attribute: `score` in transformers' causal-LM families, `classifier` in the others."""
+    return "score" if hasattr(model, "score") else "classifier"
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -40,12 +40,16 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
-def peft_config(lora_cfg, base_name_or_path: str | None = None):
+def peft_config(lora_cfg, base_name_or_path: str | None = None, value_head: str | None = None):
+    """PEFT's `LoraConfig` of `model.lora`. `value_head`: the model is a critic (token classification) whose head of
+    that name trains whole (PEFT's modules_to_save), not through an adapter."""
     from peft import LoraConfig, TaskType
 
     target = lora_cfg.target_modules if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
+    task = {"task_type": TaskType.CAUSAL_LM} if value_head is None else \
+        {"task_type": TaskType.TOKEN_CLS, "exclude_modules": [value_head]}
     return LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=target,
-                      task_type=TaskType.CAUSAL_LM, base_model_name_or_path=base_name_or_path)
+                      base_model_name_or_path=base_name_or_path, **task)
 
 
 def adapter_config_dict(lora_cfg, base_name_or_path: str | None, model: torch.nn.Module | None = None) -> dict:
@@ -59,12 +63,13 @@ def adapter_config_dict(lora_cfg, base_name_or_path: str | None, model: torch.nn
     return json.loads(json.dumps(out, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
-def wrap(model: torch.nn.Module, lora_cfg) -> torch.nn.Module:
-    """The PEFT model over `model` (frozen base, trainable adapters); `lora_A` draws from torch's RNG, `lora_B` is 0."""
+def wrap(model: torch.nn.Module, lora_cfg, value_head: str | None = None) -> torch.nn.Module:
+    """The PEFT model over `model` (frozen base, trainable adapters); `lora_A` draws from torch's RNG, `lora_B` is 0.
+    `value_head`: PPO's critic, whose value head of that name trains whole beside the adapters."""
     from peft import get_peft_model
 
     name = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
-    peft_model = get_peft_model(model, peft_config(lora_cfg, name or None))
+    peft_model = get_peft_model(model, peft_config(lora_cfg, name or None, value_head))
     setattr(peft_model, _IDENTITY_ATTR, {"name_or_path": name})
     return peft_model
 
@@ -89,11 +94,12 @@ def base_identity(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's own tensors under their base names (the adapters left out)."""
+    """The base model's own tensors under their base names (the adapters, and the trained copy of a module PEFT
+    trains whole such as a critic's value head, left out)."""
     out = {}
     for name, value in model.get_base_model().state_dict().items():
-        if ".lora_" not in name:
-            out[name.replace(".base_layer.", ".")] = value
+        if ".lora_" not in name and ".modules_to_save." not in name:
+            out[name.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
     return out
 
 

@@ -272,7 +272,8 @@ def add_teachers_on_rank(cfg: PosttrainConfig, role: RolePlan, t: ModelShape | N
 def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prompt: int) -> None:
     """PPO's critic on every trainer rank (`infra.workers.critic`): its float32 weights and AdamW state stay resident;
     its gradients, activations and step temporaries live in its own phase (V: its values, then its step, before the
-    policy's forward), sharded like the policy."""
+    policy's forward), sharded like the policy. Planned at the policy's shape: an untied LM head the critic does not
+    have is counted (an over-estimate of vocab x hidden parameters)."""
     cl, mesh = cfg.cluster, shard_mesh(cfg)
     div = mesh[1] if mesh else 1
     c, P, T = compute_bytes(cfg), s.n_params, s.n_param_tensors
@@ -283,9 +284,13 @@ def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prom
             it.phases = (*it.phases, CRITIC)
     if cfg.rl.objective.critic_model:
         role.notes.append(f"rl.objective.critic_model={cfg.rl.objective.critic_model}: planned at the policy's shape")
-    role.add(f"critic parameters: float32 master weights{shard}", math.ceil(4 * P / div))
-    role.add(f"critic AdamW state: exp_avg + exp_avg_sq float32{shard}", math.ceil(8 * P / div) + 4 * T)
-    role.add(f"critic gradients: float32{shard}", math.ceil(4 * P / div), (CRITIC,), "released after its step")
+    A, TA = adapter_counts(s.linears, cfg.model.lora)  # LoRA: the adapters and the value head train
+    G, TG = (A + s.hidden_size + 1, TA + 2) if A else (P, T)
+    what = f" (LoRA: adapters and the value head, {params_text(G)})" if A else ""
+    role.add(f"critic parameters: float32 master weights{shard}" + (f" + LoRA adapters ({params_text(A)})" if A else ""),
+             math.ceil(4 * (P + A) / div))
+    role.add(f"critic AdamW state: exp_avg + exp_avg_sq float32{shard}{what}", math.ceil(8 * G / div) + 4 * TG)
+    role.add(f"critic gradients: float32{shard}{what}", math.ceil(4 * G / div), (CRITIC,), "released after its step")
     seq, rows = prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
     tokens, _ = micro_batch_tokens(cfg, rows, seq)
     ckpt = cfg.model.gradient_checkpointing
@@ -298,6 +303,6 @@ def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prom
     elif c == 2:
         role.add("critic bf16 weight copies: autocast casts of every Linear weight", 2 * s.matmul, (CRITIC,))
     if not mesh and cl.num_workers > 1:
-        role.add("critic gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * P), (CRITIC,))
+        role.add("critic gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * G), (CRITIC,))
     if role.on_gpu:
-        role.add(f"critic AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * P / div), (CRITIC,))
+        role.add(f"critic AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * G / div), (CRITIC,))

@@ -492,3 +492,17 @@ def test_ppo_plans_the_critic_on_every_rank_sharded_like_the_policy(qwen3b_dir):
     in_v = {it.name for it in trainer.items if it.phases and mem.CRITIC in it.phases}
     assert {name.split(":")[0] for name in in_v} == {  # no policy gradient, activation or awake engine
         "critic gradients", "critic activations", "critic FSDP gathered", "critic AdamW step temporary", "vLLM asleep"}
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head(qwen3b_dir):
+    from rl_core.model.lora import adapter_counts
+
+    cfg = cfg_3b(qwen3b_dir, "cluster.sharding=none", "model.compute_dtype=bfloat16", "model.lora.r=16",
+                 "rl.objective={type: ppo}", "rollout.n=1", "rollout.prompts_per_step=64")
+    plan, _ = plan_for_config(cfg, 80 * GIB)
+    trainer = plan.role("trainer")
+    adapters, tensors = adapter_counts(plan.shape.linears, cfg.model.lora)
+    trained = adapters + plan.shape.hidden_size + 1  # the head's weight and bias train whole
+    assert trainer.item("critic gradients").bytes == 4 * trained
+    assert trainer.item("critic AdamW state").bytes == 8 * trained + 4 * (tensors + 2)
+    assert trainer.item("critic parameters").bytes == 4 * (plan.shape.n_params + adapters)

@@ -155,8 +155,9 @@ def test_ppo_config_rules():
     for knob, value in (("unbiased_advantage", True), ("shared_prefix_min_tokens", 4), ("beta", 0.1)):
         assert any(e.startswith(f"rl.objective.{knob}=") for e in objective_problems(type="ppo", **{knob: value})), knob
     assert any("rl.objective.gamma" in e for e in objective_problems(type="ppo", gamma=1.5))
-    for section, change, key in (("model", {"lora": {"r": 8}}, "model.lora.r=8"),
-                                 ("rl", {"async_steps": 1}, "rl.async_steps=1"),
+    lora = config_from_dict({"rl": {"objective": {"type": "ppo"}}, "rollout": {"n": 1}, "model": {"lora": {"r": 8}}})
+    assert preflight(lora).ok, preflight(lora).render()  # the critic takes the policy's adapter settings
+    for section, change, key in (("rl", {"async_steps": 1}, "rl.async_steps=1"),
                                  ("rollout", {"filter_groups": True, "n": 4}, "rollout.filter_groups=true")):
         data = {"rl": {"objective": {"type": "ppo"}}, "rollout": {"n": 1}}
         data[section] = {**data.get(section, {}), **change}
