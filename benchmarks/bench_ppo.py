@@ -28,7 +28,7 @@ from bench_dynamic_sampling import REPO, build, run, summary
 from bench_pipeline import scratch_dir
 from report import write_section
 
-PPO = "rl.objective={type: ppo, critic_lr: 1e-4, critic_warmup_steps: 5}"
+PPO = "rl.objective={type: ppo, critic_lr: 0.0001, critic_warmup_steps: 5}"
 MODES = {  # recipe -> mode -> (recipe file, overrides)
     "arithmetic": {"legacy_pg": ("arithmetic", []), "grpo": ("arithmetic", ["rl.objective.type=grpo"]),
                    "ppo": ("ppo_arithmetic", [])},
