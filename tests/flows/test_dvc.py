@@ -404,7 +404,7 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     params["ppo_train"]["max_steps"] = 1  # PPO's run, one step: the critic is trained and exported beside the policy
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     output = _dvc(clone, env, "repro", "pipelines/ppo_arithmetic/dvc.yaml")
-    assert "Running stage 'ppo_train'" in output and "Running stage 'train'" not in output
+    assert f"Running stage '{PPO_STAGE}'" in output and "Running stage 'train'" not in output
     assert [r["step"] for r in _read_jsonl(clone / "runs/ppo-arithmetic/metrics.jsonl") if "critic/loss" in r] == [1]
     assert (clone / "runs/ppo-arithmetic/final_model/critic/model.safetensors").is_file()
     assert _status(clone, env) == {}  # now the whole repository is up to date
