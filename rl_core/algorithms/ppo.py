@@ -98,9 +98,6 @@ class PPO(LossTypeKnob, KLKnobs, ClipKnobs):
 
     def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
         super().check(cfg, err, warn, n_mini)
-        if cfg.rl.async_steps:
-            err(f"rl.async_steps={cfg.rl.async_steps} with rl.objective.type=ppo: the critic's values of a stale batch "
-                "are not built yet; set rl.async_steps=0")
         if self.critic_model is not None and cfg.cluster.sharding != "none":
             err(f"rl.objective.critic_model={self.critic_model!r} with cluster.sharding={cfg.cluster.sharding}: a "
                 "sharded critic is built from the policy's model; remove critic_model or set cluster.sharding=none")

@@ -1,5 +1,6 @@
 """PPO with a critic end to end on CPU (real Prefect, local Ray, MLflow on SQLite): the values phase each step, the
-critic's warm-up, its checkpoint and bitwise resume beside the policy, and its export as a model of its own."""
+critic's warm-up, its checkpoint and bitwise resume beside the policy, its export as a model of its own; and a run
+with rl.async_steps on a separate engine, whose batches reach the critic and the policy a version late."""
 
 from __future__ import annotations
 
@@ -62,3 +63,24 @@ def test_ppo_trains_a_critic_then_the_policy_and_resumes_both_bitwise(cwd, warm_
     assert all(policy[k].equal(again[k]) for k in policy)
     again = load_file(run_dir / "final_model" / "critic" / "model.safetensors")
     assert all(critic[k].equal(again[k]) for k in critic)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_ppo_trains_asynchronously_on_a_separate_engine(cwd, warm_model):
+    """rl.async_steps=1: step s trains the batch sampled while step s - 1 trained, one version behind; the critic
+    scores it as it arrives and the policy's ratio is against its sampler."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    from flows.grpo import grpo
+    from tests.builders import STARTUP_TIMEOUT_S
+
+    overrides = [f"model.name_or_path={warm_model[0]}", *PPO_RUN, "job.name=ppo-async", "rl.max_steps=3",
+                 "rl.save_every=0", "cluster.placement=separate", "rollout.num_engines=1", "rl.async_steps=1"]
+    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: STARTUP_TIMEOUT_S}):
+        assert grpo(recipe("ppo_arithmetic"), overrides, return_state=True).is_completed()
+    records = read_metrics(cwd / "runs" / "ppo-async")
+    assert [r["step"] for r in records] == [1, 2, 3] and all("critic/loss" in r for r in records)
+    assert records[0]["rollout/policy_staleness"] == 0 and all(r["rollout/policy_staleness"] == 1 for r in records[1:])
+    # step 3's batch was sampled before step 2's update (step 1 was the critic's warm-up): the ratio moved off 1
+    assert abs(records[2]["train/ratio_mean"] - 1) > 1e-4 and records[2]["rollout/logp_abs_diff"] > 1e-4

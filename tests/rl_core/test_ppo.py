@@ -157,8 +157,7 @@ def test_ppo_config_rules():
     assert any("rl.objective.gamma" in e for e in objective_problems(type="ppo", gamma=1.5))
     lora = config_from_dict({"rl": {"objective": {"type": "ppo"}}, "rollout": {"n": 1}, "model": {"lora": {"r": 8}}})
     assert preflight(lora).ok, preflight(lora).render()  # the critic takes the policy's adapter settings
-    for section, change, key in (("rl", {"async_steps": 1}, "rl.async_steps=1"),
-                                 ("rollout", {"filter_groups": True, "n": 4}, "rollout.filter_groups=true")):
+    for section, change, key in (("rollout", {"filter_groups": True, "n": 4}, "rollout.filter_groups=true"),):
         data = {"rl": {"objective": {"type": "ppo"}}, "rollout": {"n": 1}}
         data[section] = {**data.get(section, {}), **change}
         errors = preflight(config_from_dict(data)).errors
