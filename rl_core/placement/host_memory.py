@@ -111,6 +111,10 @@ def host_plan(cfg: PosttrainConfig, n_params: int, n_tensors: int, linears, *, r
     shard = (f", 1/{div} shard" if mesh else f", 1/{div} of the replicated tensors") if div > 1 else ""
     plan.add(f"checkpoint staging copy: float32 {'adapters' if A else 'weights'} + AdamW state{shard}{each}",
              k * staged, TRAIN)
+    if cfg.rl.objective.has_critic:  # PPO: the critic's shards go into the same checkpoint (its head: + hidden + 1)
+        plan.add(f"checkpoint staging copy: the critic's, as the policy's{shard}{each}", k * staged, TRAIN)
+        plan.add(f"start-up: the critic's whole float32 model, read by every rank before it moves to the device (and "
+                 f"is sharded){each}", k * 4 * n_params, START)
     c = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     if A and cfg.cluster.placement == "colocated" and cfg.rollout.backend == "vllm" and cfg.cluster.gpus_per_worker > 0:
         plan.add(f"vLLM asleep at level 1 (LoRA): base weights in pinned host memory{each}", k * n_params * c,

@@ -489,6 +489,13 @@ def test_ppo_plans_the_critic_on_every_rank_sharded_like_the_policy(qwen3b_dir):
     assert gradients.phases == activations.phases == (mem.CRITIC,)
     assert activations.bytes == trainer.item("activations").bytes  # the same micro-batch through the same backbone
     assert not any(it.name.startswith("critic") for it in grpo.items)
+    from rl_core.placement.host_memory import TRAIN
+
+    # on the host: the checkpoint stages the critic's shards beside the policy's, as many bytes
+    staged = [it.bytes for it in plan.host.items if it.name.startswith("checkpoint staging copy")]
+    assert len(staged) == 2 and staged[0] == staged[1] > 0
+    grpo_host = plan_for_config(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT), 80 * GIB)[0].host
+    assert plan.host.moment_bytes()[TRAIN] - grpo_host.moment_bytes()[TRAIN] == staged[1]
     in_v = {it.name for it in trainer.items if it.phases and mem.CRITIC in it.phases}
     assert {name.split(":")[0] for name in in_v} == {  # no policy gradient, activation or awake engine
         "critic gradients", "critic activations", "critic FSDP gathered", "critic AdamW step temporary", "vLLM asleep"}
