@@ -106,6 +106,7 @@ def annotate(
         sample_ids=sample_ids,
         policy_version=int(completions.policy_version),
         advantages=advantages,
+        turn_rewards=None if completions.turn_rewards is None else completions.turn_rewards.float() * loss_mask,
         routes=completions.routes,
     )
     response_len = completions.response_mask.sum(1).round().long()

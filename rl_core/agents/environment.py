@@ -80,13 +80,18 @@ class Reply:
     `new_sample`: `messages` is not an addition but the whole conversation from now on (a compacted or edited
     history): the episode's ids so far end as one training sample, and its next sample opens with these messages
     rendered as a prompt, with `tools` (None: the episode's tools; [] none). Each sample trains with its own mask
-    and the episode's advantage (`rl_core.agents.episode`)."""
+    and the episode's advantage (`rl_core.agents.episode`).
+
+    `reward`: a reward for the turn this reply answers, on that turn's last token, beside the episode's reward at its
+    end. PPO's GAE reads it (`rl.objective.type=ppo`: a return counts every reward after a token); the group-relative
+    objectives read the episode's reward only."""
 
     messages: list[dict] = field(default_factory=list)
     done: bool = False
     max_tokens: int | None = None
     new_sample: bool = False
     tools: list[dict] | None = None
+    reward: float | None = None
 
 
 class Environment:

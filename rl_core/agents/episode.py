@@ -4,6 +4,7 @@ as the ids of the chat template's delta for the new messages.
     ids      the opening prompt (the chat template with the tools and the generation prompt), then the turns
     sampled  True on the tokens the policy sampled (its turns up to and including each stop token): the loss mask
     logp     the sampler's log-prob of each sampled token, 0 elsewhere
+    rewards  a turn's own reward (`Reply.reward`) on its last sampled token, 0 elsewhere
 
 Why not re-render the conversation with the chat template after each turn: the text of a sampled turn tokenizes
 back to other ids than the sampler produced (another segmentation of the same text), and many templates rewrite
@@ -137,6 +138,7 @@ class Sample:
     logp: list[float]
     versions: list[int]
     prompt_len: int
+    rewards: list[float]
 
 
 class Episode:
@@ -205,7 +207,7 @@ class Episode:
         episode.opening, episode.earlier, episode.sample_turns = [], [], 0
         episode.turn_tokens = []
         episode.ids, episode.sampled, episode.logp, episode.prompt_len = [int(first)], [False], [0.0], 1
-        episode.versions = [0]
+        episode.versions, episode.rewards = [0], [0.0]
         episode.done, episode.truncated, episode.started, episode._stop_id = True, False, False, None
         episode.cut_by = None
         return episode
@@ -218,12 +220,13 @@ class Episode:
     def _open_sample(self, prompt: list[int]) -> None:
         self.ids, self.sampled, self.logp = prompt, [False] * len(prompt), [0.0] * len(prompt)
         self.versions = [0] * len(prompt)  # the policy version that sampled each token (0 where none did)
+        self.rewards = [0.0] * len(prompt)  # a turn's own reward on its last sampled token (Reply.reward)
         self.prompt_len = len(prompt)
 
     @property
     def samples(self) -> list[Sample]:
         """Every sample of the episode, the one in `ids` last."""
-        return [*self.earlier, Sample(self.ids, self.sampled, self.logp, self.versions, self.prompt_len)]
+        return [*self.earlier, Sample(self.ids, self.sampled, self.logp, self.versions, self.prompt_len, self.rewards)]
 
     def turn_budget(self, per_turn: int) -> int:
         """The most tokens the next turn may sample: `per_turn`, less if the episode's budget ends sooner."""
@@ -259,6 +262,7 @@ class Episode:
         self.sampled += [True] * len(ids)
         self.logp += [float(x) for x in logps]
         self.versions += versions
+        self.rewards += [0.0] * len(ids)
         self.turns.append(turn)
         self.turn_tokens.append(len(ids))
         self.messages.append(turn.message)
@@ -283,6 +287,8 @@ class Episode:
             return
         reply = answer.reply
         self.turn_cap = reply.max_tokens
+        if reply.reward is not None:  # the answered turn's own reward, on its last sampled token
+            self.rewards[-1] += float(reply.reward)
         if reply.done:
             self._end(truncated=False)
             return
@@ -312,6 +318,7 @@ class Episode:
         self.sampled += [False] * len(delta)
         self.logp += [0.0] * len(delta)
         self.versions += [0] * len(delta)
+        self.rewards += [0.0] * len(delta)
 
     def _new_sample(self, reply: Any) -> None:
         """The episode goes on in a new sample that opens with `reply.messages` (module docstring); it ends instead

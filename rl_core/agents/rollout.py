@@ -175,6 +175,7 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
     earlier = _laid_out([s for e in episodes for s in e.earlier], pad_token_id) if owners else None
     sampled = torch.cat([t["version"][t["mask"] > 0] for t in (last, earlier) if t is not None])
     mixed = sampled.numel() > 0 and int(sampled.min()) != int(sampled.max())
+    rewarded = any(r for e in episodes for s in e.samples for r in s.rewards)  # some turn has a reward of its own
     if sampled.numel():
         policy_version = int(sampled.min())  # the oldest that sampled a token (Completions.policy_version)
 
@@ -183,7 +184,7 @@ def episodes_to_completions(episodes: list[Episode], *, n: int, pad_token_id: in
             input_ids=t["ids"], attention_mask=t["attention"], response_mask=t["mask"], sampling_logp=t["logp"],
             prompt_index=prompt_index, finish_reason=finish_reason, policy_version=policy_version,
             prompt_length=t["P"], eos_token_id=eos_token_id, pad_token_id=pad_token_id, n=n,
-            token_version=t["version"] if mixed else None)
+            token_version=t["version"] if mixed else None, turn_rewards=t["rewards"] if rewarded else None)
 
     out = completions(last, torch.arange(len(episodes) // n).repeat_interleave(n),
                       ["length" if e.truncated else "stop" for e in episodes])
@@ -199,7 +200,7 @@ def _laid_out(samples: list[Sample], pad_token_id: int) -> dict[str, Any]:
     shape = (len(samples), P + R)
     t = {"ids": torch.full(shape, pad_token_id, dtype=torch.long), "attention": torch.zeros(shape, dtype=torch.long),
          "mask": torch.zeros(shape, dtype=torch.float32), "logp": torch.zeros(shape, dtype=torch.float32),
-         "version": torch.zeros(shape, dtype=torch.long), "P": P}
+         "version": torch.zeros(shape, dtype=torch.long), "rewards": torch.zeros(shape, dtype=torch.float32), "P": P}
     for j, s in enumerate(samples):
         start = P - s.prompt_len
         end = start + len(s.ids)
@@ -208,6 +209,7 @@ def _laid_out(samples: list[Sample], pad_token_id: int) -> dict[str, Any]:
         t["mask"][j, start:end] = torch.tensor(s.sampled, dtype=torch.float32)
         t["logp"][j, start:end] = torch.tensor(s.logp, dtype=torch.float32)
         t["version"][j, start:end] = torch.tensor(s.versions, dtype=torch.long)
+        t["rewards"][j, start:end] = torch.tensor(s.rewards, dtype=torch.float32)
     return t
 
 

@@ -7,8 +7,8 @@ train (the critic's step on the returns, then the policy's, each with its own op
 `rl_core.algorithms.value_model` on the policy's architecture (or `critic_model`), trained by an `LLMTrainer` of its
 own with `value_objective`; the policy's loss is GRPO's clipped surrogate on per-token advantages.
 
-What a row's return counts: its sequence reward on its last action token, minus `kl_reward_coef` x the per-token
-KL (k1, log π_old − log π_ref) on every action token; past its last token nothing, unless the row was cut by a
+What a row's return counts: its sequence reward on its last action token, an agent turn's own reward
+(`Reply.reward`) on that turn's last token, minus `kl_reward_coef` x the per-token KL (k1, log π_old − log π_ref) on every action token; past its last token nothing, unless the row was cut by a
 limit (`bootstrap_truncated`) or is an earlier sample of an agent episode that went on in a new sample: then the
 critic's value of its last token stands for what follows (`rl_core.primitives.gae`).
 """
@@ -169,6 +169,8 @@ def ppo_annotate(batch, table, values: torch.Tensor, ppo: PPO, ref_logp: torch.T
             raise ValueError("rl.objective.kl_reward_coef > 0 needs the reference's log-probs of the batch")
         kl = (batch.rollout_logp.float() - ref_logp.float()) * mask
     rewards = token_rewards(scores, mask, kl=kl, kl_coef=ppo.kl_reward_coef)
+    if batch.turn_rewards is not None:  # an agent turn's own reward, on its last token (Reply.reward)
+        rewards = rewards + batch.turn_rewards.float() * mask
     advantages, returns = gae(rewards, values, mask, gamma=ppo.gamma, lam=ppo.lam, bootstrap=earlier | cut)
     whitened = masked_whiten(advantages, mask) * mask
     row_tokens = mask.sum(1)

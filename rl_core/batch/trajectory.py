@@ -9,7 +9,8 @@ Layout (every `[B, T]` field shares the same `B` and `T`):
 - `advantages [B]` or `[B, T]`: set by the annotate stage (None before).
 - `old_logp`, `ref_logp`, `teacher_logp [B, T]`: optional per-token log-probs of π_old / reference / teacher.
 - `old_values`, `returns [B, T]`: optional, PPO's critic values when the batch was collected and the GAE returns
-  that are its targets (`rl_core.algorithms.ppo`).
+  that are its targets (`rl_core.algorithms.ppo`); `turn_rewards [B, T]`: agent turns' own rewards on their last
+  tokens (`Reply.reward`), 0 off the loss mask.
 - `routes [B, T, L, k]` uint8, optional: a mixture-of-experts model's per-token input, the experts of every token
   in every layer (`rl_core.model.routing`); the trainer binds it around the forward, an objective never reads it.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 _TOKEN_FIELDS = ("attention_mask", "loss_mask", "rollout_logp")
-_OPTIONAL_TOKEN_FIELDS = ("old_logp", "ref_logp", "teacher_logp", "old_values", "returns")
+_OPTIONAL_TOKEN_FIELDS = ("old_logp", "ref_logp", "teacher_logp", "old_values", "returns", "turn_rewards")
 _ROW_FIELDS = ("rewards", "group_ids", "sample_ids")
 
 
@@ -47,6 +48,7 @@ class Trajectory:
     teacher_logp: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
     routes: torch.Tensor | None = None
 
     def __post_init__(self):

@@ -22,6 +22,8 @@ class Completions:
     `earlier_samples`: the samples of agent episodes before each one's last (`rl_core.agents.episode`, "Samples"),
     as completions of their own (`n` as theirs) whose `prompt_index` is the row of the episode they belong to
     (None: no episode started a new sample); the versions, staleness and lags count their tokens too.
+    `turn_rewards [N, P+R]` float: agent turns' own rewards (`Reply.reward`) on each turn's last token, 0 elsewhere;
+    None when no turn has one.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +40,7 @@ class Completions:
     episodes: list[dict] | None = None
     token_version: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
     earlier_samples: Completions | None = None
     response_lengths: torch.Tensor = field(init=False)
 
@@ -106,7 +109,8 @@ class Completions:
             policy_version=self.policy_version, prompt_length=self.prompt_length, eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id, n=self.n,
             episodes=None if self.episodes is None else [self.episodes[i] for i in rows],
-            token_version=take(self.token_version), routes=take(self.routes), earlier_samples=self.earlier_of(rows))
+            token_version=take(self.token_version), routes=take(self.routes), turn_rewards=take(self.turn_rewards),
+            earlier_samples=self.earlier_of(rows))
 
     def response_token_ids(self, include_eos: bool = False) -> list[list[int]]:
         """The sampled token ids of each row (the response mask's), up to the first EOS (included only if asked);
@@ -125,7 +129,7 @@ class Completions:
 
     TENSORS = ("input_ids", "attention_mask", "response_mask", "sampling_logp", "prompt_index")
     SCALARS = ("finish_reason", "policy_version", "prompt_length", "eos_token_id", "pad_token_id", "n", "episodes")
-    OPTIONAL = ("token_version", "routes")
+    OPTIONAL = ("token_version", "routes", "turn_rewards")
 
     def _parts(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tensors and JSON fields `save` writes, names under `prefix` (the earlier samples' under 'earlier.')."""
@@ -316,6 +320,9 @@ def concat_completions(parts: list[Completions], index_offsets: list[int] | None
         episodes=None if any(p.episodes is None for p in parts) else [e for p in parts for e in p.episodes],
         token_version=torch.cat([pad(p, p.token_versions(), 0) for p in parts]) if mixed else None,
         routes=_joined_routes(parts, pad),
+        turn_rewards=None if all(p.turn_rewards is None for p in parts) else torch.cat(
+            [pad(p, torch.zeros_like(p.sampling_logp) if p.turn_rewards is None else p.turn_rewards, 0.0)
+             for p in parts]),
         earlier_samples=_joined_earlier(parts),
     )
 

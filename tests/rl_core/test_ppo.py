@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from rl_core.agents import Environment, Episode, Reply
 from rl_core.algorithms.context import ObjectiveContext
 from rl_core.algorithms.ppo import PPO, ppo_annotate, value_objective
 from rl_core.algorithms.value_model import token_values, value_model
@@ -187,3 +188,58 @@ def test_the_policys_step_on_per_token_advantages_is_the_same_under_any_split():
     for other in weights[1:]:
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(weights[0], other))
     assert any(not torch.equal(a, p.detach()) for a, p in zip(weights[0], tiny_model().parameters()))
+
+
+class Graded(Environment):
+    """Rewards its first turn on its own (0.5), then ends the episode after the second."""
+
+    def reset(self):
+        self.answered = 0
+        return [{"role": "user", "content": self.example.prompt}]
+
+    def respond(self, turn):
+        self.answered += 1
+        return Reply([{"role": "user", "content": "and again"}], reward=0.5) if self.answered == 1 else Reply(done=True)
+
+    def reward(self):
+        return 1.0
+
+
+def test_a_turns_own_reward_reaches_gae_on_that_turns_last_token_and_survives_the_layout(tmp_path):
+    """`Reply(reward=...)` sits on the answered turn's last sampled token through the episode, its completions
+    (saved, cut to rows, joined) and the annotated batch; with γ = λ = 1 and zero values every token of turn 1
+    returns 0.5 + 1 and every token of turn 2 returns 1."""
+    from rl_core.agents.rollout import episodes_to_completions
+    from rl_core.annotate import annotate
+    from rl_core.config import RLConfig
+    from rl_core.rollout.completions import Completions, concat_completions
+    from rl_core.tasks import Example
+    from tests.rl_core.test_agents import sample, tokenizer
+
+    tok = tokenizer()
+    episode = Episode(Graded(Example("2+2", "4")), tok, max_turns=3, max_tokens=200)
+    sample(episode, "first")
+    sample(episode, "second")
+    assert episode.done and sum(episode.rewards) == 0.5
+    sampled = [i for i, s in enumerate(episode.sampled) if s]
+    turn_one_end = next(i for i in sampled if i + 1 not in sampled)
+    assert episode.rewards[turn_one_end] == 0.5
+    done = episodes_to_completions([episode], n=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                   policy_version=0)
+    assert float(done.turn_rewards.sum()) == 0.5 and done.rows([0, 0]).turn_rewards.sum() == 1.0
+    done.save(tmp_path / "rollout.safetensors")  # the rollout cache
+    assert torch.equal(Completions.load(tmp_path / "rollout.safetensors").turn_rewards, done.turn_rewards)
+    joined = concat_completions([done, done])
+    assert joined.turn_rewards.shape == joined.input_ids.shape and float(joined.turn_rewards.sum()) == 1.0
+
+    rl = RLConfig.model_validate({"objective": {"type": "ppo"}})
+    annotated = annotate(done, [1.0], [0], rl=rl, first_sample_id=0)
+    batch = annotated.batch
+    values = torch.zeros(batch.input_ids.shape)
+    out, _, _ = ppo_annotate(batch, annotated.table, values, rl.objective)
+    mask = batch.loss_mask[0] > 0
+    turn_one = [t for t in range(batch.seq_len) if mask[t] and t <= int(batch.turn_rewards[0].nonzero()[0])]
+    turn_two = [t for t in range(batch.seq_len) if mask[t] and t not in turn_one]
+    assert turn_one and turn_two
+    assert all(out.returns[0, t].item() == pytest.approx(1.5) for t in turn_one)
+    assert all(out.returns[0, t].item() == pytest.approx(1.0) for t in turn_two)
