@@ -8,9 +8,10 @@ train (the critic's step on the returns, then the policy's, each with its own op
 own with `value_objective`; the policy's loss is GRPO's clipped surrogate on per-token advantages.
 
 What a row's return counts: its sequence reward on its last action token, an agent turn's own reward
-(`Reply.reward`) on that turn's last token, minus `kl_reward_coef` x the per-token KL (k1, log π_old − log π_ref) on every action token; past its last token nothing, unless the row was cut by a
-limit (`bootstrap_truncated`) or is an earlier sample of an agent episode that went on in a new sample: then the
-critic's value of its last token stands for what follows (`rl_core.primitives.gae`).
+(`Reply.reward`) on that turn's last token, minus `kl_reward_coef` x the per-token KL (k1, log π_rollout − log π_ref,
+the sampler's log-probs against the reference's) on every action token; past its last token nothing, unless the row
+was cut by a limit (`bootstrap_truncated`) or is an earlier sample of an agent episode that went on in a new
+sample: then the critic's value of its last token stands for what follows (`rl_core.primitives.gae`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class PPO(LossTypeKnob, KLKnobs, ClipKnobs):
     critic_warmup_steps: int = Field(0, ge=0, description="Steps in which only the critic trains: the policy's weights stay as they are.")
     critic_model: str | None = Field(None, description="The critic's backbone, a hub id or a local path sharing the policy's tokenizer; None: the policy's model.")
     critic_head_std: float = Field(0.0, ge=0, description="The value head's initial weights N(0, std²); 0: every value starts at 0.")
-    kl_reward_coef: float = Field(0.0, ge=0, description="β of the KL penalty in the reward: −β·(log π_old − log π_ref) on every action token (verl's use_kl_in_reward); 0 disables it.")
+    kl_reward_coef: float = Field(0.0, ge=0, description="β of the KL penalty in the reward: −β·(log π_rollout − log π_ref) on every action token (verl's use_kl_in_reward); 0 disables it.")
     bootstrap_truncated: bool = Field(True, description="A row cut by a limit (rollout.max_tokens, max_turns, max_episode_tokens) bootstraps its return with the critic's value of its last token instead of ending there.")
 
     @property
