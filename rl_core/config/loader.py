@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -50,6 +51,17 @@ def _accepts(annotation: Any, kind: type) -> bool:
     return False
 
 
+class _OverrideLoader(yaml.SafeLoader):
+    """YAML's safe loader, reading an unquoted 1e-4 (no dot, which YAML 1.1 takes for text) as the number it is on a
+    command line, inside a flow-syntax section too (`"rl.objective={type: ppo, critic_lr: 1e-4}"`); quoted, it
+    stays text."""
+
+
+_OverrideLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                      re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                      list("-+0123456789"))
+
+
 def parse_value(dotted: str, raw: str) -> Any:
     """Parse a dotlist value with the field's type in mind (still validated strictly afterwards)."""
     field = field_for(dotted)
@@ -63,15 +75,9 @@ def parse_value(dotted: str, raw: str) -> Any:
         if _accepts(ann, float) and text.lower() in ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity"):
             return float(text)
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = yaml.load(text, Loader=_OverrideLoader) if text else ""  # a SafeLoader: no object is built
     except yaml.YAMLError:
         return raw
-    # YAML reads 1e-6 as a string (no dot); numbers written that way are numbers on a command line.
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value.lower() for c in ".e") else int(value)
-        except ValueError:
-            return value
     return value
 
 

@@ -243,3 +243,15 @@ def test_a_turns_own_reward_reaches_gae_on_that_turns_last_token_and_survives_th
     assert turn_one and turn_two
     assert all(out.returns[0, t].item() == pytest.approx(1.5) for t in turn_one)
     assert all(out.returns[0, t].item() == pytest.approx(1.0) for t in turn_two)
+
+
+def test_a_flow_syntax_section_reads_exponents_as_numbers():
+    """YAML reads 1e-4 (no dot) as text; in a whole-section override it is the number it is on a command line,
+    as in a key=value override, and a quoted string stays a string."""
+    from rl_core.config import load_config
+
+    recipe = "recipes/ppo_arithmetic.py"
+    cfg = load_config(recipe, ["rl.objective={type: ppo, critic_lr: 1e-4, value_clip: 2E-1, gamma: .99}"])
+    assert (cfg.rl.objective.critic_lr, cfg.rl.objective.value_clip, cfg.rl.objective.gamma) == (1e-4, 0.2, 0.99)
+    assert load_config(recipe, ["rl.objective.critic_lr=3e-5"]).rl.objective.critic_lr == 3e-5
+    assert load_config(recipe, ["rl.objective={type: ppo, critic_model: '1e5'}"]).rl.objective.critic_model == "1e5"
