@@ -214,20 +214,19 @@ class Cluster(AbstractContextManager):
         self.engines = None
 
     # -- phases
+    def _shards(self, batch: Any) -> list[Any]:
+        """One equal contiguous shard of the batch's rows per worker, in rank order."""
+        size = batch.batch_size // len(self.workers)
+        return [batch.select(list(range(r * size, (r + 1) * size))) for r in range(len(self.workers))]
+
     def train(self, batch: Any) -> list[dict[str, float]]:
         """Split the batch into one equal contiguous shard per worker and run one train step on each."""
-        n = len(self.workers)
-        size = batch.batch_size // n
-        shards = [batch.select(list(range(r * size, (r + 1) * size))) for r in range(n)]
-        return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shards)])
+        return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, self._shards(batch))])
 
     def values(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """PPO: the critic's values `[B, T]` of the batch (and the reference's log-probs with a KL in the reward),
         each rank scoring the shard `train` gives it."""
-        n = len(self.workers)
-        size = batch.batch_size // n
-        answers = ray.get([w.values.remote(batch.select(list(range(r * size, (r + 1) * size))))
-                           for r, w in enumerate(self.workers)])
+        answers = ray.get([w.values.remote(s) for w, s in zip(self.workers, self._shards(batch))])
         values = torch.cat([v for v, _ in answers])
         return values, None if answers[0][1] is None else torch.cat([ref for _, ref in answers])
 

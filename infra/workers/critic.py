@@ -56,31 +56,24 @@ class RankCritic:
         optimizer = cfg.rl.optimizer.model_copy(update={"lr": ppo.critic_lr})
         self.trainer = LLMTrainer(model, value_objective(ppo, ObjectiveContext.from_config(cfg)), optimizer,
                                   dp_reducer=dp_reducer, metric_split=CRITIC, compute_dtype=compute)
-        self.source = str(source)
 
     def values(self, shard: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(values [B, T], ref_logp [B, T] or None)` of this rank's rows, on CPU: the critic's value before each
         token (0 off the loss mask), and with `kl_reward_coef` > 0 the reference's log-probs."""
         from rl_core.algorithms.value_model import token_values
-        from rl_core.primitives.objective import frozen_token_logprobs
+        from rl_core.primitives.objective import frozen_scores, frozen_token_logprobs
 
-        rows = self.cfg.rl.micro_batch_per_replica or shard.batch_size
-        batch = shard.to(self.device)
-        model = self.trainer.model
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), self.trainer.autocast():
-                values = torch.cat([token_values(model, c.input_ids, c.attention_mask) for c in batch.split(rows)])
-        finally:
-            model.train(was_training)
+        rows = self.cfg.rl.micro_batch_per_replica
+        with self.trainer.autocast():
+            values = frozen_scores(self.trainer.model, shard,
+                                   lambda model, chunk: token_values(model, chunk.input_ids, chunk.attention_mask), rows)
         ref = None
         if self.cfg.rl.objective.kl_reward_coef > 0:
             reference = self.policy.auxiliary_models[self.policy.REFERENCE]
             with self.policy.autocast():
-                ref = frozen_token_logprobs(reference, batch, temperature=self.cfg.rollout.temperature,
+                ref = frozen_token_logprobs(reference, shard, temperature=self.cfg.rollout.temperature,
                                             micro_batch_size=rows).cpu()
-        return (values * batch.loss_mask).cpu(), ref
+        return values.cpu(), ref
 
     def train_step(self, shard: Any, micro: int | None, mini: int | None, max_tokens: int | None) -> dict[str, float]:
         metrics = self.trainer.train_step(shard, micro, mini, max_tokens)

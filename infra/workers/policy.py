@@ -250,9 +250,12 @@ class PolicyWorker:
         rl = self.cfg.rl
         mini = mini_batch_rows(self.cfg, shard.batch_size)
         sizes = (rl.micro_batch_per_replica, mini, rl.micro_batch_max_tokens)
-        metrics = self.critic.train_step(shard, *sizes) if self.critic is not None else {}
-        if self.critic is not None and self.trainer.policy_version < rl.objective.critic_warmup_steps:
-            self.trainer.skip_batch()  # the critic's warm-up: the policy stays as it is
+        metrics, warming = {}, False
+        if self.critic is not None:  # PPO: the critic's step first; in its warm-up the policy stays as it is
+            metrics = self.critic.train_step(shard, *sizes)
+            warming = self.trainer.policy_version < rl.objective.critic_warmup_steps
+        if warming:
+            self.trainer.skip_batch()
         else:
             metrics.update(self.trainer.train_step(shard, *sizes))
             self.trainer.release_gradients()  # not needed until the next step: frees memory for the rollout
@@ -333,9 +336,12 @@ class PolicyWorker:
         from infra.checkpoints.shards import read_shards
 
         rest = {k: v for k, v in rest.items() if k != "rng"} if rng is None else {**rest, "rng": rng}
-        self.trainer.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
+        def read(tensors: dict) -> None:
+            read_shards(tensors, directory, self._checkpoint_group)
+
+        self.trainer.load_shard_state(read, rest)
         if self.critic is not None:
-            self.critic.load_shard_state(lambda tensors: read_shards(tensors, directory, self._checkpoint_group), rest)
+            self.critic.load_shard_state(read, rest)
 
     def read_text(self, path: str) -> str | None:
         """The text of `path` on this node, None when there is none (whether this node sees a driver's file)."""

@@ -94,6 +94,25 @@ class GRPOLoss:
         return loss, metrics
 
 
+def policy_gradient_objective(knobs: Any, context: ObjectiveContext, identity: dict[str, Any]) -> Objective:
+    """The `Objective` of `GRPOLoss` for an objective config `knobs` (the GRPO family, PPO's policy): the π_old cache
+    when it `reads_old_logp`, the reference's scorer when it `reads_reference`, GRPO's metric names."""
+    cache = None
+    if knobs.reads_old_logp:
+        cache = OldLogpCache(LogprobScorer(context.temperature),
+                             certified_deterministic_forward=knobs.certified_deterministic_forward,
+                             accelerator_atol=knobs.certified_forward_atol)
+    return Objective(
+        fn=GRPOLoss(LossSettings(knobs, context.temperature, context.max_response_length), cache),
+        reduction=Reduction.TOKEN_SUM,
+        metric_adapter=MetricAdapter(metric_names("grpo", "kl", corrected=getattr(knobs, "rollout_correction", "off")
+                                                  != "off")),
+        old_logp_cache=cache,
+        reference_scorer=LogprobScorer(context.temperature) if knobs.reads_reference else None,
+        identity=identity,
+    )
+
+
 class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
     """What every objective of the family reads: the group advantage, the reduction and the KL anchor."""
 
@@ -124,20 +143,7 @@ class _PolicyGradient(GroupAdvantageKnobs, LossTypeKnob, KLKnobs):
         return ident
 
     def build(self, rl: Any, context: ObjectiveContext) -> Objective:
-        cache = None
-        if self.reads_old_logp:
-            cache = OldLogpCache(LogprobScorer(context.temperature),
-                                 certified_deterministic_forward=self.certified_deterministic_forward,
-                                 accelerator_atol=self.certified_forward_atol)
-        return Objective(
-            fn=GRPOLoss(LossSettings(self, context.temperature, context.max_response_length), cache),
-            reduction=Reduction.TOKEN_SUM,
-            metric_adapter=MetricAdapter(metric_names("grpo", "kl", corrected=getattr(self, "rollout_correction", "off")
-                                                      != "off")),
-            old_logp_cache=cache,
-            reference_scorer=LogprobScorer(context.temperature) if self.kl_beta > 0 else None,
-            identity=self.identity(rl, context),
-        )
+        return policy_gradient_objective(self, context, self.identity(rl, context))
 
 
 class GRPO(_PolicyGradient, ClipKnobs):

@@ -21,17 +21,14 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from rl_core.algorithms.base import ClipKnobs, KLKnobs, LossSettings, LossTypeKnob, Report
+from rl_core.algorithms.base import ClipKnobs, KLKnobs, LossTypeKnob, Report
 from rl_core.algorithms.context import ObjectiveContext
-from rl_core.algorithms.grpo import GRPOLoss
-from rl_core.algorithms.surrogates import metric_names
+from rl_core.algorithms.grpo import policy_gradient_objective
 from rl_core.primitives.gae import clipped_value_loss, gae, masked_whiten, token_rewards
 from rl_core.primitives.objective import (
     OBJECTIVE_WEIGHT_SUM,
-    LogprobScorer,
     MetricAdapter,
     Objective,
-    OldLogpCache,
     Reduction,
     scalar_metrics,
 )
@@ -83,15 +80,7 @@ class PPO(LossTypeKnob, KLKnobs, ClipKnobs):
 
     def build(self, rl: Any, context: ObjectiveContext) -> Objective:
         """The policy's Objective: GRPO's clipped surrogate on the per-token advantages `ppo_annotate` sets."""
-        cache = OldLogpCache(LogprobScorer(context.temperature),
-                             certified_deterministic_forward=self.certified_deterministic_forward,
-                             accelerator_atol=self.certified_forward_atol)
-        loss = GRPOLoss(LossSettings(self, context.temperature, context.max_response_length), cache)
-        return Objective(fn=loss, reduction=Reduction.TOKEN_SUM,
-                         metric_adapter=MetricAdapter(metric_names("grpo", "kl", corrected=self.rollout_correction != "off")),
-                         old_logp_cache=cache,
-                         reference_scorer=LogprobScorer(context.temperature) if self.reads_reference else None,
-                         identity=self.identity(rl, context))
+        return policy_gradient_objective(self, context, self.identity(rl, context))
 
     @property
     def surrogate(self) -> str:

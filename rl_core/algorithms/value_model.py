@@ -19,8 +19,8 @@ from rl_core.primitives.logprobs import position_ids_from_mask
 def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                 head_std: float = 0.0):
     """The critic built from the policy at `name_or_path` (a hub id or a local directory): its backbone's weights, and a
-    value head of one output initialised N(0, head_std²) (0: every value starts at 0) with no bias, and no dropout
-    before it."""
+    value head of one output initialised N(0, head_std²) (0: every value starts at 0), its bias (where the
+    architecture's head has one) 0, and no dropout before it."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging
 

@@ -119,17 +119,23 @@ def frozen_token_logprobs(model: torch.nn.Module, batch, *, temperature: float,
                           micro_batch_size: int | None = None) -> torch.Tensor:
     """A frozen model's (reference, teacher) per-token log-probs of a batch: `[B, T]` float32, 0 off the loss mask.
 
-    `LogprobScorer(temperature)` — the training forward's primitive — without grad, in chunks of
-    `micro_batch_size` rows, on the model's device; the model's train/eval mode is restored and the
-    result is returned on the batch's device.
+    `LogprobScorer(temperature)` — the training forward's primitive — through `frozen_scores`.
     """
-    scorer = LogprobScorer(temperature)
+    return frozen_scores(model, batch, LogprobScorer(temperature), micro_batch_size)
+
+
+def frozen_scores(model: torch.nn.Module, batch, score: Callable[[torch.nn.Module, Any], torch.Tensor],
+                  micro_batch_size: int | None = None) -> torch.Tensor:
+    """`score(model, chunk) -> [b, T]` over a batch without grad, in chunks of `micro_batch_size` rows, on the
+    model's device, as `[B, T]` float32, 0 off the loss mask; the model's train/eval mode is restored and the result
+    is returned on the batch's device."""
     was_training = model.training
     model.eval()
     try:
         device = next(model.parameters()).device
         chunks = batch.split(micro_batch_size) if micro_batch_size else [batch]
-        out = torch.cat([scorer(model, c.to(device)).float() for c in chunks], 0)
+        with torch.no_grad():
+            out = torch.cat([score(model, c.to(device)).float() for c in chunks], 0)
     finally:
         model.train(was_training)
     mask = batch.loss_mask.to(out.device, out.dtype)
