@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(["the `python` tool, a sum", f"{median_ms(lambda: tool('print(123+456+789)'), args.repeats):.1f}",
                      "-"])
     write_section("sandbox", ["what", "in the sandbox (ms)", "on the host (ms)"], rows,
-                  [f"Median of {args.repeats} tries each, one after another in one process. A run in the sandbox "
+                  [(f"Median of {args.repeats} tries each, one after another in one process. A run in the sandbox "
                    "pays a fork in the jail, dropping privileges and limits, and killing what the run left; the "
-                   "host's column is `subprocess.run` of the same command."])
+                   "host's column is `subprocess.run` of the same command.")])
 
 
 if __name__ == "__main__":

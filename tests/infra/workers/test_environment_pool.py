@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +73,6 @@ def test_the_pool_answers_as_the_driver_and_a_hanging_or_crashing_tool_loses_onl
         (answer,) = pool.finish(["r0"])
         assert not answer.lost and answer.retryable  # a ValueError: not a programming error, so the step retries
         raised = 'raise ValueError("no score for this row")'
-        line = next(i for i, text in enumerate(open(user_code.__file__).read().splitlines(), 1) if raised in text)
+        line = next(i for i, text in enumerate(Path(user_code.__file__).read_text().splitlines(), 1) if raised in text)
         assert answer.error == f"WaitingRoom.reward() raised ValueError: no score for this row at {user_code.__file__}:{line}"
         assert pool.where == {} and pool.lost == {}
