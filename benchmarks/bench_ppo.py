@@ -74,9 +74,9 @@ def main() -> int:
                       str(r["reached"]) if r["reached"] is not None else "-", f"{r['wall']:.0f}",
                       f"{r['step_s']:.2f}", f"{r['tokens']:,.0f}"])
     measure = "greedy exact match" if args.recipe == "arithmetic" else "greedy episodes' success"
-    notes = [f"`{args.recipe}`. Held-out accuracy: {measure} on the held-out split (`val/accuracy`) every 25 steps; "
-             f"{args.steps} steps, one optimizer step each, job.seed 0 in every run. Generated tokens: every response "
-             "token sampled over the run."]
+    notes = [(f"`{args.recipe}`. Held-out accuracy: {measure} on the held-out split (`val/accuracy`) every 25 steps; "
+              f"{args.steps} steps, one optimizer step each, job.seed 0 in every run. Generated tokens: every response "
+              "token sampled over the run.")]
     write_section("ppo" if args.recipe == "arithmetic" else f"ppo-{args.recipe}", header, table, notes)
     return 0
 

@@ -83,7 +83,7 @@ def cmd_make_arithmetic_pairs(args: argparse.Namespace) -> int:
     from infra.artifacts import make_arithmetic_pair_splits
 
     r = make_arithmetic_pair_splits(args.data, args.out, seed=args.seed, max_pairs=args.max_pairs,
-                                    max_val_pairs=args.max_val_pairs)
+                                    max_val_pairs=args.max_val_pairs, model_dir=args.model, samples=args.samples)
     print(f"make-data arithmetic-pairs: {r['n_train']} train pairs -> {r['train']}, {r['n_val']} held-out pairs -> "
           f"{r['val']}")
     return 0
@@ -147,6 +147,10 @@ def add_build_commands(subparsers) -> None:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--max-pairs", type=int, default=None, help="keep the first N train pairs")
     pp.add_argument("--max-val-pairs", type=int, default=None, help="keep the first N held-out pairs")
+    pp.add_argument("--model", default=None, help="rejected answers from this model's own wrong ones (its greedy "
+                    "answer; with --samples, that many sampled per train prompt) instead of off-by-one digits")
+    pp.add_argument("--samples", type=int, default=0, help="with --model: pairs per train prompt, one per answer "
+                    "sampled at temperature 1 (a reward model's data)")
     pp.set_defaults(handler=cmd_make_arithmetic_pairs)
     g = kinds.add_parser("gsm8k", help="official GSM8K JSONL from a directory, or a hub dataset id")
     g.add_argument(

@@ -29,10 +29,11 @@ from rl_core.rewards import SUCCESS_VALUE
 
 log = logging.getLogger("posttrain")
 
-# (metrics key, label) of the summary's rows, the first present wins: on-policy objectives log a reward, DPO its
-# preference accuracy
+# (metrics key, label) of the summary's rows, the first present wins: on-policy objectives log a reward, DPO and a
+# reward model their pairs' accuracy
 REWARD_KEYS = (("rollout/reward_mean", "final reward (rollout/reward_mean)"),
-               ("train/reward_accuracy", "final preference accuracy (train/reward_accuracy)"))
+               ("train/reward_accuracy", "final preference accuracy (train/reward_accuracy)"),
+               ("train/accuracy", "final pair accuracy (train/accuracy)"))
 ACCURACY_KEY = "val/accuracy"
 
 

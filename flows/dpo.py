@@ -1,4 +1,5 @@
-"""Direct preference optimisation (DPO): offline pairs, no rollout and no reward (docs/objectives.md).
+"""The offline flow: objectives trained on fixed preference pairs, with no rollout and no reward: DPO
+(docs/objectives.md) and a reward model's Bradley–Terry training (`rl.objective.type=reward_model`, docs/rewards.md).
 
 Before the loop the driver loads the pairs of `data.train` / `data.val` (JSONL or a hub dataset
 `org/name[:split]`), refuses them with the failing pandera checks (`validate_preference_pairs`:
@@ -12,12 +13,18 @@ engines, which evaluate), `evaluate_pairs` (held-out `val/loss`, `val/reward_acc
 `evaluate` (greedy held-out accuracy on the val pairs' prompts against their chosen answers),
 then `checkpoint` (trainer parts + the pair sampler's state: exact resume as GRPO).
 
+A reward model is trained the same way without a reference, rollout engines or a sync: its held-out metrics are the
+pairs' (`val/loss`, `val/accuracy`: the fraction of pairs it ranks right, `val/margin`), and its final model is an
+`AutoModelForSequenceClassification`.
+
     posttrain run recipes/dpo_arithmetic.py -- rl.max_steps=50
+    posttrain run recipes/rm_arithmetic.py
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
 
@@ -71,7 +78,7 @@ def accuracy_examples(df, task: str) -> list[Example]:
 
 @flow(name="dpo", log_prints=True)
 def dpo(recipe: str, overrides: list[str] | None = None, knobs: RunKnobs = NO_KNOBS) -> dict:
-    """Train a DPO recipe (offline preference pairs).
+    """Train an offline recipe on preference pairs: DPO, or a reward model.
 
     Args:
         recipe: A recipe file under recipes/ (Python: its build_config() returns the config), or a finished run's
@@ -83,12 +90,12 @@ def dpo(recipe: str, overrides: list[str] | None = None, knobs: RunKnobs = NO_KN
     overrides, cfg = open_run(recipe, overrides, knobs)  # guarded, checked (preflight), the run named job.name
     if cfg.rl.objective.topology != "offline":
         raise ConfigError([(f"rl.objective.type={cfg.rl.objective.type}: the dpo flow trains offline objectives only "
-                           "(rl.objective.type=dpo)")])
+                           "(rl.objective.type=dpo, reward_model)")])
     return run_with_restarts(cfg, lambda c: train_dpo(c, recipe, overrides), get_run_logger().warning)
 
 
 def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
-    """The DPO run proper, inside the flow (started again by `run_with_restarts` when a Ray actor dies)."""
+    """The offline run proper, inside the flow (started again by `run_with_restarts` when a Ray actor dies)."""
     logger = get_run_logger()
     ensure_quickstart_artifacts(cfg, announce=logger.info)
 
@@ -110,17 +117,19 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
     run = TrainingRun.prepare(cfg, recipe, overrides, announce=logger.info)
     retry = {"retries": cfg.job.task_retries, "retry_delay_seconds": cfg.job.retry_delay_s,
              "retry_condition_fn": worth_retrying}
+    samples = cfg.rl.objective.trains_policy  # a reward model: no engines to evaluate or sync, no reward functions
 
     step = run.start_step
-    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len) as cluster, \
-            run.checkpoints_of(cluster), RewardPool(cfg, cluster.placement) as rewards:
+    with run, RunTracker() as tracker, Cluster(cfg, max_model_len=max_model_len, with_engines=samples) as cluster, \
+            run.checkpoints_of(cluster), (RewardPool(cfg, cluster.placement) if samples else nullcontext()) as rewards:
         t = time.perf_counter()
-        chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
-        train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))
-        val_pairs = val_pairs.replace(ref_logp=cluster.reference_logps(val_pairs, chunk))
+        if cfg.rl.objective.reads_reference:
+            chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
+            train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))
+            val_pairs = val_pairs.replace(ref_logp=cluster.reference_logps(val_pairs, chunk))
         reference_s = time.perf_counter() - t
-        logger.info("DPO: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
-                    len(train_df), len(val_df), reference_s)
+        logger.info("%s: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
+                    cfg.rl.objective.type, len(train_df), len(val_df), reference_s)
         run.start(tracker, train=train_df, val=val_df)
         version = run.restore(cluster, sampler, logger.info)
 
@@ -129,7 +138,7 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
 
         def evaluate() -> dict:
             out = evaluate_pairs_task.with_options(**retry)(cluster, val_pairs, step=step)  # the step being evaluated
-            if val_examples:
+            if val_examples and samples:
                 out.update(evaluate_task.with_options(**retry)(cluster.engines, tokenizer, val_examples, cfg.data,
                                                                cfg.rollout.max_tokens, rewards, step=step))
             return out
@@ -145,15 +154,16 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
                     idx = sampler.next_batch()
                     batch = train_pairs.select(pair_rows(idx))
                 with timer.phase("validate"):
-                    validate_pairs_task(batch, len(cluster.workers), step=step)
+                    validate_pairs_task(batch, len(cluster.workers), cfg.rl.objective.reads_reference, step=step)
                 with timer.phase("train"):
                     per_rank = train_task(cluster, batch, step=step)
-                if run.due(cfg.rl.validation.every_steps, step):  # the engines evaluate: bring them to this step
+                if samples and run.due(cfg.rl.validation.every_steps, step):  # the engines evaluate: to this step
                     with timer.phase("sync"):
                         version = step
                         synced = sync_task(cluster, version, step=step)
                 else:
                     synced = {}
+                    version = version if samples else step  # a reward model: no engines to hold an older one
                 record = {"step": step, "data/pair_rows": idx, **mean_over_ranks(per_rank), **timer.laps, **synced}
                 step_s = timer.elapsed()
                 record.update({"perf/step_s": step_s,

@@ -47,6 +47,7 @@ from infra.workers.teacher import TeacherRole
 from rl_core.agents.rollout import display_texts, truncation_warning
 from rl_core.batch.dynamic_sampling import DynamicSampling, Round, Selected, round_pass_rates
 from rl_core.config import PosttrainConfig
+from rl_core.evaluation.hacking import HackingWatch
 from rl_core.placement.run_shape import batch_row_multiple
 from rl_core.preflight.machine import check_memory
 from rl_core.rewards import success_reward, successes
@@ -95,21 +96,26 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
         cluster = placed.enter_context(Cluster(cfg, max_model_len=role.max_model_len))
         placed.enter_context(run.checkpoints_of(cluster))  # the checkpoint in flight is published however steps end
         teacher = placed.enter_context(TeacherRole(cfg, cluster.trainer_group)) if with_teacher else None
-        rewards_pool = placed.enter_context(RewardPool(cfg, cluster.placement))
+        rewards_pool = placed.enter_context(RewardPool(cfg, cluster.placement, cluster.trainer_group))
         environments = placed.enter_context(EnvironmentPool(cfg)) if agents else None
         startup.mark("cluster")  # Ray, the actors, their models
         engines = cluster.engines
-        version = run.restore(cluster, role.sampler, logger.info, teacher)  # a resume's restore, the first weight sync
+        version = run.restore(cluster, role.sampler, logger.info, teacher,  # a resume's restore, the first sync
+                              rewards_pool)
 
         def log(record: dict) -> None:
             run.log(record, bar)
 
+        # a learned reward: watch for the held-out reward rising while accuracy falls (val/reward_hacking)
+        hacking = HackingWatch(logger.warning) if any(e.model is not None for e in cfg.data.rewards) else None
+
         def evaluate() -> dict:
             # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)
-            return evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
-                                                       quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
-                                                       step=step, **role.episode_options,
-                                                       environments=quote(environments))
+            out = evaluate_task.with_options(**retry)(quote(engines), quote(role.tokenizer), quote(role.val),
+                                                      quote(cfg.data), cfg.rollout.max_tokens, quote(rewards_pool),
+                                                      step=step, **role.episode_options,
+                                                      environments=quote(environments))
+            return {**out, **hacking.check(out)} if hacking is not None else out
 
         def draw(at_step: int, at_version: int, at_round: int = 0, count: int | None = None) -> tuple[list[int], Any]:
             """The prompt rows of step `at_step` and their rollout with the engines' weights (policy `at_version`): a

@@ -50,8 +50,9 @@ class RunProgress:
         parts = []
         if "rollout/reward_mean" in record:
             parts.append(f"reward {record['rollout/reward_mean']:.3f}")
-        if "train/reward_accuracy" in record:  # DPO: no rollout; its pairs' preference accuracy instead
-            parts.append(f"pref acc {record['train/reward_accuracy']:.2f}")
+        for key in ("train/reward_accuracy", "train/accuracy"):  # DPO, a reward model: their pairs' accuracy instead
+            if key in record:
+                parts.append(f"pref acc {record[key]:.2f}")
         if "train/loss" in record:
             parts.append(f"loss {record['train/loss']:+.4f}")
         if self.last_acc is not None:

@@ -229,19 +229,21 @@ class TrainingRun:
         self.artifacts.start(tracker.server_url, self.run_id, self.start_step)
         return self.run_id
 
-    def record_placement(self, cluster: Any, teachers: Any = None) -> dict:
-        """Write `placement.json`: the node, IP, pid and device of every trainer rank and rollout engine, and of
-        every OPD teacher replica (`teachers`: the teacher role)."""
+    def record_placement(self, cluster: Any, teachers: Any = None, rewards: Any = None) -> dict:
+        """Write `placement.json`: the node, IP, pid and device of every trainer rank and rollout engine, of every
+        OPD teacher replica (`teachers`: the teacher role) and reward-model replica (`rewards`: the reward pool)."""
         where = cluster.node_map()
         if teachers is not None:
             where["teachers"] = teachers.node_map()
+        where.update({"reward_models": models} if rewards is not None and (models := rewards.node_map()) else {})
         (self.run_dir / "placement.json").write_text(json.dumps(where, indent=1) + "\n")
         return where
 
-    def restore(self, cluster: Any, sampler: Any, announce: Callable[..., None], teachers: Any = None) -> int:
+    def restore(self, cluster: Any, sampler: Any, announce: Callable[..., None], teachers: Any = None,
+                rewards: Any = None) -> int:
         """Load the checkpoint (if any) into the workers and the sampler, then bring the rollout engines to the
         trainers' weights (a checked sync, also on a fresh start); the policy version. Records the placement
-        (`teachers`: the OPD teacher role, recorded with it)."""
+        (`teachers`: the OPD teacher role, `rewards`: the reward pool, recorded with it)."""
         version = 0
         if self.plan.checkpoint is not None:
             announce("resuming from %s (step %d)", self.plan.checkpoint, self.start_step)
@@ -252,7 +254,7 @@ class TrainingRun:
             self.evaluation_pending = bool(parts["driver"].get("evaluation_due", False))
             self.in_flight_rows = [[int(i) for i in rows] for rows in parts["driver"].get("in_flight_rows", [])]
             self.plan.parts = {}  # the trainers hold the weights now; the driver keeps none
-        self.record_placement(cluster, teachers)
+        self.record_placement(cluster, teachers, rewards)
         cluster.sync_weights(version)
         return version
 
@@ -386,7 +388,8 @@ class TrainingRun:
         url, ui = self.tracker.url, ui_command(self.tracker.tracking_uri)
         announce("run finished: %s (metrics: %s)", self.run_dir, self.metrics_log.path)
         announce("MLflow run: %s%s", url, f" (serve the store with: {ui})" if ui else "")
-        decider = success_reward(self.cfg.data.success_reward, reward_names(self.cfg.data))  # what val/accuracy counts
+        decider = success_reward(self.cfg.data.success_reward, reward_names(self.cfg.data)) \
+            if self.cfg.rl.objective.trains_policy else None  # what val/accuracy counts (a reward model's: pairs)
         if self.artifacts is not None:
             valid = self.store.list_valid()
             self.artifacts.summary(self.metrics_log.read(), step=step, run_dir=self.run_dir,

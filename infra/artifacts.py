@@ -112,7 +112,9 @@ def _ensure(cfg: PosttrainConfig, announce: Callable[[str], None]) -> list[str]:
         announce(f"building the arithmetic data in {ARITHMETIC_DIR}/ (missing)")
         make_arithmetic_data(ARITHMETIC_DIR, **params["arithmetic_data"])
         built.append("arithmetic_data")
-    teacher = getattr(cfg.model, "teacher", None)
+    # the tiny teacher: OPD's teacher, or the model a recipe trains from (the RLHF example's reward model)
+    teacher = getattr(cfg.model, "teacher", None) or (cfg.model.name_or_path if _is(cfg.model.name_or_path, TINY_TEACHER)
+                                                      else None)
     wants_teacher = bool(teacher) and _is(teacher, TINY_TEACHER) and not _model_complete(TINY_TEACHER, announce)
     if wants_teacher and not needs_data and not _data_complete(ARITHMETIC_DIR / "train.jsonl", announce):
         from rl_core.data.arithmetic import make_arithmetic_data
@@ -193,13 +195,18 @@ def _warm_start(start: Path, out: Path, stage: str, params: dict, saying: str,
 
 
 def make_arithmetic_pair_splits(data_dir: str | Path, out_dir: str | Path, *, seed: int,
-                                max_pairs: int | None = None, max_val_pairs: int | None = None) -> dict:
-    """DPO pairs of both arithmetic splits: `out_dir/train.jsonl` from `train.jsonl`, `out_dir/val.jsonl` from
-    `val.jsonl` (chosen: the answer; rejected: an off-by-one-digit answer); what `posttrain make-data
-    arithmetic-pairs` and the DVC stage `arithmetic_pairs` run."""
+                                max_pairs: int | None = None, max_val_pairs: int | None = None,
+                                model_dir: str | Path | None = None, samples: int = 0) -> dict:
+    """Preference pairs of both arithmetic splits: `out_dir/train.jsonl` from `train.jsonl`, `out_dir/val.jsonl` from
+    `val.jsonl` (chosen: the answer; rejected: an off-by-one-digit answer, or with `model_dir` the model's own wrong
+    answers, `samples` sampled per train prompt and its greedy one per held-out prompt); what `posttrain make-data
+    arithmetic-pairs` and the DVC stages `arithmetic_pairs` and `rm_pairs` run."""
     from rl_core.data.pair_building import make_arithmetic_pairs
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    train = make_arithmetic_pairs(data_dir / "train.jsonl", out_dir / "train.jsonl", seed=seed, max_pairs=max_pairs)
-    val = make_arithmetic_pairs(data_dir / "val.jsonl", out_dir / "val.jsonl", seed=seed, max_pairs=max_val_pairs)
+    model = {"model_dir": model_dir}
+    train = make_arithmetic_pairs(data_dir / "train.jsonl", out_dir / "train.jsonl", seed=seed, max_pairs=max_pairs,
+                                  samples=samples, **model)
+    val = make_arithmetic_pairs(data_dir / "val.jsonl", out_dir / "val.jsonl", seed=seed, max_pairs=max_val_pairs,
+                                **model)
     return {"train": train["path"], "n_train": train["n_pairs"], "val": val["path"], "n_val": val["n_pairs"]}

@@ -161,9 +161,11 @@ def import_path_of(fn: Any) -> str:
 
 def user_code_problems(cfg: Any) -> list[str]:
     """Import and signature problems of the config's reward functions (the objective's own code is checked by its
-    class, the task by preflight's data rules)."""
+    class, the task by preflight's data rules, a reward model's directory by `rl_core.rewards.model`)."""
     problems = []
     for i, entry in enumerate(cfg.data.rewards):
+        if entry.path is None:  # a reward model: its path is checked with the machine (rl_core.preflight)
+            continue
         try:
             load_callable(entry.path, f"data.rewards[{i}].path", REWARD_PARAMS, by_keyword=True)
         except ImportPathError as exc:

@@ -205,6 +205,17 @@ def _prepare_target(target: Path, overwrite: bool, run_dir: Path) -> None:
         raise ExportError(f"{target} exists and is not empty; pass --overwrite to replace it, or another --to")
 
 
+def _reward_model(model_cfg: ModelConfig):
+    """`(model, tokenizer)` of a reward model's run, as its trainer ranks built them (`build_trainer`)."""
+    from rl_core.algorithms.reward_model import reward_model
+    from rl_core.model.loading import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(model_cfg)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return reward_model(resolve_model_path(model_cfg.name_or_path), trust_remote_code=model_cfg.trust_remote_code,
+                        pad_token_id=pad), tokenizer
+
+
 def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path | None = None, *,
                       merged: bool = False, overwrite: bool = False, trust_remote_code: bool = False) -> Exported:
     """Write checkpoint `step` of `run` (a run directory or a job name; None: its newest step) as a transformers
@@ -213,6 +224,7 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
     unless `overwrite`, and one that is, holds or lies in the run directory (but for `<run>/export/...`) always.
     `trust_remote_code` lets the base model's own code run (the checkpoint cannot ask for it). Raises ExportError
     naming the file and what to do."""
+    from rl_core.algorithms.reward_model import HEAD
     from rl_core.model.loading import load_policy, save_policy
     from rl_core.training.state import load_model_shards
 
@@ -230,14 +242,16 @@ def export_checkpoint(run: str | Path, step: int | None = None, to: str | Path |
         except CheckpointError as exc:
             raise ExportError(f"checkpoint step {step} cannot be read: {exc}") from None
         model_cfg = _model_config(meta, directory, trust_remote_code)
+        objective = ((translate(meta.get("config") or {}).get("rl") or {}).get("objective") or {}).get("type")
+        head = HEAD if objective == "reward_model" else None  # a reward model's run: its sequence classifier
         try:
-            model, tokenizer = load_policy(model_cfg)
+            model, tokenizer = load_policy(model_cfg) if head is None else _reward_model(model_cfg)
         except (OSError, ValueError) as exc:  # a missing directory, an unreachable hub id
             raise ExportError(f"the run's base model {model_cfg.name_or_path!r} (model.name_or_path in "
                               f"{directory / 'meta.json'}) cannot be loaded: {exc}; an export needs its config, "
                               "tokenizer and frozen weights: make it available at that path") from None
         if lora.enabled(model_cfg):
-            model = lora.wrap(model, model_cfg.lora)
+            model = lora.wrap(model, model_cfg.lora, value_head=head)
         try:
             lora.check_base(model, parts.get("trainer", {}))
         except ValueError as exc:

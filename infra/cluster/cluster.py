@@ -237,6 +237,8 @@ class Cluster(AbstractContextManager):
         Returns `perf/weight_sync_s`, `perf/weight_sync_bytes` (bytes each engine received; 0 colocated) and
         `rollout/sync_probe_logp_abs_diff` (the largest |engine - trainer| log-prob of the fixed probe, any engine).
         """
+        if not self.with_engines:
+            return {}  # nothing samples (a reward model's training): no engine to bring to the weights
         t = time.perf_counter()
         if self.cfg.cluster.placement == "colocated":
             results = ray.get([w.sync_colocated.remote(version) for w in self.workers])
@@ -271,6 +273,8 @@ class Cluster(AbstractContextManager):
     def node_map(self) -> dict[str, list[dict[str, Any]]]:
         """Where each role runs: `{"trainers": [...], "engines": [...]}` of node id, ip, pid and device."""
         trainers = self.placement.groups["trainers"].info()
+        if not self.with_engines:
+            return {"trainers": trainers, "engines": []}
         engines = self.placement.groups["engines"].info() if self.engine_actors else trainers
         return {"trainers": trainers, "engines": engines}
 

@@ -21,6 +21,7 @@ from rl_core.redact import redact_text
 
 COMPLETIONS_TABLE = "completions.json"  # one table per run; every logged step appends its rows
 MODEL_TASK = "text-generation"  # the transformers pipeline a causal LM loads back as
+REWARD_MODEL_TASK = "text-classification"  # ... and a reward model (AutoModelForSequenceClassification, one label)
 MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
 
@@ -151,11 +152,18 @@ def completions_frame(step: int, attempt: int | None, examples: Sequence[Any], t
 
 # -------------------------------------------------------------------------------------------- model
 
-def model_card(*, job_name: str, objective: str, base_model: str, steps: int, run_id: str) -> Any:
+def model_task(cfg: Any) -> str:
+    """The transformers pipeline the run's final model loads back as: a policy's text generation, a reward model's
+    text classification."""
+    return MODEL_TASK if cfg.rl.objective.trains_policy else REWARD_MODEL_TASK
+
+
+def model_card(*, job_name: str, objective: str, base_model: str, steps: int, run_id: str,
+               task: str = MODEL_TASK) -> Any:
     """The LoggedModel's model card (a `huggingface_hub.ModelCard`, so MLflow does not look one up on the hub)."""
     from huggingface_hub import ModelCard
 
-    return ModelCard(f"---\nlibrary_name: transformers\npipeline_tag: {MODEL_TASK}\n---\n# {job_name}\n\nTrained by posttrain with objective `{objective}` from "
+    return ModelCard(f"---\nlibrary_name: transformers\npipeline_tag: {task}\n---\n# {job_name}\n\nTrained by posttrain with objective `{objective}` from "
                      f"`{redact_text(base_model)}` for {steps} steps (MLflow run `{run_id}`).\n")
 
 
@@ -166,17 +174,19 @@ def pip_requirements(versions: dict[str, str]) -> list[str]:
 
 
 def log_transformers_model(path: str | os.PathLike, *, name: str, run_id: str, step: int, card: Any,
-                           requirements: list[str], tags: dict[str, str], registered_model_name: str | None) -> Any:
+                           requirements: list[str], tags: dict[str, str], registered_model_name: str | None,
+                           task: str = MODEL_TASK) -> Any:
     """`mlflow.transformers.log_model` of a saved model directory (weights, config, tokenizer) as a LoggedModel
     linked to `run_id` at `step`, registered under `registered_model_name` when given; its `ModelInfo`.
 
     The directory is copied as it is (no model is loaded here); it loads back with
-    `mlflow.transformers.load_model(model_uri)` as a text-generation pipeline.
+    `mlflow.transformers.load_model(model_uri)` as a `task` pipeline (text-generation; a reward model's
+    text-classification).
     """
     import mlflow.transformers
 
     return mlflow.transformers.log_model(
-        str(Path(path).resolve()), name=name, task=MODEL_TASK, run_id=run_id, step=step, model_card=card,
+        str(Path(path).resolve()), name=name, task=task, run_id=run_id, step=step, model_card=card,
         pip_requirements=requirements, tags=tags, registered_model_name=registered_model_name)
 
 

@@ -37,9 +37,9 @@ log = logging.getLogger("posttrain.tracking")
 
 # ============================================================================ MLflow tracking
 #
-# One MLflow run per training run. Params are the flattened resolved config, tags carry the
-# identity of what was run (objective, config hash, code revision, data hashes, versions), metrics
-# are the metrics.jsonl records at their steps (and MLflow's system/* samples), artifacts are the resolved
+# One MLflow run per training run. Params are the flattened resolved config, tags carry the identity of what was run
+# (objective, config hash, code revision, data hashes, versions), metrics are the metrics.jsonl records at their
+# steps (and MLflow's system/* samples), artifacts are the resolved
 # config, one provenance JSON per attempt, the training curves (plots/curve.png) and the `completions.json`
 # table; the data splits are dataset inputs and the final model a LoggedModel. A resumed run continues the same
 # MLflow run and appends `provenance/attempt_<n+1>.json`.
@@ -50,9 +50,8 @@ log = logging.getLogger("posttrain.tracking")
 # reads a process-wide tracking URI and keeps a per-thread stack of active runs: each fluent call here runs with
 # this tracker's URI set and the process's own put back after it (`using_tracking_uri`), and the run leaves the
 # stack in `finish` (called by `__exit__`, also on failure), so trackers may follow one another in one process.
-# Everything else (params, tags, metrics, artifacts, tables) goes through an explicit
-# `MlflowClient(tracking_uri=...)` with the run id. mlflow itself is imported lazily, so `MetricsLog` users do
-# not pay for it.
+# Everything else (params, tags, metrics, artifacts, tables) goes through an explicit `MlflowClient(tracking_uri=...)`
+# with the run id. mlflow itself is imported lazily, so `MetricsLog` users do not pay for it.
 
 MLFLOW_PARAM_MAX_CHARS = 6000
 MLFLOW_TAG_MAX_CHARS = 8000
@@ -335,18 +334,19 @@ class RunTracker:
         """Log a saved model directory (weights, config, tokenizer) as a transformers LoggedModel of this run at
         `step`, named after `job.name` and registered as `tracking.registered_model_name` when that is set;
         returns MLflow's `ModelInfo` (also kept in `model_info`)."""
-        from infra.tracking.items import log_transformers_model, model_card, pip_requirements
+        from infra.tracking.items import log_transformers_model, model_card, model_task, pip_requirements
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise TrackingError(f"log_model({str(path)!r}): not a saved model directory (no config.json)")
-        card = model_card(job_name=cfg.job.name, objective=cfg.rl.objective.type,
-                          base_model=cfg.model.name_or_path, steps=step, run_id=self.run_id)
+        task = model_task(cfg)  # text generation; a reward model's text classification
+        card = model_card(job_name=cfg.job.name, objective=cfg.rl.objective.type, base_model=cfg.model.name_or_path,
+                          steps=step, run_id=self.run_id, task=task)
         with using_tracking_uri(self.tracking_uri):
             self.model_info = self._call(
                 "transformers.log_model", _scrub_stdout, log_transformers_model, path, name=cfg.job.name,
                 run_id=self.run_id, step=step, card=card, requirements=pip_requirements(package_versions()),
-                tags=self._model_tags, registered_model_name=cfg.tracking.registered_model_name)
+                tags=self._model_tags, registered_model_name=cfg.tracking.registered_model_name, task=task)
         return self.model_info
 
     @property

@@ -89,7 +89,7 @@ class PolicyWorker:
         self.trainer, self.tokenizer = build_trainer(self.cfg, reducer, self.device)
         if self.cfg.rl.objective.has_critic:
             self.critic = RankCritic(self.cfg, reducer, self.device, self.trainer)
-        if self.cfg.cluster.placement == "colocated":
+        if self.cfg.cluster.placement == "colocated" and self.cfg.rl.objective.trains_policy:
             # a sharded trainer model cannot generate alone (its forwards are collectives): the engine gets a copy
             shared = None if self.trainer.sharded else self.trainer.model
             from infra.workers.distributed import outside_default_group

@@ -11,6 +11,12 @@ actors are replaced before the next batch (a retry of the reward phase starts on
 
 The actors reserve no CPU: scoring runs between the rollout and the train phase, when the trainer's and
 engines' CPUs are idle.
+
+A `data.rewards` entry that names a reward model (`model`) or a local judge (`judge.model`) is scored by the
+reward-model role (`infra.workers.reward_model.RewardModelRole`, its replicas beside the trainer ranks; the pool
+enters it when given the trainer ranks' placement group), a reward model's scores then normalised over the whole
+batch (`normalize`) before the weighted sum; an endpoint judge is called from this process. A judge's counts of
+unparsable, failed and cached judgements are logged beside its mean.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import ray
 from infra.processes import use_threads
 from infra.workers.actor import HelperPool
 from rl_core.config import PosttrainConfig
+from rl_core.placement.run_shape import reward_model_replicas
 from rl_core.rewards import RewardError, RewardFunction, RewardInputs, Scores, call_reward, scored
 from rl_core.rewards.configured import reward_functions as configured_functions
+from rl_core.rewards.model import normalized
 from rl_core.user_code import user_error
 
 
@@ -66,9 +74,35 @@ class RewardPool(HelperPool):
     role, worker, what = "rewards", RewardWorker, "reward workers (data.reward_workers)"
     failure, failed = RewardError, "a reward worker failed to start (importing data.rewards / data.task)"
 
-    def __init__(self, cfg: PosttrainConfig, placement: Any = None):
-        super().__init__(cfg, cfg.data.reward_workers, placement)
-        self.functions: list[RewardFunction] = configured_functions(cfg.data)
+    def __init__(self, cfg: PosttrainConfig, placement: Any = None, trainer_group: Any = None):
+        functions: list[RewardFunction] = configured_functions(cfg.data)
+        self.called = [i for i, f in enumerate(functions) if f.model is None]  # functions; the rest reward models
+        super().__init__(cfg, cfg.data.reward_workers if self.called else 0, placement)
+        self.functions, self.trainer_group, self.models = functions, trainer_group, None
+
+    def __enter__(self):
+        super().__enter__()
+        if reward_model_replicas(self.cfg) and self.trainer_group is not None:
+            from infra.workers.reward_model import RewardModelRole
+
+            try:
+                self.models = RewardModelRole(self.cfg, self.trainer_group).__enter__()
+            except BaseException:
+                self._kill()
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.models is not None:
+                self.models.__exit__(*exc)
+        finally:
+            self.models = None
+            super().__exit__(*exc)
+
+    def node_map(self) -> list[dict[str, Any]]:
+        """Where the reward-model replicas run (none without a reward model)."""
+        return self.models.node_map() if self.models is not None else []
 
     def worker_args(self) -> tuple:
         from infra.workers.actor import worker_config
@@ -77,11 +111,27 @@ class RewardPool(HelperPool):
 
     def scores(self, inputs: RewardInputs) -> Scores:
         """The batch scored: each completion's reward, each function's mean and each function's own values."""
-        if self.cfg.data.reward_workers == 0:
-            per_function = [call_reward(f, inputs) for f in self.functions]
-        else:
+        per_function: list[list[float | None]] = [[None] * len(inputs) for _ in self.functions]
+        if self.called and self.cfg.data.reward_workers == 0:
+            for f in self.called:
+                per_function[f] = call_reward(self.functions[f], inputs)
+        elif self.called:
             per_function = self._score_on_actors(inputs)
-        return scored(self.functions, per_function, inputs.rows)
+        counts: dict[str, float] = {}
+        for f, fn in enumerate(self.functions):
+            if fn.model is None:
+                continue
+            judge = fn.model.judge
+            if self.models is not None and (judge is None or judge.model is not None):  # placed beside the ranks
+                raw = self.models.score(f, inputs)
+                per_function[f] = normalized(raw, fn.model.normalize) if judge is None else raw.values
+            else:  # an endpoint judge; outside a Cluster, a reward model too: its reward function, in this process
+                per_function[f], raw = call_reward(fn, inputs), getattr(fn.fn, "last", None)
+            if judge is not None:
+                counts.update(raw.metrics(fn.name))
+        out = scored(self.functions, per_function, inputs.rows)
+        out.means.update(counts)  # a judge's unparsable, failed and cached fractions, beside its mean
+        return out
 
     def score(self, inputs: RewardInputs) -> tuple[list[float], dict[str, float]]:
         out = self.scores(inputs)
@@ -95,10 +145,10 @@ class RewardPool(HelperPool):
         calls = {}  # ref -> (function index, share index, position in the actor's queue)
         for s, (actor, start, stop) in enumerate(shares):
             part = ray.put(inputs.part(start, stop))
-            for f in range(len(self.functions)):
-                calls[actor.call.remote(f, part, start)] = (f, s, f + 1)
+            for k, f in enumerate(self.called):
+                calls[actor.call.remote(f, part, start)] = (f, s, k + 1)
         timeout, began = self.cfg.data.reward_timeout_s, time.monotonic()
-        for k in range(1, len(self.functions) + 1):  # the k-th call of every actor: back by k timeouts
+        for k in range(1, len(self.called) + 1):  # the k-th call of every actor: back by k timeouts
             kth = [ref for ref, c in calls.items() if c[2] == k]
             _, pending = ray.wait(kth, num_returns=len(kth), timeout=max(began + k * timeout - time.monotonic(), 0))
             if pending:

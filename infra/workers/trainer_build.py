@@ -23,7 +23,9 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
 
     torch.manual_seed(cfg.job.seed)
     enable_tf32(device or torch.device("cpu"))
-    if mesh := shard_mesh(cfg):  # built sharded: every rank reads its own shards (float32 masters)
+    if not cfg.rl.objective.trains_policy:  # a reward model (rl.objective.type=reward_model)
+        model, tokenizer = _reward_model(cfg, device)
+    elif mesh := shard_mesh(cfg):  # built sharded: every rank reads its own shards (float32 masters)
         from infra.workers.sharded_load import load_sharded_policy
 
         model, tokenizer = load_sharded_policy(cfg.model, device or torch.device("cpu"),
@@ -53,3 +55,27 @@ def build_trainer(cfg: PosttrainConfig, dp_reducer: Any = None, device: torch.de
                          or cfg.rollout.filter_groups,
                          routing_replay=cfg.model.routing_replay)
     return trainer, tokenizer
+
+
+def _reward_model(cfg: PosttrainConfig, device: torch.device | None):
+    """`(model, tokenizer)`: the reward model to train from `model.name_or_path` (whole, LoRA-wrapped or sharded as
+    the policy would be), float32 master weights."""
+    from rl_core.algorithms.reward_model import HEAD, reward_model
+    from rl_core.model import lora
+    from rl_core.model.loading import load_tokenizer, resolve_model_path, torch_dtype
+    from rl_core.placement.run_shape import shard_mesh
+
+    tokenizer = load_tokenizer(cfg.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = reward_model(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code,
+                         pad_token_id=pad)
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if lora.enabled(cfg.model):
+        model = lora.wrap(model, cfg.model.lora, value_head=HEAD)
+    device = device or torch.device("cpu")
+    if mesh := shard_mesh(cfg):
+        from infra.workers.distributed import shard_policy
+
+        model = shard_policy(model, device, torch_dtype(cfg.model.compute_dtype), mesh)
+    return model.to(device), tokenizer

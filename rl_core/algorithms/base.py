@@ -30,6 +30,8 @@ class ObjectiveConfig(BaseModel):
     # frozen teacher scoring every batch; offline: fixed pairs, no rollout
     GROUP_RELATIVE: ClassVar[bool] = True  # its batches carry group-relative advantages (the gate checks groups)
     ROWS_PER_PROMPT: ClassVar[int | None] = None  # training rows per prompt; None: rollout.n completions
+    TRAINS: ClassVar[Literal["policy", "reward_model"]] = "policy"  # the model the trainer ranks train: the causal-LM
+    # policy (sampled by rollout engines), or a sequence-classification reward model (no engines, nothing sampled)
 
     @property
     def topology(self) -> Topology:
@@ -52,6 +54,11 @@ class ObjectiveConfig(BaseModel):
     def reads_old_logp(self) -> bool:
         """It trains through an importance ratio against π_old (so sampling and training temperatures must agree)."""
         return True
+
+    @property
+    def trains_policy(self) -> bool:
+        """The trainer ranks train the policy, which rollout engines sample (else a reward model: no engines)."""
+        return self.TRAINS == "policy"
 
     @property
     def has_critic(self) -> bool:

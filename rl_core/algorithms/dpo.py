@@ -56,7 +56,7 @@ DPO_METRIC_NAMES: dict[str, str] = {
 }
 
 __all__ = [
-    "DPO", "DPO_METRIC_NAMES", "DPOLoss", "build_objective", "dpo_loss", "evaluate_pairs", "pair_rows",
+    "DPO", "DPO_METRIC_NAMES", "DPOLoss", "build_objective", "check_pair_chunks", "dpo_loss", "evaluate_pairs", "pair_rows",
     "reference_sequence_logps", "reference_token_logps", "sequence_logps", "with_reference_logps",
 ]
 
@@ -184,6 +184,26 @@ def evaluate_pairs(objective: Objective, model: torch.nn.Module, batch, *, micro
     return objective.metric_adapter.publish({k: v / pairs for k, v in sums.items()}, split)
 
 
+def check_pair_chunks(cfg: Any, err: Report, what: str) -> None:
+    """The rules of an objective trained on (chosen, rejected) row pairs with a mean over each chunk's pairs (DPO, a
+    reward model): chunks of whole, equal numbers of pairs, whole pairs per rank, and nothing sampled to bound."""
+    rl, ro, kind = cfg.rl, cfg.rollout, cfg.rl.objective.type
+    for key, value in (("micro_batch_per_replica", rl.micro_batch_per_replica),
+                       ("mini_batch_per_replica", rl.mini_batch_per_replica)):
+        if value is not None and value % 2:
+            err(f"rl.{key}={value}: {what} rows come in (chosen, rejected) pairs, so a {key.split('_')[0]}-batch must "
+                "hold an even number of rows")
+    if rl.micro_batch_max_tokens is not None:
+        err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: {what}'s loss is a mean over the pairs of a "
+            "chunk (Reduction.MEAN), so its chunks must hold equal numbers of pairs; use rl.micro_batch_per_replica")
+    if ro.max_logp_abs_diff is not None:
+        err(f"rollout.max_logp_abs_diff={ro.max_logp_abs_diff:g}: rl.objective.type={kind} samples nothing, so there "
+            "is no sampler-vs-trainer log-prob gap to bound; remove it")
+    if ro.prompts_per_step % cfg.cluster.num_workers:
+        err(f"rollout.prompts_per_step={ro.prompts_per_step} ({what}: pairs per step) does not split into whole pairs "
+            f"across cluster.num_workers={cfg.cluster.num_workers}")
+
+
 class DPO(ObjectiveConfig):
     """DPO on fixed (chosen, rejected) pairs against a frozen reference (`rl.reference`, or the initial policy)."""
 
@@ -202,23 +222,7 @@ class DPO(ObjectiveConfig):
         return True
 
     def check(self, cfg: Any, err: Report, warn: Report, n_mini: int) -> None:
-        rl, ro = cfg.rl, cfg.rollout
-        if rl.micro_batch_per_replica is not None and rl.micro_batch_per_replica % 2:
-            err(f"rl.micro_batch_per_replica={rl.micro_batch_per_replica}: DPO rows come in (chosen, rejected) "
-                "pairs, so a micro-batch must hold an even number of rows")
-        if rl.mini_batch_per_replica is not None and rl.mini_batch_per_replica % 2:
-            err(f"rl.mini_batch_per_replica={rl.mini_batch_per_replica}: DPO rows come in (chosen, rejected) pairs, "
-                "so a mini-batch must hold an even number of rows")
-        if rl.micro_batch_max_tokens is not None:
-            err(f"rl.micro_batch_max_tokens={rl.micro_batch_max_tokens}: DPO's loss is a mean over the pairs of a "
-                "chunk (Reduction.MEAN), so its chunks must hold equal numbers of pairs; use "
-                "rl.micro_batch_per_replica")
-        if ro.max_logp_abs_diff is not None:
-            err(f"rollout.max_logp_abs_diff={ro.max_logp_abs_diff:g}: rl.objective.type=dpo samples nothing, so there "
-                "is no sampler-vs-trainer log-prob gap to bound; remove it")
-        if ro.prompts_per_step % cfg.cluster.num_workers:
-            err(f"rollout.prompts_per_step={ro.prompts_per_step} (DPO: pairs per step) does not split into whole pairs "
-                f"across cluster.num_workers={cfg.cluster.num_workers}")
+        check_pair_chunks(cfg, err, "DPO")
 
     def identity(self, rl: Any, context: ObjectiveContext) -> dict[str, Any]:
         return {

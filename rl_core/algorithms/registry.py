@@ -18,8 +18,10 @@ from rl_core.algorithms.dpo import DPO
 from rl_core.algorithms.grpo import GRPO, GSPO, DrGRPO, LegacyPG
 from rl_core.algorithms.opd import OPD
 from rl_core.algorithms.ppo import PPO
+from rl_core.algorithms.reward_model import RewardModel
 
-OBJECTIVE_CLASSES: tuple[type[ObjectiveConfig], ...] = (GRPO, DrGRPO, GSPO, LegacyPG, PPO, OPD, DPO, CustomObjective)
+OBJECTIVE_CLASSES: tuple[type[ObjectiveConfig], ...] = (GRPO, DrGRPO, GSPO, LegacyPG, PPO, OPD, DPO, RewardModel,
+                                                       CustomObjective)
 OBJECTIVES: dict[str, type[ObjectiveConfig]] = {c.model_fields["type"].default: c for c in OBJECTIVE_CLASSES}
 ObjectiveSpec = Annotated[Union[tuple(OBJECTIVE_CLASSES)], Field(discriminator="type")]  # noqa: UP007 - built from the tuple
 

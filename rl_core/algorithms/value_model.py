@@ -17,11 +17,14 @@ from rl_core.primitives.logprobs import position_ids_from_mask
 
 
 def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                head_std: float = 0.0):
+                head_std: float = 0.0, sequence: bool = False):
     """The critic built from the policy at `name_or_path` (a hub id or a local directory): its backbone's weights, and a
     value head of one output initialised N(0, head_std²) (0: every value starts at 0), its bias (where the
-    architecture's head has one) 0, and no dropout before it."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    architecture's head has one) 0, and no dropout before it. A head the checkpoint already has is kept.
+
+    `sequence`: an `AutoModelForSequenceClassification` (a reward model, `rl_core.algorithms.reward_model`) rather than
+    a token classifier."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     from transformers.utils import logging
 
     config = AutoConfig.from_pretrained(str(name_or_path), num_labels=1, trust_remote_code=trust_remote_code)
@@ -29,16 +32,19 @@ def value_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report names the new head and the unused LM head: checked below instead
     try:
-        model, info = AutoModelForTokenClassification.from_pretrained(
+        auto = AutoModelForSequenceClassification if sequence else AutoModelForTokenClassification
+        model, info = auto.from_pretrained(
             str(name_or_path), config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
     finally:
         logging.set_verbosity(verbosity)
     head_name = value_head_name(model)
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{head_name}."))
     if missing:
-        raise ValueError(f"the critic's backbone from {name_or_path} lacks {len(missing)} weight(s) ({', '.join(missing[:3])}"
+        raise ValueError(f"the {'reward model' if sequence else 'critic'}'s backbone from {name_or_path} lacks {len(missing)} weight(s) ({', '.join(missing[:3])}"
                          f"{', ...' if len(missing) > 3 else ''}): it is not a model of the policy's architecture")
     head = getattr(model, head_name)
+    if not any(k.startswith(f"{head_name}.") for k in info.get("missing_keys", ())):
+        return model  # a model with its head already trained (a reward model, a critic's export)
     with torch.no_grad():
         if head_std > 0:
             head.weight.normal_(0.0, head_std)

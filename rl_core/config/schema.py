@@ -125,10 +125,47 @@ class RLConfig(_Section):
         return translate_rl(data) if isinstance(data, dict) else data
 
 
+class JudgeConfig(_Section):
+    model: str | None = Field(None, min_length=1, description="A local judge: a causal LM (hub id or directory) served greedily beside the trainer ranks. Set this or endpoint.")
+    endpoint: str | None = Field(None, pattern=r"^https?://", description="An OpenAI-compatible endpoint's base URL (e.g. http://127.0.0.1:8000/v1) that serves the judge.")
+    endpoint_model: str | None = Field(None, min_length=1, description="The model name the endpoint serves (endpoint only).")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="The environment variable that holds the endpoint's API key (the key itself is never in the config, logs or MLflow).")
+    mode: Literal["pointwise", "group"] = Field("pointwise", description="pointwise: one judgement per completion; group: one per prompt, its completions judged together.")
+    template: str | None = Field(None, min_length=1, description="The request: pointwise {prompt}, {completion}, {answer}; group {prompt}, {completions}. None: the built-in one of the mode (docs/rewards.md).")
+    max_tokens: int = Field(32, gt=0, description="Tokens the judge may write per judgement.")
+    timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds one endpoint call may take.")
+    retries: int = Field(2, ge=0, le=10, description="Retries of a failed judge call (1 s, 2 s, ... apart) before its completions count as failed.")
+    unparsable_value: float = Field(0.0, allow_inf_nan=False, description="The value of a completion whose judgement cannot be parsed or failed (counted in rollout/rewards/<name>/unparsable and /failed).")
+
+    @model_validator(mode="after")
+    def _one_backend(self):
+        if (self.model is None) == (self.endpoint is None):
+            raise PydanticCustomError("judge", "a judge is a local model (model) or an endpoint (endpoint), exactly "
+                                      "one of them")
+        if self.endpoint is not None and (self.endpoint_model is None or has_userinfo(self.endpoint)):
+            raise PydanticCustomError("judge", "an endpoint judge names its model (endpoint_model) and keeps "
+                                      "credentials out of the URL (api_key_env names the variable holding the key)")
+        return self
+
+
 class RewardEntry(_Section):
-    path: str = Field(pattern=IMPORT_PATH, description="Import path 'package.module:function' of a TRL-style reward function(prompts, completions, **columns) -> list[float | None].")
-    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function in the completion's reward (sum of weight x value over the functions that apply).")
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in the metrics (rollout/rewards/<name>/mean); None: the function's name.")
+    path: str | None = Field(None, pattern=IMPORT_PATH, description="Import path 'package.module:function' of a TRL-style reward function(prompts, completions, **columns) -> list[float | None]. Set this or model.")
+    model: str | None = Field(None, min_length=1, description="A reward model instead of a function: a hub id, a local directory, or a finished run's directory (its final_model/) of an AutoModelForSequenceClassification with one label (rl.objective.type=reward_model trains one). Its replicas sit on the trainer ranks (docs/rewards.md).")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this reward in the completion's reward (sum of weight x value over the rewards that apply).")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="Name in the metrics (rollout/rewards/<name>/mean); None: the function's name, or reward_model.")
+    judge: JudgeConfig | None = Field(None, description="A generative judge instead of a function or reward model (docs/rewards.md).")
+    normalize: Literal["none", "sigmoid", "batch"] = Field("none", description="A reward model's score as the reward: none (raw), sigmoid (in (0, 1)) or batch (standardised over the step's completions).")
+    batch_size: int = Field(32, gt=0, description="A reward model's completions per forward pass.")
+
+    @model_validator(mode="after")
+    def _function_or_model(self):
+        if sum(x is not None for x in (self.path, self.model, self.judge)) != 1:
+            raise PydanticCustomError("reward_entry", "a data.rewards entry names a function (path), a reward model "
+                                      "(model) or a judge (judge), exactly one of them")
+        if self.model is None and (self.normalize != "none" or self.batch_size != 32):
+            raise PydanticCustomError("reward_entry", "normalize and batch_size apply to a reward model (model), not "
+                                      "to a function (path) or a judge")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -31,8 +31,11 @@ def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
     return sign + digits[:pos] + str(new) + digits[pos + 1:]
 
 
-def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[str]:
-    """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them."""
+def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int, samples: int = 0,
+                   seed: int = 0) -> list[str]:
+    """Greedy answers of the model in `model_dir` (float32, CPU), stripped, as the reward sees them ("" for one the
+    length limit cut); with `samples` > 0, that many answers per prompt sampled at temperature 1 (seeded), prompt
+    by prompt, cut ones included."""
     from rl_core.config import ModelConfig
     from rl_core.model.loading import load_policy
     from rl_core.rollout.base import SamplingParams
@@ -41,25 +44,31 @@ def _model_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -
 
     model, tokenizer = load_policy(ModelConfig(name_or_path=str(model_dir)))
     engine = HFEngine(model, tokenizer)
-    greedy = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=True, seed=0)
+    n = max(samples, 1)
     out: list[str] = []
     for start in range(0, len(prompts), 256):
+        sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, greedy=not samples, seed=seed + start)
         chunk = [Example(p, "") for p in prompts[start:start + 256]]
-        completions = engine.generate(encode_prompts(tokenizer, chunk, "arithmetic", "plain"), 1, greedy)
-        out.extend(t.strip() for t in completions.decode_responses(tokenizer))
+        completions = engine.generate(encode_prompts(tokenizer, chunk, "arithmetic", "plain"), n, sampling)
+        texts = completions.decode_responses(tokenizer)
+        # a greedy answer the length limit cut has no EOS: as a DPO response it would not fit the limit (the pair
+        # gate); sampled ones are kept, a reward model must learn to score what a policy's cut answers look like
+        out.extend(t.strip() if r == "stop" or samples else "" for t, r in
+                   zip(texts, completions.finish_reason, strict=True))
     return out
 
 
 def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed: int,
                           model_dir: str | Path | None = None, max_pairs: int | None = None,
-                          max_tokens: int = 4) -> dict:
+                          max_tokens: int = 4, samples: int = 0) -> dict:
     """Preference pairs from the arithmetic split: chosen = the correct answer, rejected = a wrong one.
 
     Rejected: without `model_dir`, `off_by_one_digit(answer)` with a generator seeded by
     `(seed, crc32(prompt))` (deterministic and independent of file order). With `model_dir`, the
     model's own greedy answer (up to `max_tokens` tokens) where it is wrong and non-empty (a hard
-    negative the policy actually produces), the off-by-one answer elsewhere. `max_pairs` keeps the
-    first pairs of the file. Writes validated JSONL records `{pair_id, prompt, chosen, rejected,
+    negative the policy actually produces), the off-by-one answer elsewhere. With `model_dir` and `samples` > 0, each
+    prompt gives `samples` pairs, one per answer the model samples at temperature 1 (a reward model's training
+    data: the wrong answers a policy samples as it trains). `max_pairs` keeps the first prompts of the file. Writes validated JSONL records `{pair_id, prompt, chosen, rejected,
     source}` (`source`: "off_by_one" | "model") and returns `{"path", "n_pairs", "n_model_negatives"}`.
     """
     from rl_core.rewards.arithmetic import arithmetic_reward
@@ -70,17 +79,20 @@ def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed
         examples = examples[:max_pairs]
     if not examples:
         raise ValueError(f"{train_jsonl}: no examples")
-    model_answers = _model_answers(model_dir, [e.prompt for e in examples], max_tokens) if model_dir else None
+    per = max(samples, 1) if model_dir else 1
+    model_answers = _model_answers(model_dir, [e.prompt for e in examples], max_tokens, samples, seed) \
+        if model_dir else None
     records = []
     for k, ex in enumerate(examples):
         rng = np.random.default_rng([int(seed), zlib.crc32(ex.prompt.encode("utf-8"))])
-        rejected, source = off_by_one_digit(ex.answer, rng), "off_by_one"
-        if model_answers is not None:
-            guess = model_answers[k]
-            if guess and arithmetic_reward(guess, ex.answer) == 0.0:
-                rejected, source = guess, "model"
-        records.append({"pair_id": k, "prompt": ex.prompt, "chosen": ex.answer, "rejected": rejected,
-                        "source": source})
+        for j in range(per):
+            rejected, source = off_by_one_digit(ex.answer, rng), "off_by_one"
+            if model_answers is not None:
+                guess = model_answers[k * per + j]
+                if guess and arithmetic_reward(guess, ex.answer) == 0.0:
+                    rejected, source = guess, "model"
+            records.append({"pair_id": k * per + j, "prompt": ex.prompt, "chosen": ex.answer, "rejected": rejected,
+                            "source": source})
     df = validate_preference_pairs(records)
     path = write_pairs_jsonl(df, out_path)
     return {"path": str(path), "n_pairs": len(df), "n_model_negatives": int((df["source"] == "model").sum())}

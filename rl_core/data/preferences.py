@@ -221,13 +221,15 @@ def check_pair_layout(batch: Any) -> None:
         raise ValueError("a DPO row has no response token in loss_mask")
 
 
-def validate_pair_batch(batch: Any, num_workers: int) -> Any:
-    """Refuse a DPO batch that is not whole (chosen, rejected) pairs, lacks finite reference log-probs, or does
-    not split into whole pairs per worker."""
+def validate_pair_batch(batch: Any, num_workers: int, reference: bool = True) -> Any:
+    """Refuse a pair batch that is not whole (chosen, rejected) pairs, does not split into whole pairs per worker,
+    or (`reference`: DPO) lacks finite reference log-probs."""
     check_pair_layout(batch)
     pairs = batch.batch_size // 2
     if pairs % num_workers:
         raise ValueError(f"{pairs} pairs do not split into whole pairs across cluster.num_workers={num_workers}")
+    if not reference:
+        return batch
     ref = batch.ref_logp
     if ref is None:
         raise ValueError("batch.ref_logp is missing: score the reference once with with_reference_logps")

@@ -40,14 +40,16 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
-def peft_config(lora_cfg, base_name_or_path: str | None = None, value_head: str | None = None):
-    """PEFT's `LoraConfig` of `model.lora`. `value_head`: the model is a critic (token classification) whose head of
-    that name trains whole (PEFT's modules_to_save), not through an adapter."""
+def peft_config(lora_cfg, base_name_or_path: str | None = None, value_head: str | None = None,
+                sequence: bool = False):
+    """PEFT's `LoraConfig` of `model.lora`. `value_head`: the model is a critic (token classification) or, `sequence`,
+    a reward model (sequence classification) whose head of that name trains whole (PEFT's modules_to_save), not
+    through an adapter."""
     from peft import LoraConfig, TaskType
 
     target = lora_cfg.target_modules if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
     task = {"task_type": TaskType.CAUSAL_LM} if value_head is None else \
-        {"task_type": TaskType.TOKEN_CLS, "exclude_modules": [value_head]}
+        {"task_type": TaskType.SEQ_CLS if sequence else TaskType.TOKEN_CLS, "exclude_modules": [value_head]}
     return LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=target,
                       base_model_name_or_path=base_name_or_path, **task)
 
@@ -65,11 +67,12 @@ def adapter_config_dict(lora_cfg, base_name_or_path: str | None, model: torch.nn
 
 def wrap(model: torch.nn.Module, lora_cfg, value_head: str | None = None) -> torch.nn.Module:
     """The PEFT model over `model` (frozen base, trainable adapters); `lora_A` draws from torch's RNG, `lora_B` is 0.
-    `value_head`: PPO's critic, whose value head of that name trains whole beside the adapters."""
+    `value_head`: PPO's critic or a reward model, whose head of that name trains whole beside the adapters."""
     from peft import get_peft_model
 
     name = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
-    peft_model = get_peft_model(model, peft_config(lora_cfg, name or None, value_head))
+    sequence = type(model).__name__.endswith("ForSequenceClassification")
+    peft_model = get_peft_model(model, peft_config(lora_cfg, name or None, value_head, sequence))
     setattr(peft_model, _IDENTITY_ATTR, {"name_or_path": name})
     return peft_model
 

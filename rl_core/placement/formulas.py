@@ -40,10 +40,11 @@ NCCL_COMM_BYTES = 16 * 2 * 2 * 4 * MIB
 # fragmentation, NCCL buffers and whatever the plan does not model (vLLM's default utilisation is 0.9 too).
 USABLE_FRACTION = 0.9  # FSDP2 gathers the next decoder layer while the current one computes
 
-FORWARD, STEP, SYNC, GENERATE, REFERENCE, SCORE, CRITIC = (
+FORWARD, STEP, SYNC, GENERATE, REFERENCE, SCORE, CRITIC, REWARD = (
     "forward/backward", "optimizer step", "weight sync", "generation", "reference scoring", "teacher scoring",
-    "critic values and step")
-PHASE_LETTERS = {FORWARD: "F", STEP: "S", SYNC: "W", GENERATE: "G", REFERENCE: "R", SCORE: "T", CRITIC: "V"}
+    "critic values and step", "reward-model scoring")
+PHASE_LETTERS = {FORWARD: "F", STEP: "S", SYNC: "W", GENERATE: "G", REFERENCE: "R", SCORE: "T", CRITIC: "V",
+                 REWARD: "M"}
 
 
 def compute_bytes(cfg: PosttrainConfig) -> int:

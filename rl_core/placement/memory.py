@@ -44,10 +44,17 @@ from rl_core.placement.formulas import (
 from rl_core.placement.host_memory import HostPlan
 from rl_core.placement.items import RolePlan, gib, params_text
 from rl_core.placement.model_shape import ModelShape, model_shape, probe_model_shape
-from rl_core.placement.roles import add_critic_on_rank, add_teachers_on_rank, engine_role, trainer_role
+from rl_core.placement.roles import (
+    add_critic_on_rank,
+    add_reward_models_on_rank,
+    add_teachers_on_rank,
+    engine_role,
+    trainer_role,
+)
 from rl_core.placement.run_shape import (
     num_engines,
     per_replica_batch,
+    reward_model_replicas,
     rows_per_prompt,
     shard_mesh,
     teacher_replicas,
@@ -278,13 +285,15 @@ def _knobs(plan: MemoryPlan, role: RolePlan, avail: int) -> list[dict[str, Any]]
 def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, gpu_bytes: int | None = None,
                 teacher_shape: ModelShape | None = None, reference_shape: ModelShape | None = None,
                 gpu_source: str = "", assumed_prompt: bool = False, host_bytes: int | None = None,
-                host_source: str = "", remote_ray: bool = False) -> MemoryPlan:
+                host_source: str = "", remote_ray: bool = False,
+                reward_model_shapes: list[tuple[int, ModelShape | None]] | None = None) -> MemoryPlan:
     """The per-role, per-process byte plan of `cfg` for a policy of `shape` (see the module docstring), and the host
     memory of one node (`rl_core.placement.host_memory`).
 
     `prompt_tokens`: the longest prompt (`ASSUMED_PROMPT_TOKENS` when unknown); sequences are that
     plus `rollout.max_tokens`. `gpu_bytes`: memory of one GPU (None: printed, not enforced).
-    `teacher_shape` (OPD) and `reference_shape` (`rl.reference`; default: the policy's shape). `host_bytes`: the RAM
+    `teacher_shape` (OPD) and `reference_shape` (`rl.reference`; default: the policy's shape);
+    `reward_model_shapes`: `(data.rewards index, shape)` of the reward models beside each rank. `host_bytes`: the RAM
     of one node (None: printed, not enforced); `remote_ray`: the ranks run on a Ray cluster's nodes, not here.
     """
     roles = [trainer_role(cfg, shape, prompt_tokens, gpu_bytes, reference_shape or shape)]
@@ -292,7 +301,9 @@ def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, 
         add_teachers_on_rank(cfg, roles[0], teacher_shape, prompt_tokens)
     if cfg.rl.objective.has_critic:
         add_critic_on_rank(cfg, roles[0], shape, prompt_tokens)
-    if cfg.cluster.placement == "separate":
+    if reward_model_shapes:
+        add_reward_models_on_rank(cfg, roles[0], reward_model_shapes, prompt_tokens)
+    if cfg.cluster.placement == "separate" and cfg.rl.objective.trains_policy:
         roles.append(engine_role(cfg, shape, prompt_tokens, gpu_bytes))
     host = host_memory.host_plan(cfg, shape.n_params, shape.n_param_tensors, shape.linears, remote_ray=remote_ray,
                                  host_bytes=host_bytes, source=host_source)
@@ -311,7 +322,20 @@ def plan_for_config(cfg: PosttrainConfig, gpu_bytes: int | None = None, *, gpu_s
         teacher = model_shape(cfg.model.teacher, cfg.model.trust_remote_code)
     if cfg.rl.reference:
         reference = model_shape(cfg.rl.reference, cfg.model.trust_remote_code)
+    rewards = [(i, reward_model_shape(e.model or e.judge.model, cfg.model.trust_remote_code))
+               for i, e in enumerate(cfg.data.rewards) if e.model is not None or (e.judge and e.judge.model)] \
+        if reward_model_replicas(cfg) else None
     return memory_plan(cfg, shape, prompt_tokens=prompt_tokens or ASSUMED_PROMPT_TOKENS, gpu_bytes=gpu_bytes,
                        teacher_shape=teacher, reference_shape=reference, gpu_source=gpu_source,
                        assumed_prompt=prompt_tokens is None, host_bytes=host_bytes, host_source=host_source,
-                       remote_ray=remote_ray), ""
+                       remote_ray=remote_ray, reward_model_shapes=rewards), ""
+
+
+def reward_model_shape(name_or_path: str, trust_remote_code: bool) -> ModelShape | None:
+    """The shape of a `data.rewards` model (a finished run's directory: its final model); None when not here."""
+    from rl_core.rewards.model import resolve_reward_model
+
+    try:
+        return model_shape(resolve_reward_model(name_or_path, "data.rewards"), trust_remote_code)
+    except ValueError:  # no model at a local path: preflight's rules name it
+        return None

@@ -17,6 +17,7 @@ from rl_core.placement.formulas import (
     NCCL_COMM_BYTES,
     REFERENCE,
     REFERENCE_CHUNK_ROWS,
+    REWARD,
     RUNTIME_BYTES,
     SCORE,
     STEP,
@@ -61,13 +62,16 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     """One trainer rank: its training state, activations, reference, weight-sync buffers and, colocated, its
     rollout engine; `ref` is the frozen reference's shape."""
     cl, offline = cfg.cluster, cfg.rl.objective.topology == "offline"
+    policy = cfg.rl.objective.trains_policy  # else a reward model: no engine, no sync, no LM head
+    scores_pairs = offline and cfg.rl.objective.reads_reference  # DPO: the reference scores every pair once
     n = cl.num_workers
     mesh = shard_mesh(cfg)  # None: one full replica per rank (infra.workers.policy.build_trainer)
     fsdp = mesh is not None
     div = mesh[1] if fsdp else 1  # the state is split over a shard group (every rank under fsdp)
     c, seq, rows = compute_bytes(cfg), prompt + cfg.rollout.max_tokens, micro_batch_rows(cfg)
-    on_gpu, colocated = cl.gpus_per_worker > 0, cl.placement == "colocated"
-    phases = [FORWARD, STEP, SYNC] + ([GENERATE] if colocated else []) + ([REFERENCE] if offline else [])
+    on_gpu, colocated = cl.gpus_per_worker > 0, cl.placement == "colocated" and policy
+    phases = [FORWARD, STEP] + ([SYNC] if policy else []) + ([GENERATE] if colocated else []) \
+        + ([REFERENCE] if scores_pairs else [])
     role = RolePlan("trainer", "trainer rank", n, cl.gpus_per_worker, tuple(phases))
     P, T = s.n_params, s.n_param_tensors
     shard = (f", 1/{div} shard ({cl.sharding.upper()})") if fsdp else ""
@@ -109,9 +113,13 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     role.add(f"activations: {tokens} tokens{', checkpointed per layer' if ckpt else ''}",
              activation_bytes(s, 1, tokens, c, ckpt), (FORWARD,))
     head_trained = cfg.model.lora.r == 0  # LoRA adapts the Linears below the head; the head stays frozen
-    role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states"
-             f"{', head-weight gradient' if head_trained else ' (frozen under LoRA: no weight gradient)'}",
-             logits_bytes(s, read, c, True, head_trained), (FORWARD,))
+    if policy:
+        role.add(f"LM head, fused: float32 chunks, {read} read tokens' hidden states"
+                 f"{', head-weight gradient' if head_trained else ' (frozen under LoRA: no weight gradient)'}",
+                 logits_bytes(s, read, c, True, head_trained), (FORWARD,))
+    else:
+        role.notes.append("a reward model: its score head gives one number per token (no vocabulary-wide logits), "
+                          "and no rollout engine nor weight sync sits beside it")
     if not fsdp and n > 1:
         role.add("gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * G), (STEP,))
     if on_gpu:  # torch's foreach AdamW (the default on CUDA) allocates sqrt(exp_avg_sq) for all params
@@ -122,7 +130,7 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
     if own_reference and not offline and cfg.rl.objective.reads_reference:  # the KL anchor
         role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, None,
                  "every rank holds it whole")
-    if offline:
+    if scores_pairs:
         chunk = cfg.rl.micro_batch_per_replica or REFERENCE_CHUNK_ROWS
         if own_reference:
             role.add(f"reference model: frozen, {cfg.model.compute_dtype}", ref.n_params * c, (REFERENCE,),
@@ -131,6 +139,8 @@ def trainer_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: in
                  logits_bytes(ref, chunk * cfg.rollout.max_tokens, c, False)
                  + nograd_forward_bytes(ref, chunk, seq, c, c, mask=False), (REFERENCE,))
 
+    if not policy:
+        return role
     # -- weight sync (LoRA: vLLM takes the adapters, HF engines the merged weights)
     state_c = s.state * c
     if A and cfg.rollout.backend == "vllm":
@@ -306,3 +316,25 @@ def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prom
         role.add("critic gradient all-reduce bucket", min(GRAD_BUCKET_BYTES, 4 * G), (CRITIC,))
     if role.on_gpu:
         role.add(f"critic AdamW step temporary: foreach sqrt(exp_avg_sq){shard}", math.ceil(4 * G / div), (CRITIC,))
+
+
+def add_reward_models_on_rank(cfg: PosttrainConfig, role: RolePlan, shapes: list[tuple[int, ModelShape | None]],
+                              prompt: int) -> None:
+    """The reward-model replica beside each trainer rank (`infra.workers.reward_model`, its own process): every
+    `data.rewards` model's frozen weights, resident in every phase, and one scoring forward of `batch_size` rows
+    (R, while the rank waits). `shapes`: `(data.rewards index, shape or None when its config is not here)`."""
+    role.phases = (*role.phases, REWARD)
+    c = compute_bytes(cfg) if role.on_gpu else 4  # float32 on CPU
+    seq = prompt + cfg.rollout.max_response_tokens
+    if role.on_gpu:
+        role.add("reward model CUDA runtime: its own process", RUNTIME_BYTES)
+    for index, shape in shapes:
+        entry = cfg.data.rewards[index]
+        what = "reward model" if entry.judge is None else "judge"
+        if shape is None:
+            role.notes.append(f"data.rewards[{index}]'s {what} config is not on this machine: its memory is not planned")
+            continue
+        role.add(f"{what} data.rewards[{index}]: frozen weights ({params_text(shape.n_params)} params)",
+                 shape.n_params * c)
+        role.add(f"{what} data.rewards[{index}] scoring: {entry.batch_size} rows x {seq} tokens, one layer, no grad",
+                 nograd_forward_bytes(shape, entry.batch_size, seq, c, c, mask=False), (REWARD,))

@@ -18,7 +18,10 @@ def per_replica_batch(cfg: PosttrainConfig) -> int:
 
 
 def num_engines(cfg: PosttrainConfig) -> int:
-    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate."""
+    """Rollout engines of a run: one per trainer rank when colocated, `rollout.num_engines` (default 1) when separate;
+    none when the trainer ranks train a reward model (nothing is sampled)."""
+    if not cfg.rl.objective.trains_policy:
+        return 0
     if cfg.cluster.placement == "colocated":
         return cfg.cluster.num_workers
     return cfg.rollout.num_engines or 1
@@ -61,10 +64,21 @@ def teachers_per_rank(cfg: PosttrainConfig) -> int:
     return -(-teacher_replicas(cfg) // cfg.cluster.num_workers)
 
 
+def reward_model_replicas(cfg: PosttrainConfig) -> int:
+    """Reward-model replicas (`data.rewards` entries with a `model`, or a judge's local `model`): one per trainer rank,
+    in its bundle; 0 when no entry names one or nothing is sampled."""
+    if not cfg.rl.objective.trains_policy or not any(e.model is not None or (e.judge is not None and e.judge.model)
+                                                     for e in cfg.data.rewards):
+        return 0
+    return cfg.cluster.num_workers
+
+
 def trainer_gpus(cfg: PosttrainConfig) -> float:
-    """GPUs a trainer rank's actor asks Ray for: its bundle's `cluster.gpus_per_worker` less its teachers' share."""
+    """GPUs a trainer rank's actor asks Ray for: its bundle's `cluster.gpus_per_worker` less the shares of the
+    teachers and the reward model that sit beside it."""
     gpus = cfg.cluster.gpus_per_worker
-    return round(gpus - teachers_per_rank(cfg) * TEACHER_GPU_SHARE, 4) if gpus > 0 else 0.0
+    beside = teachers_per_rank(cfg) + (1 if reward_model_replicas(cfg) else 0)  # each asks for its share
+    return round(gpus - beside * TEACHER_GPU_SHARE, 4) if gpus > 0 else 0.0
 
 
 def num_mini_batches(cfg: PosttrainConfig) -> int:

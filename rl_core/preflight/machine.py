@@ -240,6 +240,17 @@ def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
     return _hub_model_problem(key, name)
 
 
+def reward_model_problem(key: str, name: str) -> str | None:
+    """Why the reward model `name` (config key `key`) cannot be loaded here, or None."""
+    from rl_core.rewards.model import resolve_reward_model
+
+    try:
+        resolve_reward_model(name, key)
+    except ValueError as exc:
+        return str(exc)
+    return None if looks_local(name) else _hub_model_problem(key, name)
+
+
 def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
     """Why the data split at `source` cannot be read here, or None (hub dataset ids are not probed)."""
     from rl_core.tasks import get_task
@@ -349,6 +360,16 @@ def machine_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list
     for key, name in models:
         if name and (problem := model_problem(key, name, cfg)):
             problems.append(problem)
+    for i, entry in enumerate(cfg.data.rewards):  # a reward model: a local directory (or finished run) holding one
+        if entry.model is not None and (problem := reward_model_problem(f"data.rewards[{i}].model", entry.model)):
+            problems.append(problem)
+        judge = entry.judge
+        if judge is not None and judge.model and (problem := model_problem(f"data.rewards[{i}].judge.model",
+                                                                             judge.model, cfg)):
+            problems.append(problem)
+        if judge is not None and judge.api_key_env and not os.environ.get(judge.api_key_env):
+            problems.append(f"data.rewards[{i}].judge.api_key_env={judge.api_key_env}: that environment variable is "
+                            "not set here; export the judge endpoint's key in it")
     for key, source in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if problem := data_problem(key, source, cfg):
             problems.append(problem)

@@ -57,6 +57,10 @@ def preflight(cfg: PosttrainConfig) -> PreflightReport:
 
     objective.check(cfg, err, warn, num_mini_batches(cfg))  # what involves the objective and another section (rl_core/algorithms/)
     rep.errors.extend(user_code_problems(cfg))  # data.rewards by import path: imported and checked
+    for i, entry in enumerate(cfg.data.rewards):  # reward models (their directories: rl_core.preflight.machine)
+        if entry.model is not None and not objective.trains_policy:
+            err(f"data.rewards[{i}].model: rl.objective.type={kind} trains a reward model and scores no completion; "
+                "remove the reward model from data.rewards")
 
     if rl.async_steps:
         if topology != "on_policy":

@@ -44,12 +44,14 @@ def per_completion(fn: Callable[[str, str], float]) -> RewardFn:
 
 @dataclass(frozen=True)
 class RewardFunction:
-    """One reward: its name (in metrics: `rollout/rewards/<name>/mean`), weight, function and config key."""
+    """One reward: its name (in metrics: `rollout/rewards/<name>/mean`), weight, function and config key; `model`,
+    the entry of a reward model (scored by the cluster's reward-model role, `infra.workers.reward_model`)."""
 
     name: str
     fn: RewardFn
     weight: float = 1.0
     key: str = "data.task"
+    model: Any = None  # a reward model's or judge's `data.rewards` entry (`fn`: its ModelReward or JudgeReward)
 
 
 @dataclass

@@ -13,3 +13,11 @@ def arithmetic_reward(completion: str, answer: str) -> float:
     if not expected:
         return 0.0
     return 1.0 if completion.strip() == expected else 0.0
+
+
+def exact_match(prompts, completions, answer, **_) -> list[float]:
+    """`arithmetic_reward` as a TRL-style reward function (`data.rewards` entry `rl_core.rewards.arithmetic:exact_match`),
+    the arithmetic task's own reward by import path."""
+    from rl_core.rewards import completion_text
+
+    return [arithmetic_reward(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]

@@ -36,6 +36,7 @@ CHAT_STAGES = ("pipelines/chat_arithmetic/dvc.yaml:chat_arithmetic", "pipelines/
 TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
 PPO_STAGE = "pipelines/ppo_arithmetic/dvc.yaml:ppo_train"
+RLHF_STAGES = tuple(f"pipelines/rlhf_arithmetic/dvc.yaml:{s}" for s in ("rm_pairs", "rm_train", "rlhf_train"))
 MOE_STAGES = ("pipelines/moe_arithmetic/dvc.yaml:tiny_moe_model", "pipelines/moe_arithmetic/dvc.yaml:moe_warm_start")
 CODE_STAGES = ("pipelines/code_arithmetic/dvc.yaml:code_arithmetic",
                "pipelines/code_arithmetic/dvc.yaml:code_warm_start")
@@ -44,7 +45,9 @@ OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_ST
             TOOL_STAGES[1]: "artifacts/tiny-model/tool-warm", CHAT_STAGES[0]: "data/chat-arithmetic",
             CHAT_STAGES[1]: "artifacts/tiny-model/chat", MOE_STAGES[0]: "artifacts/tiny-moe/init",
             MOE_STAGES[1]: "artifacts/tiny-moe/warm", CODE_STAGES[0]: "data/code-arithmetic",
-            CODE_STAGES[1]: "artifacts/tiny-model/code-warm", PPO_STAGE: "runs/ppo-arithmetic/final_model"}
+            CODE_STAGES[1]: "artifacts/tiny-model/code-warm", PPO_STAGE: "runs/ppo-arithmetic/final_model",
+            RLHF_STAGES[0]: "data/arithmetic-rm-pairs", RLHF_STAGES[1]: "runs/rm-arithmetic/final_model",
+            RLHF_STAGES[2]: "runs/rlhf-arithmetic/final_model"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -407,6 +410,14 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     assert f"Running stage '{PPO_STAGE}'" in output and "Running stage 'train'" not in output
     assert [r["step"] for r in _read_jsonl(clone / "runs/ppo-arithmetic/metrics.jsonl") if "critic/loss" in r] == [1]
     assert (clone / "runs/ppo-arithmetic/final_model/critic/model.safetensors").is_file()
+    params = yaml.safe_load(params_path.read_text())
+    params["rlhf"].update(samples=1, rm_steps=2, rl_steps=1)  # RLHF: pairs, a reward model, a policy step it rewards
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    output = _dvc(clone, env, "repro", "pipelines/rlhf_arithmetic/dvc.yaml")
+    assert all(f"Running stage '{stage}'" in output for stage in RLHF_STAGES) and "Running stage 'train'" not in output
+    assert json.loads((clone / "runs/rm-arithmetic/final_model/config.json").read_text())["num_labels"] == 1
+    rlhf = _read_jsonl(clone / "runs/rlhf-arithmetic/metrics.jsonl")
+    assert [r["step"] for r in rlhf if "rollout/rewards/rm/mean" in r] == [1]
     assert _status(clone, env) == {}  # now the whole repository is up to date
 
 

@@ -63,6 +63,9 @@ def test_params_yaml_train_values_mirror_the_recipe():
                                                                          parse_dotlist(overrides)}
     # and PPO's pipeline runs its recipe's own steps
     assert params["ppo_train"]["max_steps"] == load_config(REPO / "recipes/ppo_arithmetic.py").rl.max_steps
+    # and the RLHF pipeline its recipes' own
+    assert params["rlhf"]["rm_steps"] == load_config(REPO / "recipes/rm_arithmetic.py").rl.max_steps
+    assert params["rlhf"]["rl_steps"] == load_config(REPO / "recipes/rlhf_arithmetic.py").rl.max_steps
 
 
 def test_run_params_dry_run_prints_the_resolved_values(tmp_path, capsys):

@@ -39,6 +39,20 @@ def test_in_process_the_pool_gives_each_functions_values_by_name():
                                           "rollout/rewards/units/mean": 0.5})
 
 
+def test_in_process_a_judge_and_a_weight_zero_rule_combine_and_the_judges_counts_are_logged(monkeypatch):
+    """An endpoint judge is called from the driver (here one that never answers: every judgement fails, counted,
+    at its unparsable_value), beside a rule reward at weight 0 that only decides accuracy."""
+    from infra.workers.rewards import RewardPool
+
+    monkeypatch.setattr("rl_core.rewards.judge.time.sleep", lambda s: None)
+    judge = ("data.rewards=[{judge: {endpoint: 'http://127.0.0.1:9/v1', endpoint_model: m, retries: 1, timeout_s: 2, "
+             "unparsable_value: 0.25}, name: j}, {path: 'tests.user_code:length_reward', weight: 0.0}]")
+    scores = RewardPool(load_config("recipes/arithmetic.py", [judge, "data.reward_workers=0"])).scores(_batch(4))
+    assert scores.values["j"] == [0.25] * 4 and scores.rewards == pytest.approx([0.25] * 4)
+    assert scores.means["rollout/rewards/j/failed"] == 1.0 and scores.means["rollout/rewards/j/unparsable"] == 0.0
+    assert scores.values["length_reward"] == pytest.approx([0.0, 0.4, 0.2, 0.6])  # scored, weighing nothing
+
+
 @pytest.mark.e2e  # the reward workers are Ray actors
 def test_the_pool_scores_what_the_driver_scores_and_names_slow_and_broken_functions():
     from infra.workers.rewards import RewardPool

@@ -1,0 +1,180 @@
+"""The reward-model role: frozen reward models (`data.rewards` entries with a `model`) and local generative judges
+(entries with a `judge.model`) in Ray actors beside the trainer ranks.
+
+`RewardModelRole` places one `RewardModelWorker` per trainer rank in the trainer ranks' placement group, replica i in
+rank i's bundle: on that rank's node and, on GPU, on its GPU (Ray counts `TEACHER_GPU_SHARE` of it per replica and
+the rank asks for the rest; the memory plan counts the reward models on the rank). It reserves no CPU: the reward
+models score between the rollout and the train phase, while the ranks wait. Each replica loads every reward-model
+entry (`rl_core.rewards.model.ModelScorer`, in `model.compute_dtype` on GPU, float32 on CPU). `score(index, inputs)`
+cuts a batch into one contiguous share per replica, scores the shares in parallel (each `batch_size` rows per
+forward) and returns the raw scores in order; a share not back within `data.reward_timeout_s` fails the step naming
+the entry. Enter it inside the `Cluster` context (the `RewardPool` does); on exit the replicas are shut down and
+killed. A judge (`rl_core.rewards.judge`) answers greedily through an HF engine over its model; a pointwise judge's
+batch is shared out like a reward model's, a group judge's is judged whole by the first replica (a group must not be
+cut), and its counts of unparsable, failed and cached judgements come back with the values.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Self
+
+import ray
+
+from infra.processes import use_threads
+from infra.workers.actor import ActorGroup, PlacementError, describe_resources
+from rl_core.config import PosttrainConfig
+from rl_core.placement.run_shape import TEACHER_GPU_SHARE, reward_model_replicas
+from rl_core.rewards import RewardError, RewardInputs
+from rl_core.rewards.judge import Judged
+
+
+def resolve_local(name_or_path: str, key: str) -> str:
+    """A judge's model: a hub id unchanged, a local directory made absolute (ValueError naming `key` when missing)."""
+    from pathlib import Path
+
+    from rl_core.model.loading import looks_local
+
+    if not looks_local(name_or_path):
+        return name_or_path
+    if not (Path(name_or_path).expanduser() / "config.json").is_file():
+        raise ValueError(f"{key}={name_or_path!r}: no model there (no config.json); point it at a model directory or "
+                         "a hub id")
+    return str(Path(name_or_path).expanduser().resolve())
+
+
+class RewardModelWorker:
+    """The run's reward models in one actor (an `infra.workers.actor.Actor`). Created as a Ray actor by
+    `RewardModelRole`; `models[k]` is `(data.rewards index, absolute path or hub id)`."""
+
+    def __init__(self, cfg_data: dict, models: list[tuple[int, str]], threads: int, gpus: float):
+        from infra.workers.actor import actor_device
+        from rl_core.config import config_from_dict
+
+        use_threads(threads)
+        self.cfg = config_from_dict(cfg_data)
+        self.models, self.device = models, actor_device(gpus)
+        self.scorers: dict[int, Any] = {}
+
+    def preload(self) -> float:
+        t = time.perf_counter()
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: F401
+
+        from rl_core.rewards.model import ModelScorer  # noqa: F401
+        return time.perf_counter() - t
+
+    def setup(self) -> list[str]:
+        """Load every reward model, frozen; their paths."""
+        from rl_core.model.loading import torch_dtype
+        from rl_core.rewards.judge import local_judge
+        from rl_core.rewards.model import ModelScorer
+
+        name = self.cfg.model.compute_dtype if self.device.type == "cuda" else "float32"
+        trust = self.cfg.model.trust_remote_code
+        for index, path in self.models:
+            entry = self.cfg.data.rewards[index]
+            if entry.judge is not None:
+                self.scorers[index] = local_judge(entry.judge.model_copy(update={"model": path}), self.device, name,
+                                                  trust)
+                continue
+            self.scorers[index] = ModelScorer(path, data=self.cfg.data, batch_size=entry.batch_size, device=self.device,
+                                              dtype=torch_dtype(name), trust_remote_code=trust)
+        return [path for _, path in self.models]
+
+    def info(self) -> dict[str, Any]:
+        from infra.workers.actor import node_info
+
+        return node_info(self.device)
+
+    def score(self, index: int, inputs: RewardInputs) -> Any:
+        """A reward model's raw scores; a judge's `Judged`."""
+        if self.cfg.data.rewards[index].judge is not None:
+            return self.scorers[index].score(inputs.prompts, inputs.completions, inputs.columns.get("answer"))
+        return self.scorers[index].score(inputs.prompts, inputs.completions)
+
+    def shutdown(self) -> None:
+        self.scorers = {}
+
+
+class RewardModelRole(AbstractContextManager):
+    """Places the `RewardModelWorker` replicas in the trainer ranks' placement group `trainer_group`
+    (`Cluster.trainer_group`; Ray must be initialised: enter it inside `Cluster`)."""
+
+    def __init__(self, cfg: PosttrainConfig, trainer_group: Any):
+        from rl_core.rewards.model import resolve_reward_model
+
+        self.cfg, self.trainer_group = cfg, trainer_group
+        self.models = [(i, resolve_reward_model(e.model, f"data.rewards[{i}].model")) if e.model is not None else
+                       (i, resolve_local(e.judge.model, f"data.rewards[{i}].judge.model"))
+                       for i, e in enumerate(cfg.data.rewards) if e.model is not None or (e.judge and e.judge.model)]
+        self.group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
+
+    def __enter__(self) -> Self:
+        from infra.workers.actor import worker_config
+
+        c, replicas = self.cfg.cluster, reward_model_replicas(self.cfg)
+        if replicas < 1 or not self.models:
+            raise ValueError("no data.rewards entry names a reward model (model): there is no reward-model role")
+        if self.trainer_group is None:
+            raise ValueError("the reward models join the trainer ranks' placement group: enter RewardModelRole inside "
+                             "a Cluster and pass its trainer_group")
+        gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
+        cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
+        self.group = ActorGroup("reward_models", RewardModelWorker, replicas,
+                                lambda i: (cfg_data, self.models, threads, gpus), gpus=gpus, host=self.trainer_group,
+                                bundle_of=lambda i: i % c.num_workers)
+        try:
+            self.group.start().preload()
+            try:
+                self.group.wait(self.group.setup(), timeout=c.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise PlacementError(
+                    f"Ray could not place the {replicas} reward-model replica(s) (data.rewards' models; 0 CPU, {gpus:g} "
+                    f"GPU each, in the trainer ranks' bundles) within cluster.placement_timeout_s="
+                    f"{c.placement_timeout_s:g}; available now: {describe_resources(ray.available_resources())}") \
+                    from None
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def score(self, index: int, inputs: RewardInputs) -> Any:
+        """Entry `index`'s raw score of every completion (a judge's: its `Judged`): one contiguous share per replica,
+        in parallel, in order (a group judge's batch whole, on the first replica)."""
+        judge = self.cfg.data.rewards[index].judge
+        n, actors = len(inputs), self.actors[:1] if judge is not None and judge.mode == "group" else self.actors
+        bounds = [round(i * n / len(actors)) for i in range(len(actors) + 1)]
+        shares = [(a, bounds[i], bounds[i + 1]) for i, a in enumerate(actors) if bounds[i + 1] > bounds[i]]
+        refs = [a.score.remote(index, inputs.part(start, stop)) for a, start, stop in shares]
+        timeout, entry = self.cfg.data.reward_timeout_s, f"data.rewards[{index}]"
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            start, stop = next((s[1], s[2]) for s, r in zip(shares, refs, strict=True) if r in pending)
+            raise RewardError(f"the reward model of {entry} did not score completions {start}..{stop - 1} within "
+                              f"data.reward_timeout_s={timeout:g} s; lower its batch_size or raise the timeout")
+        try:
+            parts = ray.get(refs)
+        except ray.exceptions.RayError as exc:
+            raise RewardError(f"the reward model of {entry} failed to score a batch: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+        if judge is None:
+            return [v for part in parts for v in part]
+        return Judged([v for p in parts for v in p.values], sum(p.unparsable for p in parts),
+                      sum(p.failed for p in parts), sum(p.cached for p in parts))
+
+    def node_map(self) -> list[dict[str, Any]]:
+        """Where each replica runs: node id, ip, pid and device."""
+        return self.group.info()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+
+
+__all__ = ["RewardModelRole", "RewardModelWorker"]
