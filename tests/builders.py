@@ -10,6 +10,17 @@ from __future__ import annotations
 # How long a test waits for a service it starts to come up on a loaded 2-core machine: Prefect's ephemeral API
 # server (its own default of 20 s is too short there), a Ray cluster of several nodes, an MLflow or moto server.
 STARTUP_TIMEOUT_S = 180
+# Eight arithmetic preference pairs (chosen: the answer; rejected: a wrong one) of the DPO and reward-model tests.
+PREFERENCE_PAIRS = [
+    {"prompt": "12+34=", "chosen": "46", "rejected": "47"},
+    {"prompt": "5+5=", "chosen": "10", "rejected": "11"},
+    {"prompt": "99+1=", "chosen": "100", "rejected": "90"},
+    {"prompt": "7+0=", "chosen": "7", "rejected": "8"},
+    {"prompt": "31+62=", "chosen": "93", "rejected": "83"},
+    {"prompt": "0+0=", "chosen": "0", "rejected": "1"},
+    {"prompt": "45+45=", "chosen": "90", "rejected": "91"},
+    {"prompt": "8+13=", "chosen": "21", "rejected": "2"},
+]
 
 
 def tiny_model(seed: int = 0, dropout: float = 0.0, *, vocab_size: int = 20, intermediate_size: int = 64,

@@ -239,6 +239,37 @@ class HelperPool(AbstractContextManager):
         self.group = None
 
 
+def start_beside_ranks(cfg: Any, name: str, cls: type, replicas: int, args: Callable[[float], tuple],
+                       trainer_group: Any, what: str) -> ActorGroup:
+    """`replicas` actors of `cls` in the trainer ranks' placement group `trainer_group`, replica i in rank
+    i % `cluster.num_workers`'s bundle (its node, and on GPU a `TEACHER_GPU_SHARE` of its GPU), built from
+    `args(gpus)`, started, preloaded and set up. PlacementError naming `what` when Ray cannot place them within
+    `cluster.placement_timeout_s`; on any failure the group is closed."""
+    from rl_core.placement.run_shape import TEACHER_GPU_SHARE
+
+    c = cfg.cluster
+    if trainer_group is None:
+        raise ValueError(f"the {what} join the trainer ranks' placement group: enter the role inside a Cluster and "
+                         "pass its trainer_group")
+    gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
+    group = ActorGroup(name, cls, replicas, lambda i: args(gpus), gpus=gpus, host=trainer_group,
+                       bundle_of=lambda i: i % c.num_workers)
+    try:
+        group.start().preload()
+        try:
+            group.wait(group.setup(), timeout=c.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not place the {replicas} {what} (0 CPU, {gpus:g} GPU each, in the trainer ranks' bundles) "
+                f"within cluster.placement_timeout_s={c.placement_timeout_s:g}; available now: "
+                f"{describe_resources(ray.available_resources())}. A replica shares its trainer rank's bundle: the "
+                "rank must leave it that share") from None
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
 # ------------------------------------------------------------------------------------------ shared by the actors
 
 

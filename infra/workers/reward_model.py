@@ -23,9 +23,9 @@ from typing import Any, Self
 import ray
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, PlacementError, describe_resources
+from infra.workers.actor import ActorGroup, start_beside_ranks
 from rl_core.config import PosttrainConfig
-from rl_core.placement.run_shape import TEACHER_GPU_SHARE, reward_model_replicas
+from rl_core.placement.run_shape import reward_model_replicas
 from rl_core.rewards import RewardError, RewardInputs
 from rl_core.rewards.judge import Judged
 
@@ -120,27 +120,10 @@ class RewardModelRole(AbstractContextManager):
         c, replicas = self.cfg.cluster, reward_model_replicas(self.cfg)
         if replicas < 1 or not self.models:
             raise ValueError("no data.rewards entry names a reward model (model): there is no reward-model role")
-        if self.trainer_group is None:
-            raise ValueError("the reward models join the trainer ranks' placement group: enter RewardModelRole inside "
-                             "a Cluster and pass its trainer_group")
-        gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
         cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
-        self.group = ActorGroup("reward_models", RewardModelWorker, replicas,
-                                lambda i: (cfg_data, self.models, threads, gpus), gpus=gpus, host=self.trainer_group,
-                                bundle_of=lambda i: i % c.num_workers)
-        try:
-            self.group.start().preload()
-            try:
-                self.group.wait(self.group.setup(), timeout=c.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise PlacementError(
-                    f"Ray could not place the {replicas} reward-model replica(s) (data.rewards' models; 0 CPU, {gpus:g} "
-                    f"GPU each, in the trainer ranks' bundles) within cluster.placement_timeout_s="
-                    f"{c.placement_timeout_s:g}; available now: {describe_resources(ray.available_resources())}") \
-                    from None
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self.group = start_beside_ranks(self.cfg, "reward_models", RewardModelWorker, replicas,
+                                        lambda gpus: (cfg_data, self.models, threads, gpus), self.trainer_group,
+                                        "reward-model replica(s) (data.rewards' models and local judges)")
         return self
 
     def score(self, index: int, inputs: RewardInputs) -> Any:

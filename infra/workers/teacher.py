@@ -26,10 +26,10 @@ import ray
 import torch
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, PlacementError, describe_resources
+from infra.workers.actor import ActorGroup, start_beside_ranks
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
-from rl_core.placement.run_shape import TEACHER_GPU_SHARE, teacher_replicas
+from rl_core.placement.run_shape import teacher_replicas
 
 
 class TeacherWorker:
@@ -102,26 +102,10 @@ class TeacherRole(AbstractContextManager):
         replicas = teacher_replicas(self.cfg)
         if replicas < 1:
             raise ValueError(f"rl.objective.type={self.cfg.rl.objective.type!r} has no teacher role")
-        if self.trainer_group is None:
-            raise ValueError("the teacher replicas join the trainer ranks' placement group: enter TeacherRole "
-                             "inside a Cluster and pass its trainer_group")
-        gpus = TEACHER_GPU_SHARE if c.gpus_per_worker > 0 else 0.0
         cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
-        self.group = ActorGroup("teachers", TeacherWorker, replicas, lambda i: (cfg_data, threads, gpus), gpus=gpus,
-                                host=self.trainer_group, bundle_of=lambda i: i % c.num_workers)
-        try:
-            self.group.start().preload()
-            try:
-                self.group.wait(self.group.setup(), timeout=c.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise PlacementError(
-                    f"Ray could not place the {replicas} OPD teacher replica(s) (cluster.teacher_replicas; 0 CPU, "
-                    f"{gpus:g} GPU each, in the trainer ranks' bundles) within cluster.placement_timeout_s="
-                    f"{c.placement_timeout_s:g}; available now: {describe_resources(ray.available_resources())}. "
-                    "A teacher shares its trainer rank's bundle: the rank must leave it that share") from None
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self.group = start_beside_ranks(self.cfg, "teachers", TeacherWorker, replicas,
+                                        lambda gpus: (cfg_data, threads, gpus), self.trainer_group,
+                                        "OPD teacher replica(s) (cluster.teacher_replicas)")
         return self
 
     def score(self, batch: Any) -> torch.Tensor:

@@ -39,7 +39,7 @@ from rl_core.preflight.rules import preflight
 from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rewards.arithmetic import arithmetic_reward
 from rl_core.training.trainer import LLMTrainer
-from tests.builders import objective_problems
+from tests.builders import PREFERENCE_PAIRS, objective_problems
 from tests.builders import tiny_model as build_tiny_model
 from tests.ranks import run_ranks
 
@@ -47,16 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_CLIP = OptimizerConfig(lr=1e-3, max_grad_norm=1e9)
 TOL = 1e-6
 TOKENIZER = build_tiny_tokenizer()
-PAIRS = [
-    {"prompt": "12+34=", "chosen": "46", "rejected": "47"},
-    {"prompt": "5+5=", "chosen": "10", "rejected": "11"},
-    {"prompt": "99+1=", "chosen": "100", "rejected": "90"},
-    {"prompt": "7+0=", "chosen": "7", "rejected": "8"},
-    {"prompt": "31+62=", "chosen": "93", "rejected": "83"},
-    {"prompt": "0+0=", "chosen": "0", "rejected": "1"},
-    {"prompt": "45+45=", "chosen": "90", "rejected": "91"},
-    {"prompt": "8+13=", "chosen": "21", "rejected": "2"},
-]
+PAIRS = PREFERENCE_PAIRS
 
 
 tiny_model = partial(build_tiny_model, vocab_size=len(TOKENIZER))

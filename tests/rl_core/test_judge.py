@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -82,10 +83,10 @@ def test_retries_then_failures_are_counted(monkeypatch):
 
 
 class _Endpoint(BaseHTTPRequestHandler):
-    seen: list[dict] = []
+    seen: ClassVar[list[dict]] = []
     fail_first = True
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append({"auth": self.headers.get("Authorization"), "body": body})
         if type(self).fail_first:

@@ -29,21 +29,13 @@ from rl_core.preflight.rules import preflight
 from rl_core.rewards import RewardInputs
 from rl_core.rewards.model import ModelScorer, normalized, render, resolve_reward_model
 from rl_core.training.trainer import LLMTrainer
+from tests.builders import PREFERENCE_PAIRS
 from tests.ranks import run_ranks
 
 TOKENIZER = build_tiny_tokenizer()
 NO_CLIP = OptimizerConfig(lr=1e-3, max_grad_norm=1e9)
 TOL = 1e-6
-PAIRS = [
-    {"prompt": "12+34=", "chosen": "46", "rejected": "47"},
-    {"prompt": "5+5=", "chosen": "10", "rejected": "11"},
-    {"prompt": "99+1=", "chosen": "100", "rejected": "90"},
-    {"prompt": "7+0=", "chosen": "7", "rejected": "8"},
-    {"prompt": "31+62=", "chosen": "93", "rejected": "83"},
-    {"prompt": "0+0=", "chosen": "0", "rejected": "1"},
-    {"prompt": "45+45=", "chosen": "90", "rejected": "91"},
-    {"prompt": "8+13=", "chosen": "21", "rejected": "2"},
-]
+PAIRS = PREFERENCE_PAIRS
 
 
 def tiny_rm(seed: int = 0):
