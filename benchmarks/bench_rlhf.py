@@ -8,13 +8,19 @@ Two quiet `posttrain run`s in a scratch directory (real Prefect, real local Ray)
 - `recipes/rlhf_arithmetic.py`: the policy, rewarded by that model alone; held-out accuracy by the exact-match rule
   it never sees (weight 0), the reward model's mean held-out score and the hacking flag, every 25 steps.
 
-    python benchmarks/bench_rlhf.py [--rm-steps 3000] [--rl-steps 300]
+    python benchmarks/bench_rlhf.py [--rm-steps 4000] [--rl-steps 300]
+    python benchmarks/bench_rlhf.py --runs runs/rm-arithmetic runs/rlhf-arithmetic   # the tables of finished runs
+
+`--runs` reads the two runs' metrics instead of training (e.g. those `dvc repro pipelines/rlhf_arithmetic/dvc.yaml`
+trained); their wall time is then the sum of their steps' `perf/step_s`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+from pathlib import Path
 
 # benchmarks/ is this script's sys.path[0]
 from bench_dynamic_sampling import REPO, run
@@ -26,9 +32,15 @@ PAIRS = REPO / "data" / "arithmetic-rm-pairs"
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rm-steps", type=int, default=3000)
+    parser.add_argument("--rm-steps", type=int, default=4000)
     parser.add_argument("--rl-steps", type=int, default=300)
+    parser.add_argument("--runs", nargs=2, metavar=("RM_RUN", "RLHF_RUN"), help="finished runs to report instead")
     args = parser.parse_args()
+    if args.runs:
+        rm, rl = ([json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()] for d in args.runs)
+        rm_wall, rl_wall = (sum(r.get("perf/step_s", 0.0) for r in records) for records in (rm, rl))
+        args.rm_steps, args.rl_steps = rm[-1]["step"], rl[-1]["step"]
+        return report(args, rm, rm_wall, rl, rl_wall, "s summed over its steps")
     missing = [p for p in (PAIRS / "train.jsonl", PAIRS / "val.jsonl", REPO / "artifacts/tiny-model/warm",
                            REPO / "data/arithmetic/val.jsonl") if not p.exists()]
     if missing:
@@ -42,6 +54,12 @@ def main() -> int:
         rl, rl_wall = run(workdir, "rlhf_arithmetic", "rlhf", [rewards], args.rl_steps)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return report(args, rm, rm_wall, rl, rl_wall, "s wall")
+
+
+def report(args: argparse.Namespace, rm: list[dict], rm_wall: float, rl: list[dict], rl_wall: float,
+           seconds: str) -> int:
+    """Print the two learning tables and write them into docs/benchmarks.md."""
     rm_rows = [[str(r["step"]), f"{r['val/accuracy']:.3f}", f"{r['val/loss']:.3f}", f"{r['val/margin']:.2f}"]
                for r in rm if "val/accuracy" in r]
     rl_rows = [[str(r["step"]), f"{r['val/accuracy']:.3f}", f"{r['val/mean_reward']:.3f}",
@@ -53,14 +71,14 @@ def main() -> int:
     train = [r for r in rl if "rollout/rewards/rm/mean" in r]
     write_section("rlhf-rm", ["step", "held-out pair accuracy", "held-out loss", "held-out margin"], rm_rows,
                   [(f"`recipes/rm_arithmetic.py`, {args.rm_steps} steps of 64 pairs: held-out pairs of the warm model's "
-                   f"greedy wrong answers (or a digit off); {rm_wall:.0f} s wall for the run.")])
+                   f"greedy wrong answers (or a digit off); the run took {rm_wall:.0f} {seconds}.")])
     write_section("rlhf", ["step", "held-out accuracy (exact match, weight 0)", "held-out reward-model score",
                            "val/reward_hacking"], rl_rows,
                   [(f"`recipes/rlhf_arithmetic.py`, {args.rl_steps} steps of 16 prompts x 8 completions, GRPO with the "
                    "reward model above as the only reward; greedy exact match on all 500 held-out sums. Mean "
                    f"train-time exact match over the first and last 25 steps: "
                    f"{sum(r['rollout/rewards/arithmetic/mean'] for r in train[:25]) / 25:.3f} -> "
-                   f"{sum(r['rollout/rewards/arithmetic/mean'] for r in train[-25:]) / 25:.3f}; {rl_wall:.0f} s wall.")])
+                   f"{sum(r['rollout/rewards/arithmetic/mean'] for r in train[-25:]) / 25:.3f}; the run took {rl_wall:.0f} {seconds}.")])
     return 0
 
 

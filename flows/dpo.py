@@ -128,8 +128,8 @@ def train_dpo(cfg: PosttrainConfig, recipe: str, overrides: list[str]) -> dict:
             train_pairs = train_pairs.replace(ref_logp=cluster.reference_logps(train_pairs, chunk))
             val_pairs = val_pairs.replace(ref_logp=cluster.reference_logps(val_pairs, chunk))
         reference_s = time.perf_counter() - t
-        logger.info("%s: %d train pairs, %d held-out pairs; reference log-probs cached in %.1fs",
-                    cfg.rl.objective.type, len(train_df), len(val_df), reference_s)
+        logger.info("%s: %d train pairs, %d held-out pairs%s", cfg.rl.objective.type, len(train_df), len(val_df),
+                    f"; reference log-probs cached in {reference_s:.1f}s" if cfg.rl.objective.reads_reference else "")
         run.start(tracker, train=train_df, val=val_df)
         version = run.restore(cluster, sampler, logger.info)
 

@@ -3,8 +3,8 @@
 its only reward.
 
 Pairs: `data/arithmetic-rm-pairs/{train,val}.jsonl`, from `posttrain make-data arithmetic-pairs --model
-artifacts/tiny-model/warm --samples 4 --out data/arithmetic-rm-pairs` (DVC stage `rm_pairs` of
-pipelines/rlhf_arithmetic/dvc.yaml): chosen = the correct answer, rejected = one of four answers the warm model
+artifacts/tiny-model/warm --samples 8 --out data/arithmetic-rm-pairs` (DVC stage `rm_pairs` of
+pipelines/rlhf_arithmetic/dvc.yaml): chosen = the correct answer, rejected = one of eight answers the warm model
 samples (off by one digit where the sample is right; an answer the 4-token limit cut included, as the reward model
 will read it, with EOS), so the model learns the mistakes the policy makes. The
 backbone is the tiny teacher's (`artifacts/tiny-model/teacher`: the warm start trained further, as OPD's teacher), a
@@ -27,7 +27,7 @@ def build_config() -> PosttrainConfig:
     cfg.rollout.max_tokens = 5  # the pair gate's bound: a policy's answer cut at 4 tokens, + <eos> (as it is scored)
     cfg.rollout.prompts_per_step = 64  # pairs per step
     cfg.rl.objective = RewardModel()
-    cfg.rl.max_steps = 3000
+    cfg.rl.max_steps = 4000
     cfg.rl.optimizer.lr = 3e-4
     cfg.rl.optimizer.max_grad_norm = 1.0
     cfg.rl.validation.every_steps = 500

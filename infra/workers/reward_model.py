@@ -30,20 +30,6 @@ from rl_core.rewards import RewardError, RewardInputs
 from rl_core.rewards.judge import Judged
 
 
-def resolve_local(name_or_path: str, key: str) -> str:
-    """A judge's model: a hub id unchanged, a local directory made absolute (ValueError naming `key` when missing)."""
-    from pathlib import Path
-
-    from rl_core.model.loading import looks_local
-
-    if not looks_local(name_or_path):
-        return name_or_path
-    if not (Path(name_or_path).expanduser() / "config.json").is_file():
-        raise ValueError(f"{key}={name_or_path!r}: no model there (no config.json); point it at a model directory or "
-                         "a hub id")
-    return str(Path(name_or_path).expanduser().resolve())
-
-
 class RewardModelWorker:
     """The run's reward models in one actor (an `infra.workers.actor.Actor`). Created as a Ray actor by
     `RewardModelRole`; `models[k]` is `(data.rewards index, absolute path or hub id)`."""
@@ -102,11 +88,12 @@ class RewardModelRole(AbstractContextManager):
     (`Cluster.trainer_group`; Ray must be initialised: enter it inside `Cluster`)."""
 
     def __init__(self, cfg: PosttrainConfig, trainer_group: Any):
+        from rl_core.model.loading import resolve_model_path
         from rl_core.rewards.model import resolve_reward_model
 
         self.cfg, self.trainer_group = cfg, trainer_group
         self.models = [(i, resolve_reward_model(e.model, f"data.rewards[{i}].model")) if e.model is not None else
-                       (i, resolve_local(e.judge.model, f"data.rewards[{i}].judge.model"))
+                       (i, resolve_model_path(e.judge.model, f"data.rewards[{i}].judge.model"))
                        for i, e in enumerate(cfg.data.rewards) if e.model is not None or (e.judge and e.judge.model)]
         self.group: ActorGroup | None = None
 
