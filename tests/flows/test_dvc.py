@@ -415,7 +415,8 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     output = _dvc(clone, env, "repro", "pipelines/rlhf_arithmetic/dvc.yaml")
     assert all(f"Running stage '{stage}'" in output for stage in RLHF_STAGES) and "Running stage 'train'" not in output
-    assert json.loads((clone / "runs/rm-arithmetic/final_model/config.json").read_text())["num_labels"] == 1
+    exported = json.loads((clone / "runs/rm-arithmetic/final_model/config.json").read_text())
+    assert exported["architectures"] == ["LlamaForSequenceClassification"] and len(exported["id2label"]) == 1
     rlhf = _read_jsonl(clone / "runs/rlhf-arithmetic/metrics.jsonl")
     assert [r["step"] for r in rlhf if "rollout/rewards/rm/mean" in r] == [1]
     assert _status(clone, env) == {}  # now the whole repository is up to date
