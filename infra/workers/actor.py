@@ -239,6 +239,26 @@ class HelperPool(AbstractContextManager):
         self.group = None
 
 
+class BesideRanks(AbstractContextManager):
+    """A role whose replicas sit in the trainer ranks' bundles (`start_beside_ranks`): its actors, where they run,
+    and their shutdown on exit. Subclasses start `self.group` in `__enter__`."""
+
+    group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
+
+    def node_map(self) -> list[dict[str, Any]]:
+        """Where each replica runs: node id, ip, pid and device."""
+        return self.group.info()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+
+
 def start_beside_ranks(cfg: Any, name: str, cls: type, replicas: int, args: Callable[[float], tuple],
                        trainer_group: Any, what: str) -> ActorGroup:
     """`replicas` actors of `cls` in the trainer ranks' placement group `trainer_group`, replica i in rank

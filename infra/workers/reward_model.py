@@ -17,13 +17,12 @@ cut), and its counts of unparsable, failed and cached judgements come back with 
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import ray
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, start_beside_ranks
+from infra.workers.actor import ActorGroup, BesideRanks, start_beside_ranks
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import reward_model_replicas
 from rl_core.rewards import RewardError, RewardInputs
@@ -83,7 +82,7 @@ class RewardModelWorker:
         self.scorers = {}
 
 
-class RewardModelRole(AbstractContextManager):
+class RewardModelRole(BesideRanks):
     """Places the `RewardModelWorker` replicas in the trainer ranks' placement group `trainer_group`
     (`Cluster.trainer_group`; Ray must be initialised: enter it inside `Cluster`)."""
 
@@ -96,10 +95,6 @@ class RewardModelRole(AbstractContextManager):
                        (i, resolve_model_path(e.judge.model, f"data.rewards[{i}].judge.model"))
                        for i, e in enumerate(cfg.data.rewards) if e.model is not None or (e.judge and e.judge.model)]
         self.group: ActorGroup | None = None
-
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
 
     def __enter__(self) -> Self:
         from infra.workers.actor import worker_config
@@ -136,15 +131,6 @@ class RewardModelRole(AbstractContextManager):
             return [v for part in parts for v in part]
         return Judged([v for p in parts for v in p.values], sum(p.unparsable for p in parts),
                       sum(p.failed for p in parts), sum(p.cached for p in parts))
-
-    def node_map(self) -> list[dict[str, Any]]:
-        """Where each replica runs: node id, ip, pid and device."""
-        return self.group.info()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = None
 
 
 __all__ = ["RewardModelRole", "RewardModelWorker"]

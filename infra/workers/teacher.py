@@ -19,14 +19,13 @@ could not place.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import ray
 import torch
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, start_beside_ranks
+from infra.workers.actor import ActorGroup, BesideRanks, start_beside_ranks
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import teacher_replicas
@@ -82,7 +81,7 @@ class TeacherWorker:
         self.model = None
 
 
-class TeacherRole(AbstractContextManager):
+class TeacherRole(BesideRanks):
     """Places the `TeacherWorker` replicas in the trainer ranks' placement group `trainer_group`
     (`Cluster.trainer_group`; Ray must be initialised: enter it inside `Cluster`)."""
 
@@ -90,10 +89,6 @@ class TeacherRole(AbstractContextManager):
         self.cfg = cfg
         self.trainer_group = trainer_group
         self.group: ActorGroup | None = None
-
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
 
     def __enter__(self) -> Self:
         from infra.workers.actor import worker_config
@@ -114,12 +109,3 @@ class TeacherRole(AbstractContextManager):
             return ray.get([a.score.remote(s) for a, s in zip(self.actors, shards)])
 
         return score_in_shards(batch, len(self.actors), score_all)
-
-    def node_map(self) -> list[dict[str, Any]]:
-        """Where each replica runs: node id, ip, pid and device."""
-        return self.group.info()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = None

@@ -188,7 +188,7 @@ def test_normalisations():
     assert normalized([3.0, 3.0], "batch") == [0.0, 0.0]
 
 
-def test_reward_inputs_of_a_chat_row_render_with_the_template(tmp_path):
+def test_a_text_completion_is_rendered_with_its_eos():
     data = config_from_dict({"data": {"prompt_template": "plain"}}).data
     inputs = RewardInputs(["1+1="], ["2"], {}, ["row 0"])
     assert render(TOKENIZER, inputs.prompts[0], inputs.completions[0], data)[-1] == TOKENIZER.eos_token_id
