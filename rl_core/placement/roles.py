@@ -319,10 +319,11 @@ def add_critic_on_rank(cfg: PosttrainConfig, role: RolePlan, s: ModelShape, prom
 
 
 def add_reward_models_on_rank(cfg: PosttrainConfig, role: RolePlan, shapes: list[tuple[int, ModelShape | None]],
-                              prompt: int) -> None:
+                              prompt: int, gpu_bytes: int | None = None) -> None:
     """The reward-model replica beside each trainer rank (`infra.workers.reward_model`, its own process): every
     `data.rewards` model's frozen weights, resident in every phase, and one scoring forward of `batch_size` rows
-    (R, while the rank waits). `shapes`: `(data.rewards index, shape or None when its config is not here)`."""
+    (R, while the rank waits); a vLLM judge on a GPU, its engine's reservation (`judge.gpu_memory_utilization` of
+    `gpu_bytes`) instead. `shapes`: `(data.rewards index, shape or None when its config is not here)`."""
     role.phases = (*role.phases, REWARD)
     c = compute_bytes(cfg) if role.on_gpu else 4  # float32 on CPU
     seq = prompt + cfg.rollout.max_response_tokens
@@ -331,6 +332,15 @@ def add_reward_models_on_rank(cfg: PosttrainConfig, role: RolePlan, shapes: list
     for index, shape in shapes:
         entry = cfg.data.rewards[index]
         what = "reward model" if entry.judge is None else "judge"
+        if entry.judge is not None and entry.judge.engine == "vllm" and role.on_gpu:
+            share = entry.judge.gpu_memory_utilization
+            if not gpu_bytes:
+                role.notes.append(f"data.rewards[{index}]'s vLLM judge reserves {share:g} of the GPU, whose memory is "
+                                  "unknown here: not planned")
+                continue
+            role.add(f"judge data.rewards[{index}]: vLLM gpu_memory_utilization {share:g} x GPU (weights + KV cache)",
+                     int(share * gpu_bytes))
+            continue
         if shape is None:
             role.notes.append(f"data.rewards[{index}]'s {what} config is not on this machine: its memory is not planned")
             continue

