@@ -62,8 +62,7 @@ def report(args: argparse.Namespace, rm: list[dict], rm_wall: float, rl: list[di
     """Print the two learning tables and write them into docs/benchmarks.md."""
     rm_rows = [[str(r["step"]), f"{r['val/accuracy']:.3f}", f"{r['val/loss']:.3f}", f"{r['val/margin']:.2f}"]
                for r in rm if "val/accuracy" in r]
-    rl_rows = [[str(r["step"]), f"{r['val/accuracy']:.3f}", f"{r['val/mean_reward']:.3f}",
-                f"{r['val/reward_hacking']:.0f}"] for r in rl if "val/accuracy" in r]
+    rl_rows = policy_rows(rl)
     for row in rm_rows:
         print("rm", " ".join(row), flush=True)
     for row in rl_rows:
@@ -76,10 +75,22 @@ def report(args: argparse.Namespace, rm: list[dict], rm_wall: float, rl: list[di
                            "val/reward_hacking"], rl_rows,
                   [(f"`recipes/rlhf_arithmetic.py`, {args.rl_steps} steps of 16 prompts x 8 completions, GRPO with the "
                    "reward model above as the only reward; greedy exact match on all 500 held-out sums. Mean "
-                   f"train-time exact match over the first and last 25 steps: "
-                   f"{sum(r['rollout/rewards/arithmetic/mean'] for r in train[:25]) / 25:.3f} -> "
-                   f"{sum(r['rollout/rewards/arithmetic/mean'] for r in train[-25:]) / 25:.3f}; the run took {rl_wall:.0f} {seconds}.")])
+                   f"train-time exact match over the first and last 25 steps: {first_and_last(train)}; the run took "
+                   f"{rl_wall:.0f} {seconds}.")])
     return 0
+
+
+def policy_rows(records: list[dict]) -> list[list[str]]:
+    """The policy's learning table: per held-out evaluation, its step, accuracy (the rule), mean learned reward and
+    hacking flag."""
+    return [[str(r["step"]), f"{r['val/accuracy']:.3f}", f"{r['val/mean_reward']:.3f}", f"{r['val/reward_hacking']:.0f}"]
+            for r in records if "val/accuracy" in r]
+
+
+def first_and_last(train: list[dict], n: int = 25) -> str:
+    """The mean train-time exact match over the first and the last `n` steps, `a -> b`."""
+    mean = lambda rows: sum(r["rollout/rewards/arithmetic/mean"] for r in rows) / len(rows)
+    return f"{mean(train[:n]):.3f} -> {mean(train[-n:]):.3f}"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Default paths used by the recipes: `artifacts/tiny-model/init` (random init),
 `artifacts/tiny-model/warm` (warm-started), `data/arithmetic/{train,val}.jsonl`,
-`data/gsm8k/{train,test}.jsonl`, DPO pairs `data/arithmetic-pairs/{train,val}.jsonl`.
+`data/gsm8k/{train,test}.jsonl`, DPO pairs `data/arithmetic-pairs/{train,val}.jsonl`, the arithmetic judge's rows
+`data/arithmetic-judge/{train,val}.jsonl`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ TINY_INIT_DIR = "artifacts/tiny-model/init"
 TINY_WARM_DIR = "artifacts/tiny-model/warm"
 ARITHMETIC_DIR = "data/arithmetic"
 ARITHMETIC_PAIRS_DIR = "data/arithmetic-pairs"
+ARITHMETIC_RM_PAIRS_DIR = "data/arithmetic-rm-pairs"
+ARITHMETIC_JUDGE_DIR = "data/arithmetic-judge"
 GSM8K_DIR = "data/gsm8k"
 
 
@@ -89,6 +92,17 @@ def cmd_make_arithmetic_pairs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_arithmetic_judge(args: argparse.Namespace) -> int:
+    from rl_core.data.pair_building import make_judge_rows
+
+    pairs, out = Path(args.pairs), Path(args.out)
+    made = {split: make_judge_rows(pairs / f"{split}.jsonl", out / f"{split}.jsonl", template=args.template)
+            for split in ("train", "val")}
+    print("make-data arithmetic-judge: " + ", ".join(f"{m['n_rows']} {split} rows -> {m['path']}"
+                                                     for split, m in made.items()))
+    return 0
+
+
 def cmd_make_gsm8k(args: argparse.Namespace) -> int:
     from rl_core.data import prepare_gsm8k
 
@@ -99,6 +113,7 @@ def cmd_make_gsm8k(args: argparse.Namespace) -> int:
 
 def add_build_commands(subparsers) -> None:
     """Register `init-model`, `warm-start` and `make-data {arithmetic,gsm8k}` on `subparsers`."""
+    from rl_core.rewards.arithmetic import JUDGE_TEMPLATE
     from rl_core.training.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 
     p = subparsers.add_parser(
@@ -152,6 +167,14 @@ def add_build_commands(subparsers) -> None:
     pp.add_argument("--samples", type=int, default=0, help="with --model: pairs per train prompt, one per answer "
                     "sampled at temperature 1 (a reward model's data)")
     pp.set_defaults(handler=cmd_make_arithmetic_pairs)
+    j = kinds.add_parser("arithmetic-judge", help="a pointwise judge's rows (request -> verdict 1 or 0) of both "
+                         "splits of arithmetic preference pairs")
+    j.add_argument("--pairs", default=ARITHMETIC_RM_PAIRS_DIR, help="directory with the pairs' train.jsonl/val.jsonl "
+                   f"(default {ARITHMETIC_RM_PAIRS_DIR}, the reward model's)")
+    j.add_argument("--out", default=ARITHMETIC_JUDGE_DIR, help="writes train.jsonl and val.jsonl here")
+    j.add_argument("--template", default=JUDGE_TEMPLATE, help="the judge's request with {prompt}, {completion} and "
+                   "{answer}: the recipe's judge.template (default: recipes/judge_arithmetic.py's)")
+    j.set_defaults(handler=cmd_make_arithmetic_judge)
     g = kinds.add_parser("gsm8k", help="official GSM8K JSONL from a directory, or a hub dataset id")
     g.add_argument(
         "--source",

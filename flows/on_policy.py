@@ -107,7 +107,7 @@ def run_on_policy(cfg: PosttrainConfig, recipe: str, overrides: list[str], *, wi
             run.log(record, bar)
 
         # a learned reward: watch for the held-out reward rising while accuracy falls (val/reward_hacking)
-        hacking = HackingWatch(logger.warning) if any(e.model is not None for e in cfg.data.rewards) else None
+        hacking = HackingWatch(logger.warning) if any(e.model or e.judge for e in cfg.data.rewards) else None
 
         def evaluate() -> dict:
             # `step` at the call: the step whose weights the engines hold (start_step before the loop, 0 before training)

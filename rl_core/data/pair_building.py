@@ -2,7 +2,8 @@
 
 `make_arithmetic_pairs` samples the warm-started tiny model on the arithmetic train split and pairs each
 right answer (chosen) with a wrong one (rejected): the model's own, or an answer one digit off. The pairs'
-format and checks are rl_core/data/preferences.py's.
+format and checks are rl_core/data/preferences.py's. `make_judge_rows` turns pairs into a pointwise judge's
+supervised rows: each answer's judge request and its verdict.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rl_core.data.preferences import validate_preference_pairs, write_pairs_jsonl
+from rl_core.atomic import write_text_atomic
+from rl_core.data.preferences import load_preference_pairs, validate_preference_pairs, write_pairs_jsonl
 
 
 def off_by_one_digit(answer: str, rng: np.random.Generator) -> str:
@@ -98,4 +100,20 @@ def make_arithmetic_pairs(train_jsonl: str | Path, out_path: str | Path, *, seed
     return {"path": str(path), "n_pairs": len(df), "n_model_negatives": int((df["source"] == "model").sum())}
 
 
-# ------------------------------------------------------------------------------------ batch layout
+def make_judge_rows(pairs_jsonl: str | Path, out_path: str | Path, *, template: str) -> dict:
+    """A pointwise judge's supervised rows from preference pairs whose chosen answer is the reference: per pair, the
+    judge request (`rl_core.rewards.judge.pointwise_request` of `template`, exactly what the judge is sent in a run)
+    of the chosen answer with verdict "1" and of the rejected one with verdict "0", as `{"prompt", "answer"}` JSONL
+    rows (what `posttrain warm-start` trains on: it learns the verdict after the request). Balanced by construction.
+    Returns `{"path", "n_rows"}`."""
+    import json
+
+    from rl_core.rewards.judge import pointwise_request
+
+    pairs = validate_preference_pairs(load_preference_pairs(pairs_jsonl))
+    lines = [json.dumps({"prompt": pointwise_request(template, row["prompt"], answer, row["chosen"]),
+                         "answer": verdict}, ensure_ascii=False) + "\n"
+             for row in pairs.to_dict("records") for answer, verdict in ((row["chosen"], "1"), (row["rejected"], "0"))]
+    path = write_text_atomic(Path(out_path), "".join(lines))
+    return {"path": str(path), "n_rows": len(lines)}
+

@@ -28,7 +28,7 @@ class HackingWatch:
         if self.warn is not None:
             self.warn(f"possible reward hacking: the held-out reward rose {before[0]:.4g} -> {reward:.4g} while "
                       f"held-out accuracy fell {before[1]:.4g} -> {accuracy:.4g} (val/reward_hacking=1): the policy "
-                      "may be pleasing the reward model rather than getting the answers right")
+                      "may be pleasing the reward model or judge rather than getting the answers right")
         return {"val/reward_hacking": 1.0}
 
 

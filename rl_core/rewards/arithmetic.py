@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# The arithmetic judge's request (`data.rewards` entry `{judge: {template: ...}}` of recipes/judge_arithmetic.py and
+# the rows `posttrain make-data arithmetic-judge` teaches it): the problem, the response and the reference answer;
+# the judge answers 1 (the response is the reference) or 0. A reference-guided judge: the tiny model does not learn
+# to judge a sum it is not shown (docs/rewards.md).
+JUDGE_TEMPLATE = "{prompt}{completion}|{answer}?"
+
 
 def arithmetic_reward(completion: str, answer: str) -> float:
     """1.0 iff `completion.strip() == answer.strip()` and the answer is not empty, else 0.0.

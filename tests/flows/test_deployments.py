@@ -29,7 +29,7 @@ from rl_core.preflight.rules import check
 from tests.conftest import FAST, LEAN, REPO, recipe
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
-               "grpo/tool-arithmetic", "grpo/tool-arithmetic-agent", "grpo/tool-arithmetic-sdk-agent", "grpo/guess-number", "grpo/code-arithmetic", "grpo/ppo-arithmetic", "grpo/rlhf-arithmetic", "dpo/rm-arithmetic", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
+               "grpo/tool-arithmetic", "grpo/tool-arithmetic-agent", "grpo/tool-arithmetic-sdk-agent", "grpo/guess-number", "grpo/code-arithmetic", "grpo/ppo-arithmetic", "grpo/rlhf-arithmetic", "grpo/judge-arithmetic", "dpo/rm-arithmetic", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
                "regression/nightly-regression"}
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}

@@ -37,6 +37,7 @@ TOOL_STAGES = ("pipelines/tool_arithmetic/dvc.yaml:tool_arithmetic",
                "pipelines/tool_arithmetic/dvc.yaml:tool_warm_start")
 PPO_STAGE = "pipelines/ppo_arithmetic/dvc.yaml:ppo_train"
 RLHF_STAGES = tuple(f"pipelines/rlhf_arithmetic/dvc.yaml:{s}" for s in ("rm_pairs", "rm_train", "rlhf_train"))
+JUDGE_STAGES = tuple(f"pipelines/judge_arithmetic/dvc.yaml:{s}" for s in ("judge_data", "judge_model", "judge_train"))
 MOE_STAGES = ("pipelines/moe_arithmetic/dvc.yaml:tiny_moe_model", "pipelines/moe_arithmetic/dvc.yaml:moe_warm_start")
 CODE_STAGES = ("pipelines/code_arithmetic/dvc.yaml:code_arithmetic",
                "pipelines/code_arithmetic/dvc.yaml:code_warm_start")
@@ -47,7 +48,8 @@ OPTIONAL = {GSM8K_STAGE: "data/gsm8k", OWN_DATA_STAGE: "data/own-data", GUESS_ST
             MOE_STAGES[1]: "artifacts/tiny-moe/warm", CODE_STAGES[0]: "data/code-arithmetic",
             CODE_STAGES[1]: "artifacts/tiny-model/code-warm", PPO_STAGE: "runs/ppo-arithmetic/final_model",
             RLHF_STAGES[0]: "data/arithmetic-rm-pairs", RLHF_STAGES[1]: "runs/rm-arithmetic/final_model",
-            RLHF_STAGES[2]: "runs/rlhf-arithmetic/final_model"}
+            RLHF_STAGES[2]: "runs/rlhf-arithmetic/final_model", JUDGE_STAGES[0]: "data/arithmetic-judge",
+            JUDGE_STAGES[1]: "artifacts/tiny-model/judge", JUDGE_STAGES[2]: "runs/judge-arithmetic/final_model"}
 UP_TO_DATE = "Data and pipelines are up to date."
 # Every output of the quickstart stages: what `dvc pull` must bring back.
 OUTPUTS = (
@@ -419,6 +421,15 @@ def test_the_gsm8k_own_data_and_agent_pipelines_build(pipeline):
     assert exported["architectures"] == ["LlamaForSequenceClassification"] and len(exported["id2label"]) == 1
     rlhf = _read_jsonl(clone / "runs/rlhf-arithmetic/metrics.jsonl")
     assert [r["step"] for r in rlhf if "rollout/rewards/rm/mean" in r] == [1]
+    params = yaml.safe_load(params_path.read_text())
+    params["judge"].update(steps=2, rl_steps=1)  # the judge example: its rows, a judge, a policy step it rewards
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    output = _dvc(clone, env, "repro", "pipelines/judge_arithmetic/dvc.yaml")
+    assert all(f"Running stage '{stage}'" in output for stage in JUDGE_STAGES) and "Running stage 'train'" not in output
+    rows = _read_jsonl(clone / "data/arithmetic-judge/val.jsonl")
+    assert len(rows) == 2 * len(_read_jsonl(clone / "data/arithmetic-rm-pairs/val.jsonl"))
+    judged = _read_jsonl(clone / "runs/judge-arithmetic/metrics.jsonl")
+    assert [r["step"] for r in judged if "rollout/rewards/judge/unparsable" in r] == [1]
     assert _status(clone, env) == {}  # now the whole repository is up to date
 
 

@@ -66,6 +66,8 @@ def test_params_yaml_train_values_mirror_the_recipe():
     # and the RLHF pipeline its recipes' own
     assert params["rlhf"]["rm_steps"] == load_config(REPO / "recipes/rm_arithmetic.py").rl.max_steps
     assert params["rlhf"]["rl_steps"] == load_config(REPO / "recipes/rlhf_arithmetic.py").rl.max_steps
+    # and the judge example's its recipe's own
+    assert params["judge"]["rl_steps"] == load_config(REPO / "recipes/judge_arithmetic.py").rl.max_steps
 
 
 def test_run_params_dry_run_prints_the_resolved_values(tmp_path, capsys):

@@ -152,13 +152,78 @@ def test_a_local_judge_answers_greedily_and_its_text_is_what_is_parsed(tmp_path)
     assert reward.last.unparsable == sum(e is None for e in expected)
 
 
-def test_judge_entries_are_checked():
+def test_a_local_judge_reads_its_chat_turn_or_with_chat_off_the_request_itself():
+    from rl_core.model.loading import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant: "
+    sent: list[list[list[int]]] = []
+
+    class Engine:  # records what the judge is sent; answers nothing
+        def generate(self, ids, n, sampling):
+            sent.append(ids)
+            return type("Out", (), {"decode_responses": lambda self, tok: [""] * len(ids)})()
+
+    for chat in (True, False):
+        engine_generate(Engine(), tokenizer, spec(chat=chat))(["7+1=8|8?"])
+    assert tokenizer.decode(sent[0][0]) == "User: 7+1=8|8?\nAssistant: "
+    assert sent[1] == [list(tokenizer("7+1=8|8?")["input_ids"])]
+
+
+def test_judge_rows_are_the_requests_a_run_sends_with_their_verdicts(tmp_path):
+    import pandas as pd
+
+    from rl_core.data.pair_building import make_judge_rows
+    from rl_core.data.preferences import write_pairs_jsonl
+    from rl_core.rewards.arithmetic import JUDGE_TEMPLATE
+    from tests.builders import PREFERENCE_PAIRS
+
+    pairs = PREFERENCE_PAIRS[:3]
+    write_pairs_jsonl(pd.DataFrame([{"pair_id": i, **p} for i, p in enumerate(pairs)]), tmp_path / "pairs.jsonl")
+    made = make_judge_rows(tmp_path / "pairs.jsonl", tmp_path / "judge.jsonl", template=JUDGE_TEMPLATE)
+    rows = [json.loads(line) for line in (tmp_path / "judge.jsonl").read_text().splitlines()]
+    assert made["n_rows"] == 6 and [r["answer"] for r in rows] == ["1", "0"] * 3
+    judge = Judge(spec(template=JUDGE_TEMPLATE), lambda texts: texts)
+    prompts = [p["prompt"] for p in pairs for _ in range(2)]
+    answers = [a for p in pairs for a in (p["chosen"], p["rejected"])]
+    sent = [text for text, _ in judge.requests(prompts, answers, [p["chosen"] for p in pairs for _ in range(2)])]
+    assert [r["prompt"] for r in rows] == sent and sent[:2] == ["12+34=46|46?", "12+34=47|46?"]
+
+
+def test_a_vllm_judge_on_a_gpu_is_planned_as_its_reservation_an_hf_one_as_its_weights(tmp_path):
+    from rl_core.placement.formulas import REWARD
+    from rl_core.placement.memory import memory_plan
+    from rl_core.placement.model_shape import model_shape
+    from tests.builders import tiny_model
+
+    tiny_model(0).save_pretrained(tmp_path / "m")
+    shape, gpu = model_shape(str(tmp_path / "m")), 80 * 2**30
+    judges = [{"judge": {"model": str(tmp_path / "m"), "engine": "vllm", "gpu_memory_utilization": 0.3}},
+              {"judge": {"model": str(tmp_path / "m")}}]
+    cfg = config_from_dict({"model": {"name_or_path": str(tmp_path / "m"), "compute_dtype": "bfloat16"},
+                            "cluster": {"gpus_per_worker": 1}, "data": {"rewards": judges}})
+    trainer = memory_plan(cfg, shape, prompt_tokens=16, gpu_bytes=gpu, reward_model_shapes=[(0, shape), (1, shape)]
+                          ).role("trainer")
+    assert trainer.item("judge data.rewards[0]: vLLM gpu_memory_utilization 0.3").bytes == int(0.3 * gpu)
+    assert trainer.item("judge data.rewards[1]: frozen weights").bytes == 2 * shape.n_params  # bfloat16
+    assert not any(i.name.startswith("judge data.rewards[0] scoring") for i in trainer.items) and REWARD in trainer.phases
+
+
+def test_judge_entries_are_checked(monkeypatch):
     with pytest.raises(ConfigError, match="exactly one of them"):
         config_from_dict({"data": {"rewards": [{"judge": {"model": "a", "endpoint": "http://x/v1"}}]}})
     with pytest.raises(ConfigError, match="names its model"):
         config_from_dict({"data": {"rewards": [{"judge": {"endpoint": "http://x/v1"}}]}})
     with pytest.raises(ConfigError, match="credentials out of the URL"):
         config_from_dict({"data": {"rewards": [{"judge": {"endpoint": "http://u:p@x/v1", "endpoint_model": "m"}}]}})
+    with pytest.raises(ConfigError, match="chat=false applies to a local judge"):
+        config_from_dict({"data": {"rewards": [{"judge": {"endpoint": "http://x/v1", "endpoint_model": "m",
+                                                          "chat": False}}]}})
+    with pytest.raises(ConfigError, match="engine is a local judge's"):
+        config_from_dict({"data": {"rewards": [{"judge": {"endpoint": "http://x/v1", "endpoint_model": "m",
+                                                          "engine": "vllm"}}]}})
+    with pytest.raises(ConfigError, match="apply to engine=vllm"):
+        config_from_dict({"data": {"rewards": [{"judge": {"model": "a", "gpu_memory_utilization": 0.5}}]}})
     with pytest.raises(ConfigError, match="exactly one of them"):
         config_from_dict({"data": {"rewards": [{"judge": {"model": "a"}, "path": "rl_core.rewards.arithmetic:exact_match"}]}})
     cfg = config_from_dict({"data": {"rewards": [{"judge": {"endpoint": "http://127.0.0.1:1/v1", "endpoint_model": "m",
@@ -166,3 +231,26 @@ def test_judge_entries_are_checked():
     from rl_core.preflight.machine import machine_problems
 
     assert any(p.startswith("data.rewards[0].judge.api_key_env=NO_SUCH_JUDGE_KEY") for p in machine_problems(cfg, gpus=0))
+    from rl_core.preflight import machine
+
+    vllm_judge = config_from_dict({"data": {"rewards": [{"judge": {"model": "a", "engine": "vllm"}}]}})
+    for build, why in ((None, "the vllm package is not installed"), ("gpu", "vLLM's GPU build needs a GPU")):
+        monkeypatch.setattr(machine, "vllm_build", lambda build=build: build)
+        assert why in machine.judge_engine_problem("data.rewards[0]", vllm_judge)
+    monkeypatch.setattr(machine, "vllm_build", lambda: "cpu")
+    assert machine.judge_engine_problem("data.rewards[0]", vllm_judge) is None
+
+
+
+def test_a_missing_local_judge_names_the_pipeline_that_builds_it(tmp_path, monkeypatch):
+    from rl_core.preflight.machine import machine_problems
+
+    (tmp_path / "pipelines" / "mine").mkdir(parents=True)
+    (tmp_path / "pipelines" / "mine" / "dvc.yaml").write_text(
+        "stages:\n  judge_model:\n    wdir: ../..\n    cmd: make it\n    outs:\n      - artifacts/tiny/my-judge\n")
+    monkeypatch.chdir(tmp_path)
+    for name, hint in (("artifacts/tiny/my-judge", "`dvc repro pipelines/mine/dvc.yaml` builds it"),
+                       ("artifacts/tiny/other", "build the tiny model")):
+        cfg = config_from_dict({"data": {"rewards": [{"judge": {"model": name}}]}})
+        (problem,) = [p for p in machine_problems(cfg, gpus=0) if p.startswith("data.rewards[0].judge.model")]
+        assert f"no such local directory; {hint}" in problem
