@@ -190,7 +190,24 @@ def start_pool(role: str, cls: type, count: int, args: tuple, *, timeout: float,
     return group
 
 
-class HelperPool(AbstractContextManager):
+class HoldsGroup(AbstractContextManager):
+    """What holds one `ActorGroup` (`group`, None until started): its actors, and `_kill`."""
+
+    group: ActorGroup | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.actors if self.group is not None else []
+
+    def _kill(self, graceful: bool = False) -> None:
+        """Close the group: kill the actors (without `graceful`, no `shutdown` call: one may be stuck in a call that
+        timed out); the next start places new ones."""
+        if self.group is not None:
+            self.group.close(graceful=graceful)
+        self.group = None
+
+
+class HelperPool(HoldsGroup):
     """A run's helper pool (`start_pool`) of `count` actors of `worker` built from `worker_args()`: placed when
     entered (and again on the next use after `_kill`), killed on exit; `count=0` places none (the caller then works
     in its own process). With the run's `placement` (`infra.cluster.placement.Placement`), the first placing takes the
@@ -207,11 +224,6 @@ class HelperPool(AbstractContextManager):
 
     def __init__(self, cfg: Any, count: int, placement: Any = None):
         self.cfg, self.count, self.placement = cfg, count, placement
-        self.group: ActorGroup | None = None
-
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
 
     def __enter__(self) -> Self:
         self._place()
@@ -232,31 +244,17 @@ class HelperPool(AbstractContextManager):
                                 what=self.what, failure=self.failure, failed=self.failed, started=ahead,
                                 concurrency=self.concurrency)
 
-    def _kill(self) -> None:
-        """Kill the actors (no `shutdown` call: one may be stuck in a call that timed out)."""
-        if self.group is not None:
-            self.group.close(graceful=False)
-        self.group = None
 
-
-class BesideRanks(AbstractContextManager):
+class BesideRanks(HoldsGroup):
     """A role whose replicas sit in the trainer ranks' bundles (`start_beside_ranks`): its actors, where they run,
     and their shutdown on exit. Subclasses start `self.group` in `__enter__`."""
-
-    group: ActorGroup | None = None
-
-    @property
-    def actors(self) -> list[Any]:
-        return self.group.actors if self.group is not None else []
 
     def node_map(self) -> list[dict[str, Any]]:
         """Where each replica runs: node id, ip, pid and device."""
         return self.group.info()
 
     def __exit__(self, *exc: object) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = None
+        self._kill(graceful=True)
 
 
 def start_beside_ranks(cfg: Any, name: str, cls: type, replicas: int, args: Callable[[float], tuple],

@@ -110,8 +110,8 @@ class EnvironmentPool(HelperPool):
 
         return (worker_config(self.cfg),)
 
-    def _kill(self) -> None:
-        super()._kill()
+    def _kill(self, graceful: bool = False) -> None:
+        super()._kill(graceful)
         self.dead = set()
         self.where.clear()
         self.lost.clear()

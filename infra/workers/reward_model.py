@@ -24,7 +24,7 @@ from typing import Any, Self
 import ray
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, BesideRanks, start_beside_ranks
+from infra.workers.actor import BesideRanks, start_beside_ranks
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import reward_model_replicas
 from rl_core.rewards import RewardError, RewardInputs
@@ -74,7 +74,8 @@ class RewardModelWorker:
         that answers it): the placement report's `reward_models` rows."""
         from infra.workers.actor import node_info
 
-        serves = {f"data.rewards[{i}]": f"judge on {s.engine}" if hasattr(s, "engine") else "reward model"
+        rewards = self.cfg.data.rewards
+        serves = {f"data.rewards[{i}]": "reward model" if rewards[i].judge is None else f"judge on {s.engine}"
                   for i, s in self.scorers.items()}
         return {**node_info(self.device), "serves": serves}
 
@@ -100,7 +101,6 @@ class RewardModelRole(BesideRanks):
         self.models = [(i, resolve_reward_model(e.model, f"data.rewards[{i}].model")) if e.model is not None else
                        (i, resolve_model_path(e.judge.model, f"data.rewards[{i}].judge.model"))
                        for i, e in enumerate(cfg.data.rewards) if e.model is not None or (e.judge and e.judge.model)]
-        self.group: ActorGroup | None = None
 
     def __enter__(self) -> Self:
         if reward_model_replicas(self.cfg) < 1 or not self.models:
@@ -120,9 +120,7 @@ class RewardModelRole(BesideRanks):
     def _replaced(self, problem: str) -> RewardError:
         """Kill the replicas (one may still be busy with the call that timed out, and would hold the next batch
         behind it): the next `score` starts fresh ones. The error to raise."""
-        if self.group is not None:
-            self.group.close(graceful=False)
-        self.group = None
+        self._kill()
         return RewardError(f"{problem}; its replicas are replaced before the next batch")
 
     def score(self, index: int, inputs: RewardInputs) -> Any:

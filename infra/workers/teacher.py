@@ -25,7 +25,7 @@ import ray
 import torch
 
 from infra.processes import use_threads
-from infra.workers.actor import ActorGroup, BesideRanks, start_beside_ranks
+from infra.workers.actor import BesideRanks, start_beside_ranks
 from rl_core.algorithms.opd import score_in_shards
 from rl_core.config import PosttrainConfig
 from rl_core.placement.run_shape import teacher_replicas
@@ -88,7 +88,6 @@ class TeacherRole(BesideRanks):
     def __init__(self, cfg: PosttrainConfig, trainer_group: Any):
         self.cfg = cfg
         self.trainer_group = trainer_group
-        self.group: ActorGroup | None = None
 
     def __enter__(self) -> Self:
         from infra.workers.actor import worker_config
