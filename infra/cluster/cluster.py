@@ -195,16 +195,19 @@ class Cluster(AbstractContextManager):
             self.engines = EnginePool(self.workers)
             return
         self.engines = EnginePool(self.engine_actors)
-        # the weight-sync group: trainer rank 0 is its rank 0, engine i its rank i + 1
-        world = len(self.engine_actors) + 1
+        # the weight-sync group: trainer rank 0 is its rank 0, then each engine's ranks in engine order (a tensor-parallel
+        # vLLM engine's workers each hold one: infra.workers.tp_weights)
+        ranks = ray.get([e.weight_ranks.remote() for e in self.engine_actors])
+        firsts = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        world = 1 + sum(ranks)
         layout = ray.get(self.workers[0].weight_layout.remote())
         host, port = ray.get(self.workers[0].open_weight_group.remote(world))
         backend = "nccl" if c.gpus_per_worker > 0 and c.gpus_per_engine > 0 else "gloo"
         if backend == "gloo" and (c.gpus_per_worker > 0 or c.gpus_per_engine > 0):
             log.warning("weight sync over gloo: trainer and engines are not both on GPUs")
         joins = [self.workers[0].join_weight_group.remote(world)]
-        joins += [e.join_weight_group.remote(host, port, world, i + 1, backend, layout)
-                  for i, e in enumerate(self.engine_actors)]
+        joins += [e.join_weight_group.remote(host, port, world, first, backend, layout)
+                  for first, e in zip(firsts, self.engine_actors)]
         ray.get(joins)
         self._weight_world = world
 

@@ -111,33 +111,49 @@ class RolloutWorker:
         completions = self.engine.generate(prompt_ids, n, sampling, prompt_offset=prompt_offset)
         return completions, self.engine.last_generate_s
 
+    def weight_ranks(self) -> int:
+        """The ranks this engine holds in the weight-sync group (`infra.workers.tp_weights.weight_ranks`)."""
+        from infra.workers.tp_weights import weight_ranks
+
+        return weight_ranks(tensor_parallel_size(self.cfg), self.cfg.model.lora.r > 0)
+
     def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str,
                           layout: list) -> int:
+        """Join as group rank `rank`; a tensor-parallel vLLM engine's workers join instead, as ranks `rank` on."""
+        from infra.workers import tp_weights
         from infra.workers.distributed import WeightGroup, connect_store, node_ip
 
-        store = connect_store(host, port, world_size)
-        self.group = WeightGroup(store, rank, world_size, backend, node_ip())
         self.layout = layout
+        if self.weight_ranks() > 1:
+            self.engine.run_in_workers(tp_weights.join, host, port, world_size, rank, backend, node_ip())
+        else:
+            self.group = WeightGroup(connect_store(host, port, world_size), rank, world_size, backend, node_ip())
         return rank
 
     def receive_weights(self, version: int) -> dict[str, Any]:
         """Take rank 0's broadcast of `version`, loading each bucket as it arrives; echo the version and the checksum
         of what arrived. With `rollout.in_flight_updates` it runs in the `WEIGHTS_THREAD` group, while a generate
         may be in flight: the HF engine's decoding loop pauses between two steps for the load."""
+        from infra.workers import tp_weights
         from infra.workers.distributed import WeightStream, receive_into
 
         t = time.perf_counter()
-        stream = WeightStream(self.layout, self.device, group=self.group)
-        hf_model = getattr(self.engine, "model", None)
-        if hf_model is not None:  # HF: receive straight into the engine's parameters, between two decoding steps
-            targets = dict(hf_model.state_dict())
-            with self.engine.swap.load():
-                receive_into(stream, targets)
-                self.engine.set_policy_version(version)
+        if self.weight_ranks() > 1:  # each tensor-parallel worker receives and loads its slices itself
+            received = self.engine.update_weights_in_workers(tp_weights.receive, (self.layout,), version)
+            checksum = tp_weights.agreed_checksum(received)
         else:
-            self.engine.update_weights(stream, version)
-            stream.drain()
-        return {"version": self.engine.policy_version, "checksum": stream.checksum,
+            stream = WeightStream(self.layout, self.device, group=self.group)
+            hf_model = getattr(self.engine, "model", None)
+            if hf_model is not None:  # HF: receive straight into the engine's parameters, between two decoding steps
+                targets = dict(hf_model.state_dict())
+                with self.engine.swap.load():
+                    receive_into(stream, targets)
+                    self.engine.set_policy_version(version)
+            else:
+                self.engine.update_weights(stream, version)
+                stream.drain()
+            checksum = stream.checksum
+        return {"version": self.engine.policy_version, "checksum": checksum,
                 "held": held_weights(self.engine, self.max_model_len), "seconds": time.perf_counter() - t}
 
     def shutdown(self) -> None:
@@ -145,6 +161,10 @@ class RolloutWorker:
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.engine is not None and self.weight_ranks() > 1:
+            from infra.workers import tp_weights
+
+            self.engine.run_in_workers(tp_weights.leave)
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:

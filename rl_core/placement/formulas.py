@@ -30,7 +30,7 @@ VLLM_ASLEEP_FLOOR_BYTES = 1 * GIB  # the least the plan counts: kernels, workspa
 # The same constants as the code they model (tests/rl_core/test_memory_plan.py checks that they agree):
 GRAD_BUCKET_BYTES = 256 * MIB  # rl_core.training.trainer.LLMTrainer.GRAD_BUCKET_BYTES: unsharded gradient all-reduce
 WIRE_BUCKET_BYTES = 256 * MIB  # infra.workers.distributed.BUCKET_BYTES (one weight broadcast to separate engines) and
-# rl_core.rollout.vllm.RELOAD_CHUNK_BYTES (a tensor-parallel engine's host chunk)
+# rl_core.rollout.vllm_workers.RELOAD_CHUNK_BYTES (the host chunk of weights handed to a tensor-parallel engine)
 EVAL_PROMPTS_PER_CALL = 128  # rl_core.evaluation.heldout.evaluate_accuracy(batch_size=128): greedy held-out prompts
 REFERENCE_CHUNK_ROWS = 256  # flows.dpo.REFERENCE_CHUNK_ROWS: DPO reference rows per forward without a micro-batch
 FSDP_LAYERS_IN_FLIGHT = 2

@@ -230,11 +230,10 @@ def engine_role(cfg: PosttrainConfig, s: ModelShape, prompt: int, gpu_bytes: int
             role.add(f"received weights: LoRA adapters in {cfg.model.compute_dtype}", A * c, (SYNC,),
                      "written as a PEFT adapter directory, loaded as a LoRA request")
         elif tp > 1:
-            role.add("received buckets, two in flight: copied to host memory as each arrives",
+            role.add("received buckets, two in flight on each worker's GPU: loaded by vLLM as each arrives",
                      2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))
-            role.notes.append(f"tensor parallel ({tp} GPUs per engine): a sync copies the received weights to host "
-                              f"memory a chunk of whole decoder layers at a time ({gib(WIRE_BUCKET_BYTES)} GiB and up "
-                              f"to the next layer boundary) and hands each chunk to the {tp} workers in one call")
+            role.notes.append(f"tensor parallel ({tp} GPUs per engine): each of the {tp} workers is a rank of the "
+                              "weight-sync group and receives every bucket whole on its own GPU, keeping its slices")
         else:
             role.add("received buckets, two in flight: loaded by vLLM as each arrives",
                      2 * min(WIRE_BUCKET_BYTES, s.state * c), (SYNC,))

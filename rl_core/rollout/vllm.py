@@ -26,12 +26,14 @@ Mapping from the config / `SamplingParams`:
   log-prob gap every step). With one worker in this process the iterator itself is handed to vLLM,
   which loads each tensor as the sync delivers it (no second copy of the model). Tensor-parallel
   engines (`tensor_parallel_size > 1`: vLLM's worker processes, `distributed_executor_backend="mp"`)
-  are other processes, so the stream cannot be handed over: it is cut into chunks of whole decoder
-  layers (`layer_chunks`: closed at the first layer boundary past `RELOAD_CHUNK_BYTES`), each copied
-  to host memory and sent in one `collective_rpc` that reaches every worker, so the engine's host
-  holds one chunk at a time, never the model. A chunk never splits a layer, because vLLM reloads a
-  layer from what one call gives it (q, k and v fill one fused `qkv_proj`); the layers a call
-  leaves out keep their weights.
+  are other processes. In a run each of them is a rank of the weight-sync group and reloads its
+  slices as the buckets arrive on its own device (`update_weights_in_workers` with the receiving
+  function of `infra.workers.tp_weights`). Weights handed to `update_weights` cannot be handed over:
+  they are cut into chunks of whole decoder layers (`rl_core.rollout.vllm_workers.layer_chunks`),
+  each copied to host memory and sent in one `collective_rpc` that reaches every worker, so the
+  engine's host holds one chunk at a time, never the model. A chunk never splits a layer, because
+  vLLM reloads a layer from what one call gives it (q, k and v fill one fused `qkv_proj`); the
+  layers a call leaves out keep their weights.
 - Sleep (colocated on GPU, `sleep_mode`): level 2 frees the weights and the KV cache without a copy
   to host memory, since the next call is always a weight sync: `update_weights` wakes the weights,
   streams the new ones in, then wakes the KV cache, so the KV cache never coexists with the sync.
@@ -53,11 +55,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +73,7 @@ from rl_core.rollout.base import (
     check_prompts,
 )
 from rl_core.rollout.seeds import sampling_seeds
+from rl_core.rollout.vllm_workers import RELOAD_CHUNK_BYTES, layer_chunks, parameter_sums, reload_chunk
 
 # vLLM's CPU build: a small KV cache and no thread pinning (a Ray actor shares the machine's cores).
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -90,67 +94,12 @@ def generation_stop_ids(model_path: str, eos_token_id: int, trust_remote_code: b
     return sorted(stops)
 
 
-RELOAD_CHUNK_BYTES = 256 * 2**20  # a tensor-parallel engine's host copy during a sync: one chunk of this size
-_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")  # `model.layers.7.` : a decoder layer's tensors share it
-
-
-def layer_chunks(pairs: Iterable[tuple[str, torch.Tensor]],
-                 limit: int = RELOAD_CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The stream `pairs` as lists of `(name, host copy)` that hold whole decoder layers: a list is closed at the
-    first layer boundary at or past `limit` bytes (so it holds less than `limit` plus one layer); tensors outside
-    the layers (embeddings, final norm, head) are groups of one. The tensors are copied, since a stream's tensors
-    may be views of a receive buffer that the next bucket refills."""
-    chunk: list[tuple[str, torch.Tensor]] = []
-    size, group = 0, None
-    for name, tensor in pairs:
-        match = _LAYER.match(name)
-        key = match.group(1) if match else name
-        if chunk and key != group and size >= limit:
-            yield chunk
-            chunk, size = [], 0
-        group = key
-        host = tensor.detach().to("cpu", copy=True)
-        chunk.append((name, host))
-        size += host.numel() * host.element_size()
-    if chunk:
-        yield chunk
-
-
-def _reload_chunk(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Inside each vLLM worker: reload the layers of one chunk. vLLM's in-place reload warns once for every layer
-    the call leaves out (they keep their weights, as meant here), so its loaders' warnings are held back."""
-    import logging
-
-    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        worker.reload_weights(weights_iterator=weights)
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
-
-
 def _free_gpu_bytes() -> int:
     """This GPU's free bytes once torch's cache is given back (the trainer's cached blocks too: vLLM's allocator
     empties the cache whenever the engine wakes, so only live tensors count)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info()[0])
-
-
-def _parameter_sums(model) -> dict[str, tuple[float, float]]:
-    """Inside vLLM's worker: `(sum, sum of |x|)` in float64 of every readable parameter, by the HF names it holds."""
-    from rl_core.rollout.verify import fused_name, tensor_sum
-
-    packed = getattr(model, "packed_modules_mapping", None) or {}
-    out = {}
-    for name, param in model.named_parameters():
-        if param.numel() == 0:  # a linear weight vLLM's CPU build repacked into oneDNN's layout
-            continue
-        out[fused_name(name, packed)] = tensor_sum(param)  # no float64 copy beside vLLM's weights and KV cache
-    return out
 
 
 class VLLMEngine(RolloutEngine):
@@ -254,18 +203,38 @@ class VLLMEngine(RolloutEngine):
             self.wake()
             self._load_adapter(dict(pairs), version)
             return
+        with self._reloading(version):
+            if self.tensor_parallel_size > 1:  # pickled to the worker processes: whole layers, a chunk at a time
+                self.reload_chunks = []
+                for chunk in layer_chunks(pairs, self.reload_chunk_bytes):
+                    self.llm.collective_rpc(reload_chunk, args=(chunk,))
+                    self.reload_chunks.append(sum(t.numel() * t.element_size() for _, t in chunk))
+            else:  # in process: vLLM's loader reads the stream as the tensors arrive
+                pairs = ((name, tensor.detach()) for name, tensor in pairs)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+
+    def update_weights_in_workers(self, receive: Callable[..., Any], args: tuple, version: int) -> list:
+        """Load policy `version` that each of vLLM's workers takes for itself: `receive(worker, *args)` runs in every
+        worker (a tensor-parallel engine's worker processes, each a rank of the weight-sync group, reloading its
+        slices as the buckets arrive: `infra.workers.tp_weights`). Returns what each worker's call returned."""
+        if self.lora_config:
+            raise ValueError("an engine serving LoRA adapters takes them through update_weights")
+        with self._reloading(version):
+            return self.llm.collective_rpc(receive, args=args)
+
+    def run_in_workers(self, fn: Callable[..., Any], *args: Any) -> list:
+        """`fn(worker, *args)` in each of vLLM's workers (this process's one, or the tensor-parallel processes)."""
+        return self.llm.collective_rpc(fn, args=args)
+
+    @contextmanager
+    def _reloading(self, version: int) -> Iterator[None]:
+        """Around a reload of the base weights: wake the weights (a level-2 sleep discarded them), then the KV cache,
+        drop the prefix cache (no KV computed with the old weights is reused) and take the new version."""
         if self._discarded:
             self.llm.wake_up(tags=["weights"])
         else:
             self.wake()
-        if self.tensor_parallel_size > 1:  # pickled to the worker processes: whole layers, a chunk at a time
-            self.reload_chunks = []
-            for chunk in layer_chunks(pairs, self.reload_chunk_bytes):
-                self.llm.collective_rpc(_reload_chunk, args=(chunk,))
-                self.reload_chunks.append(sum(t.numel() * t.element_size() for _, t in chunk))
-        else:  # in process: vLLM's loader reads the stream as the tensors arrive
-            pairs = ((name, tensor.detach()) for name, tensor in pairs)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+        yield
         if self._discarded:
             self.llm.wake_up(tags=["kv_cache"])
             self._discarded = self._asleep = False
@@ -285,7 +254,7 @@ class VLLMEngine(RolloutEngine):
         self.wake()
         sums: dict[str, tuple[float, float]] = {}
         if not self.lora_config and self.tensor_parallel_size == 1:  # tensor parallel: each worker holds slices
-            sums = self.llm.apply_model(_parameter_sums)[0]
+            sums = self.llm.apply_model(parameter_sums)[0]
         params = VLLMSamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(probe))], params, use_tqdm=False,
                                 lora_request=self.lora_request)[0]

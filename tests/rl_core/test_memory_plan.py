@@ -260,7 +260,10 @@ def test_opd_teacher_and_separate_engines_are_planned(qwen3b_dir):
     tp = plan_for_config(cfg_3b(qwen3b_dir, *FSDP_BF16_CKPT, "cluster.placement=separate", "rollout.num_engines=1",
                                 "cluster.gpus_per_engine=2"), 80 * GIB)[0].role("engine")
     assert tp.gpus == 2 and tp.vllm_weights == plan.shape.n_params  # bf16 weights split over 2 GPUs
-    assert any("tensor parallel (2 GPUs per engine)" in note for note in tp.notes)
+    # each tensor-parallel worker is a rank of the weight-sync group: the two buckets in flight are on each GPU
+    assert tp.item("received buckets, two in flight on each worker's GPU").bytes == 2 * bucket
+    assert any("tensor parallel (2 GPUs per engine): each of the 2 workers is a rank of the weight-sync group" in note
+               for note in tp.notes)
     assert mem.GENERATE not in plan.role("trainer").phases  # the engines are not on the trainer's GPU
     assert "rollout engine (vllm, separate) (x2, 1 GPU each)" in plan.render()
 

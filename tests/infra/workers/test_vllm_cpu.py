@@ -234,39 +234,75 @@ def test_grpo_with_vllm_learns_like_hf(in_workdir, warm_model):
 
 
 TENSOR_PARALLEL_RUN = """
-import json, sys
+import json, sys, threading
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
+from infra.workers import tp_weights
+from infra.workers.distributed import WeightGroup, WeightStream, node_ip, open_store, wire_layout
+from infra.workers.engines import RolloutWorker
+from rl_core.config import load_config
 from rl_core.rollout.verify import probe_ids, probe_logprobs
-from rl_core.rollout.vllm import VLLMEngine
 
-path = sys.argv[1]
+path, recipe = sys.argv[1], sys.argv[2]
 if __name__ == "__main__":  # vLLM's tensor-parallel workers are spawned processes, which re-import this file
-    engine = VLLMEngine(path, AutoTokenizer.from_pretrained(path), dtype="float32", max_model_len=64,
-                        tensor_parallel_size=2)
+    cfg = load_config(recipe, [f"model.name_or_path={path}", "rollout.backend=vllm", "cluster.placement=separate",
+                               "cluster.gpus_per_engine=2"])
+    actor = RolloutWorker(cfg.model_dump(mode="json"), 0, threads=1, gpus=0)  # the engine actor's code, on CPU
+    actor.setup(64)
+    engine = actor.engine
     probe = probe_ids(len(engine.tokenizer), 64)
     old = load_file(f"{path}/model.safetensors")
     new = {k: v * 1.5 if ".mlp." in k else v for k, v in old.items()}  # another policy version
+    newer = {k: v * 0.5 if ".self_attn." in k else v for k, v in new.items()}  # and another
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer_old = probe_logprobs(model, probe)
-    model.load_state_dict(new)
-    trainer_new = probe_logprobs(model, probe)
+    trainer = {"old": probe_logprobs(model, probe)}
+    for name, state in (("new", new), ("newer", newer)):
+        model.load_state_dict(state)
+        trainer[name] = probe_logprobs(model, probe)
     before = engine.held_weights(probe)
-    engine.reload_chunk_bytes = 1  # every chunk closed at the first layer boundary: one layer per worker call
+    # weights handed to the engine: through host memory, one layer per worker call
+    engine.reload_chunk_bytes = 1  # every chunk closed at the first layer boundary
     engine.update_weights(((k, v) for k, v in new.items()), version=1)  # a stream, read once
     after = engine.held_weights(probe)
-    workers = engine.llm.collective_rpc(lambda self: __import__("os").getpid())
+    # a run's sync: "trainer rank 0" (this process) broadcasts over gloo, each worker is a rank and loads its slices
+    ip, layout = node_ip(), wire_layout(newer, "float32")
+    ranks = actor.weight_ranks()
+    store, port = open_store(ip, 1 + ranks)
+    sender = {}
+    def send(store=store):
+        group = WeightGroup(store, 0, 1 + ranks, "gloo", ip)
+        sender["group"] = group
+    thread = threading.Thread(target=send)
+    thread.start()
+    actor.join_weight_group(ip, port, 1 + ranks, 1, "gloo", layout)
+    thread.join()
+    def broadcast():
+        stream = WeightStream(layout, torch.device("cpu"), group=sender["group"], source=iter(newer.items())).drain()
+        sender["checksum"], sender["bytes"] = stream.checksum, stream.bytes
+    thread = threading.Thread(target=broadcast)
+    thread.start()
+    echo = actor.receive_weights(2)
+    thread.join()
+    group_ranks = engine.run_in_workers(lambda w: getattr(w, tp_weights.GROUP_ATTR).rank)
+    workers = engine.run_in_workers(lambda self: __import__("os").getpid())
+    actor.shutdown()
+    left = engine.run_in_workers(lambda w: getattr(w, tp_weights.GROUP_ATTR) is None)
     print("RESULT " + json.dumps({"before": before["probe_logp"], "after": after["probe_logp"], "sums": after["sums"],
-                                  "old": trainer_old, "new": trainer_new, "version": engine.policy_version,
+                                  "trainer": trainer, "version": engine.policy_version,
                                   "workers": workers, "chunks": engine.reload_chunks,
-                                  "sizes": [[k, v.numel() * v.element_size()] for k, v in new.items()]}))
+                                  "sizes": [[k, v.numel() * v.element_size()] for k, v in new.items()],
+                                  "ranks": ranks, "group_ranks": group_ranks, "actor_group": actor.group is not None,
+                                  "echo": {k: echo[k] for k in ("version", "checksum")},
+                                  "echo_probe": echo["held"]["probe_logp"], "sent": sender["checksum"], "left": left}))
 """
 
 
 def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_model, tmp_path):
-    """tensor_parallel_size=2 on vLLM's CPU build: two worker processes, each holding half of every layer; a weight
-    update through collective_rpc must reach both, so the engine's log-probs follow the trainer's new weights."""
+    """tensor_parallel_size=2 on vLLM's CPU build: two worker processes, each holding half of every layer. Weights
+    handed to the engine reach both through host memory a layer at a time; a run's sync makes each worker a rank of
+    the weight-sync group (gloo here, NCCL on GPUs) that receives the broadcast itself. Either way the engine's
+    log-probs follow the trainer's new weights."""
     import os
     import subprocess
     import sys
@@ -274,16 +310,17 @@ def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_m
     script = tmp_path / "tp_engine.py"
     script.write_text(TENSOR_PARALLEL_RUN)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    out = subprocess.run([sys.executable, str(script), str(warm_model[0])], capture_output=True, text=True,
-                         timeout=600, env=env, check=False)
+    out = subprocess.run([sys.executable, str(script), str(warm_model[0]), recipe("arithmetic")], capture_output=True,
+                         text=True, timeout=600, env=env, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     r = json.loads(lines[-1].removeprefix("RESULT "))
     assert len(set(r["workers"])) == 2 and os.getpid() not in r["workers"]  # two worker processes of its own
     gap = lambda a, b: max(abs(x - y) for x, y in zip(a, b))
-    assert gap(r["before"], r["old"]) < 1e-5  # the warm start as loaded from disk
-    assert gap(r["after"], r["new"]) < 1e-5 and r["version"] == 1  # the new weights, in both halves
-    assert gap(r["after"], r["old"]) > 1e-2  # ... and not the old ones
+    trainer = r["trainer"]
+    assert gap(r["before"], trainer["old"]) < 1e-5  # the warm start as loaded from disk
+    assert gap(r["after"], trainer["new"]) < 1e-5  # the weights handed over, in both halves
+    assert gap(r["after"], trainer["old"]) > 1e-2  # ... and not the old ones
     assert r["sums"] == {}  # each worker holds slices: the probe is the check
     # the host copy went over a decoder layer at a time (the tensors outside the layers one each), never the model
     groups: dict[str, int] = {}
@@ -292,6 +329,12 @@ def test_a_tensor_parallel_engine_loads_every_sync_in_each_of_its_workers(warm_m
         groups[key] = groups.get(key, 0) + size
     assert r["chunks"] == list(groups.values())
     assert max(r["chunks"]) < sum(size for _, size in r["sizes"]) / 2
+    # the group: the engine holds one rank per worker (1 and 2 after trainer rank 0); its actor holds none
+    assert r["ranks"] == 2 and sorted(r["group_ranks"]) == [1, 2] and not r["actor_group"]
+    assert r["echo"] == {"version": 2, "checksum": r["sent"]}  # both workers received exactly what rank 0 sent
+    assert gap(r["echo_probe"], trainer["newer"]) < 1e-5  # and load it: the engine follows the broadcast weights
+    assert gap(r["echo_probe"], trainer["new"]) > 1e-2
+    assert r["left"] == [True, True]  # shutdown takes each worker out of the group
 
 
 def test_a_judge_on_vllm_beside_the_ranks_judges_as_the_same_judge_on_hf(vllm_cluster, warm_model):
