@@ -163,6 +163,12 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# The session Ray of each pytest worker idles between flows for the whole run: no test reads Ray's own metrics, whose
+# collection (the dashboard agent's reporter, each process's metrics reports) is about 1 of the 5-6 CPU-s a minute an
+# idle local Ray burns on a 2-core machine.
+IDLE_RAY_CONFIG = {"enable_metrics_collection": False}
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray (127.0.0.1) for the in-process flows of the session, stopped at its end; started by the
@@ -185,7 +191,7 @@ def ray_session():
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              num_cpus=max(8, os.cpu_count() or 1),
              num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False,
-             _system_config=LOCAL_SYSTEM_CONFIG)
+             _system_config={**LOCAL_SYSTEM_CONFIG, **IDLE_RAY_CONFIG})
     try:
         yield ray
     finally:
