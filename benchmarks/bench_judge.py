@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from pathlib import Path
 
 # benchmarks/ is this script's sys.path[0]
 from bench_dynamic_sampling import REPO, run
 from bench_pipeline import scratch_dir
-from bench_rlhf import first_and_last, policy_rows
+from bench_rlhf import FINISHED, finished_run, first_and_last, missing_inputs, policy_rows
 from report import write_section
 
 JUDGE = REPO / "artifacts" / "tiny-model" / "judge"
@@ -54,15 +53,12 @@ def main() -> int:
     parser.add_argument("--rl-steps", type=int, default=300)
     parser.add_argument("--run", help="a finished run to report instead of training one")
     args = parser.parse_args()
-    missing = [p for p in (JUDGE / "model.safetensors", ROWS, REPO / "artifacts/tiny-model/warm",
-                           REPO / "data/arithmetic/val.jsonl") if not p.exists()]
-    if missing:
-        print(f"{', '.join(map(str, missing))} missing: dvc repro pipelines/judge_arithmetic/dvc.yaml")
+    if missing_inputs([JUDGE / "model.safetensors", ROWS], "judge_arithmetic"):
         return 2
     table = verdicts()
     if args.run:
-        rl = [json.loads(line) for line in (Path(args.run) / "metrics.jsonl").read_text().splitlines()]
-        args.rl_steps, wall, seconds = rl[-1]["step"], sum(r.get("perf/step_s", 0.0) for r in rl), "s summed over its steps"
+        rl, wall = finished_run(args.run)
+        args.rl_steps, seconds = rl[-1]["step"], FINISHED
     else:
         workdir = scratch_dir()
         try:

@@ -37,14 +37,10 @@ def main() -> int:
     parser.add_argument("--runs", nargs=2, metavar=("RM_RUN", "RLHF_RUN"), help="finished runs to report instead")
     args = parser.parse_args()
     if args.runs:
-        rm, rl = ([json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()] for d in args.runs)
-        rm_wall, rl_wall = (sum(r.get("perf/step_s", 0.0) for r in records) for records in (rm, rl))
+        (rm, rm_wall), (rl, rl_wall) = (finished_run(d) for d in args.runs)
         args.rm_steps, args.rl_steps = rm[-1]["step"], rl[-1]["step"]
-        return report(args, rm, rm_wall, rl, rl_wall, "s summed over its steps")
-    missing = [p for p in (PAIRS / "train.jsonl", PAIRS / "val.jsonl", REPO / "artifacts/tiny-model/warm",
-                           REPO / "data/arithmetic/val.jsonl") if not p.exists()]
-    if missing:
-        print(f"{', '.join(map(str, missing))} missing: dvc repro pipelines/rlhf_arithmetic/dvc.yaml")
+        return report(args, rm, rm_wall, rl, rl_wall, FINISHED)
+    if missing_inputs([PAIRS / "train.jsonl", PAIRS / "val.jsonl"], "rlhf_arithmetic"):
         return 2
     workdir = scratch_dir()
     try:
@@ -78,6 +74,25 @@ def report(args: argparse.Namespace, rm: list[dict], rm_wall: float, rl: list[di
                    f"train-time exact match over the first and last 25 steps: {first_and_last(train)}; the run took "
                    f"{rl_wall:.0f} {seconds}.")])
     return 0
+
+
+FINISHED = "s summed over its steps"  # how a finished run's wall time is counted (`finished_run`)
+
+
+def finished_run(run_dir: str | Path) -> tuple[list[dict], float]:
+    """A finished run's metrics records, and its wall time as the sum of its steps' `perf/step_s`."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return records, sum(r.get("perf/step_s", 0.0) for r in records)
+
+
+def missing_inputs(paths: list[Path], pipeline: str) -> bool:
+    """Whether any of `paths`, or the warm start and held-out data every policy run here reads, is missing (then
+    printed, with the DVC pipeline that builds them)."""
+    missing = [p for p in (*paths, REPO / "artifacts/tiny-model/warm", REPO / "data/arithmetic/val.jsonl")
+               if not p.exists()]
+    if missing:
+        print(f"{', '.join(map(str, missing))} missing: dvc repro pipelines/{pipeline}/dvc.yaml")
+    return bool(missing)
 
 
 def policy_rows(records: list[dict]) -> list[list[str]]:
