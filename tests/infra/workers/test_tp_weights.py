@@ -22,10 +22,23 @@ def test_an_engine_reports_its_workers_checksum_only_when_they_agree():
     assert "worker 0: ab" in mixed and "worker 1: cd" in mixed
 
 
-def test_a_worker_outside_the_group_refuses_to_receive():
+def test_a_worker_outside_the_group_refuses_to_receive_and_leaving_closes_its_rank():
     class Worker:
         device = "cpu"
 
     with pytest.raises(RuntimeError, match="join must come before receive"):
         tp_weights.receive(Worker(), [])
     tp_weights.leave(Worker())  # leaving a group never joined is a no-op
+
+    class Group:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    worker, group = Worker(), Group()
+    setattr(worker, tp_weights.GROUP_ATTR, group)
+    tp_weights.leave(worker)
+    assert group.closed == 1 and getattr(worker, tp_weights.GROUP_ATTR) is None
+    with pytest.raises(RuntimeError, match="join must come before receive"):  # out of the group: no receive
+        tp_weights.receive(worker, [])
