@@ -163,39 +163,93 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-# The session Ray of each pytest worker idles between flows for the whole run: no test reads Ray's own metrics, whose
-# collection (the dashboard agent's reporter, each process's metrics reports) is about 1 of the 5-6 CPU-s a minute an
-# idle local Ray burns on a 2-core machine.
+# The session Ray idles between flows for the whole run: no test reads Ray's own metrics, whose collection (the
+# dashboard agent's reporter, each process's metrics reports) is about 1 of the 5-6 CPU-s a minute an idle local Ray
+# burns on a 2-core machine.
 IDLE_RAY_CONFIG = {"enable_metrics_collection": False}
+# The Ray the pytest workers of a run share (`shared_ray`): the logical CPUs and the object store of three workers'
+# own local Rays (`max(8, cores)` CPUs, 256 MiB each), so that three flows at once fit as one did before.
+SHARED_RAY_CPUS = 24
+SHARED_RAY_OBJECT_STORE_MB = 768
+# The run's own directory, made by the pytest process that runs the session (under xdist, the controller; its workers
+# inherit both variables): where the shared Ray keeps its temp dir, address and process id. A pytest started by a
+# test (a nested run) sees an owner that is not its own or its parent's process, and makes its own.
+RUN_DIR, RUN_OWNER = "POSTTRAIN_TEST_RUN_DIR", "POSTTRAIN_TEST_RUN_OWNER"
+if os.environ.get(RUN_OWNER) not in (str(os.getpid()), str(os.getppid())):
+    os.environ[RUN_DIR] = tempfile.mkdtemp(prefix="posttrain-test-run-")
+    os.environ[RUN_OWNER] = str(os.getpid())
+    atexit.register(shutil.rmtree, os.environ[RUN_DIR], ignore_errors=True)
+
+
+def shared_ray() -> str:
+    """The address of the one local Ray the pytest workers of this run share, started by the first worker that asks
+    (under a file lock) and stopped by the run's pytest process when the session ends (`pytest_sessionfinish`), or
+    by itself once that process is gone. One Ray instead of one per worker: two fewer sets of Ray's own processes
+    (GCS, raylet, dashboard, log monitor, autoscaler monitor) idling through the run on a 2-core machine."""
+    from filelock import FileLock
+
+    from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
+    from tests.servers import start_shared_ray
+
+    run = Path(os.environ[RUN_DIR])
+    address, pid = run / "ray-address", run / "ray-pid"
+    with FileLock(str(run / "ray.lock")):
+        if not address.is_file():
+            started, head = start_shared_ray(run / "ray", cpus=SHARED_RAY_CPUS,
+                                             object_store_mb=SHARED_RAY_OBJECT_STORE_MB,
+                                             system_config={**LOCAL_SYSTEM_CONFIG, **IDLE_RAY_CONFIG},
+                                             owner_pid=int(os.environ[RUN_OWNER]))
+            pid.write_text(str(started))
+            address.write_text(head)
+    return address.read_text()
+
+
+def pytest_sessionfinish(session):
+    """The run's pytest process stops the shared Ray (`shared_ray`) by its process id, after its workers are done."""
+    if hasattr(session.config, "workerinput") or os.environ.get(RUN_OWNER) != str(os.getpid()):
+        return
+    pid = Path(os.environ[RUN_DIR]) / "ray-pid"
+    if pid.is_file():
+        from tests.servers import stop_shared_ray
+
+        stop_shared_ray(int(pid.read_text()), Path(os.environ[RUN_DIR]) / "ray")
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray (127.0.0.1) for the in-process flows of the session, stopped at its end; started by the
-    first `e2e` test.
+    """The Ray of the session's in-process flows, connected by the first `e2e` test: under pytest-xdist the one local
+    Ray (127.0.0.1) all workers share (`shared_ray`), else a local Ray of this process, stopped at its end.
 
     `Cluster` joins a Ray that is already initialised instead of starting its own, so each flow
     still places and kills its own worker (and teacher) actors, but does not pay Ray's start and
     stop (~4 s) every time. The start-your-own path (`Cluster` starting and stopping a local Ray)
     is exercised by every test that runs `posttrain` in a subprocess: the SIGKILL resumes, the
     deployments' worker, `dvc repro`. With RAY_ADDRESS set the flows join that cluster instead. Requested by
-    `e2e` tests only (pytest_collection_modifyitems): unit tests run without Ray.
+    `e2e` tests only (pytest_collection_modifyitems): unit tests run without Ray. Under xdist, other workers' flows
+    run on the same Ray: a test checks what its own Ray job holds, never the cluster's free resources.
     """
     import ray
-
-    from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
 
     if os.environ.get("RAY_ADDRESS"):
         yield None
         return
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=max(8, os.cpu_count() or 1),
-             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False,
-             _system_config={**LOCAL_SYSTEM_CONFIG, **IDLE_RAY_CONFIG})
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        ray.init(address=shared_ray(), log_to_driver=True, configure_logging=False)
+    else:
+        _init_local_ray(ray)
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _init_local_ray(ray) -> None:
+    from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=max(8, os.cpu_count() or 1),
+             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False,
+             _system_config={**LOCAL_SYSTEM_CONFIG, **IDLE_RAY_CONFIG})
 
 
 def _build_warm(start: Path, root: Path, workdir: Path, which: str) -> tuple[Path, dict]:

@@ -1,5 +1,5 @@
 """Loopback services the tests start and stop by their own process ids: moto's S3 server, an MLflow server, a
-Prefect API server.
+Prefect API server, Ray clusters (the pytest workers' shared one among them).
 
 Fixtures in `conftest.py` wrap these (`moto_server` and `prefect_api` per test module, `mlflow_server` per
 test). Ports, console scripts, polling and process-group signals are `infra.services.supervisor`' (what `posttrain
@@ -227,3 +227,45 @@ def ray_nodes(temp_dir: Path, *, nodes: int = 2, cpus_per_node: int = 2, token: 
     finally:
         stop_group(proc, proc.pid)
         _kill_leftovers(temp_dir)
+
+
+def start_shared_ray(temp_dir: Path, *, cpus: int, object_store_mb: int, system_config: dict,
+                     owner_pid: int) -> tuple[int, str]:
+    """The one local Ray (a head on 127.0.0.1, token auth off) that the pytest workers of a run share: a process of
+    its own (`tests/ray_nodes.py`), which stops with SIGTERM (`stop_shared_ray`) or once `owner_pid`, the run's
+    pytest process, is gone. Not stopped here: it outlives the worker that starts it. Returns (its process id, the
+    head's address)."""
+    import json
+
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = temp_dir / "nodes.log"
+    address_file = temp_dir / "address"
+    cmd = [sys.executable, str(Path(__file__).with_name("ray_nodes.py")), "--nodes", "1",
+           "--cpus-per-node", str(cpus), "--object-store-mb", str(object_store_mb),
+           "--system-config", json.dumps(system_config), "--exit-with-pid", str(owner_pid),
+           "--address-file", str(address_file), "--temp-dir", str(temp_dir / "ray")]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, None),
+                                start_new_session=True)
+    try:
+        _started(proc, address_file.is_file, STARTUP_TIMEOUT_S, "the shared ray", log)
+    except BaseException:
+        stop_group(proc, proc.pid)
+        _kill_leftovers(temp_dir)
+        raise
+    return proc.pid, address_file.read_text().strip()
+
+
+def stop_shared_ray(pid: int, temp_dir: Path) -> None:
+    """Stop what `start_shared_ray` started, by its process id, from any process (it need not be our child):
+    SIGTERM (it shuts its node down), SIGKILL after 30 s, then any process left under its temp dir."""
+    import psutil
+
+    signal_group(pid, signal.SIGTERM)
+    try:
+        psutil.Process(pid).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        signal_group(pid, signal.SIGKILL)
+    _kill_leftovers(temp_dir)
