@@ -167,8 +167,8 @@ def pytest_runtest_makereport(item, call):
 # dashboard agent's reporter, each process's metrics reports) is about 1 of the 5-6 CPU-s a minute an idle local Ray
 # burns on a 2-core machine.
 IDLE_RAY_CONFIG = {"enable_metrics_collection": False}
-# The Ray the pytest workers of a run share (`shared_ray`): the logical CPUs and the object store of three workers'
-# own local Rays (`max(8, cores)` CPUs, 256 MiB each), so that three flows at once fit as one did before.
+# The Ray the pytest workers of a run share (`shared_ray`): the logical CPUs and the object store that three workers'
+# own local Rays would have (8 CPUs, 256 MiB each), so that three flows at once fit as one does.
 SHARED_RAY_CPUS = 24
 SHARED_RAY_OBJECT_STORE_MB = 768
 # The run's own directory, made by the pytest process that runs the session (under xdist, the controller; its workers
@@ -182,9 +182,9 @@ if os.environ.get(RUN_OWNER) not in (str(os.getpid()), str(os.getppid())):
 
 
 def shared_ray() -> str:
-    """The address of the one local Ray the pytest workers of this run share, started by the first worker that asks
-    (under a file lock) and stopped by the run's pytest process when the session ends (`pytest_sessionfinish`), or
-    by itself once that process is gone. One Ray instead of one per worker: two fewer sets of Ray's own processes
+    """The address of the one local Ray the pytest workers of this run share (without xdist, the session's own),
+    started by the first worker that asks (under a file lock) and stopped by the run's pytest process when the
+    session ends (`pytest_sessionfinish`), or by itself once that process is gone. One Ray instead of one per worker: two fewer sets of Ray's own processes
     (GCS, raylet, dashboard, log monitor, autoscaler monitor) idling through the run on a 2-core machine."""
     from filelock import FileLock
 
@@ -217,39 +217,34 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """The Ray of the session's in-process flows, connected by the first `e2e` test: under pytest-xdist the one local
-    Ray (127.0.0.1) all workers share (`shared_ray`), else a local Ray of this process, stopped at its end.
+    """The Ray of the session's in-process flows, connected by the first `e2e` test: the one local Ray (127.0.0.1)
+    that all pytest workers of the run share (`shared_ray`), or the cluster RAY_ADDRESS names (then this yields None).
 
     `Cluster` joins a Ray that is already initialised instead of starting its own, so each flow
     still places and kills its own worker (and teacher) actors, but does not pay Ray's start and
-    stop (~4 s) every time. The start-your-own path (`Cluster` starting and stopping a local Ray)
-    is exercised by every test that runs `posttrain` in a subprocess: the SIGKILL resumes, the
-    deployments' worker, `dvc repro`. With RAY_ADDRESS set the flows join that cluster instead. Requested by
-    `e2e` tests only (pytest_collection_modifyitems): unit tests run without Ray. Under xdist, other workers' flows
-    run on the same Ray: a test checks what its own Ray job holds, never the cluster's free resources.
+    stop (~4 s) every time; the `posttrain run`s of `dvc repro` join it too (`ray_address`). The start-your-own path
+    (`Cluster` starting and stopping a local Ray) is exercised by the other tests that run `posttrain` in a
+    subprocess: the SIGKILL resumes, the deployments' worker, `make demo`. Requested by `e2e` tests only
+    (pytest_collection_modifyitems): unit tests run without Ray. Other workers' flows run on the same Ray: a test
+    checks what its own Ray job holds, never the cluster's free resources.
     """
     import ray
 
     if os.environ.get("RAY_ADDRESS"):
         yield None
         return
-    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        ray.init(address=shared_ray(), log_to_driver=True, configure_logging=False)
-    else:
-        _init_local_ray(ray)
+    ray.init(address=shared_ray(), log_to_driver=True, configure_logging=False)
     try:
         yield ray
     finally:
         ray.shutdown()
 
 
-def _init_local_ray(ray) -> None:
-    from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
-
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=max(8, os.cpu_count() or 1),
-             num_gpus=0, object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False,
-             _system_config={**LOCAL_SYSTEM_CONFIG, **IDLE_RAY_CONFIG})
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The address a `posttrain run` subprocess joins (its RAY_ADDRESS) to run on the session's Ray (token
+    authentication off) instead of starting one of its own."""
+    return os.environ["RAY_ADDRESS"] if ray_session is None else ray_session.get_runtime_context().gcs_address
 
 
 def _build_warm(start: Path, root: Path, workdir: Path, which: str) -> tuple[Path, dict]:

@@ -212,14 +212,14 @@ def _expected_summary(records: list[dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, prefect_api):
+def pipeline(tmp_path_factory, prefect_api, ray_address):
     """A fresh clone with tiny params in which `dvc repro` ran: (root, clone, env, repro output). The train stages'
-    `posttrain` runs report to the module's Prefect API server."""
+    `posttrain` runs report to the module's Prefect API server and run on the session's Ray (`ray_address`)."""
     root = tmp_path_factory.mktemp("dvc")
     clone = root / "clone"
     _sh(["git", "clone", "-q", str(REPO), str(clone)], root, dict(os.environ))
     assert (clone / "dvc.yaml").is_file(), "dvc.yaml is not committed: the clone has no pipeline"
-    env = {**_env(root, clone), "PREFECT_API_URL": prefect_api}
+    env = {**_env(root, clone), "PREFECT_API_URL": prefect_api, "RAY_ADDRESS": ray_address}
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["warm_start"].update(steps=5, batch_size=8)
     params["teacher_warm_start"].update(steps=7, batch_size=8)
