@@ -184,8 +184,9 @@ if os.environ.get(RUN_OWNER) not in (str(os.getpid()), str(os.getppid())):
 def shared_ray() -> str:
     """The address of the one local Ray the pytest workers of this run share (without xdist, the session's own),
     started by the first worker that asks (under a file lock) and stopped by the run's pytest process when the
-    session ends (`pytest_sessionfinish`), or by itself once that process is gone. One Ray instead of one per worker: two fewer sets of Ray's own processes
-    (GCS, raylet, dashboard, log monitor, autoscaler monitor) idling through the run on a 2-core machine."""
+    session ends (`pytest_sessionfinish`), or by itself once that process is gone. One Ray instead of one per
+    worker: two fewer sets of Ray's own processes (GCS, raylet, dashboard, log monitor, autoscaler monitor) idling
+    through the run on a 2-core machine."""
     from filelock import FileLock
 
     from infra.cluster.ray_connect import LOCAL_SYSTEM_CONFIG
