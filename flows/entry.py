@@ -61,7 +61,8 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
 
     placement = Placement(cfg)
     api = _start_temporary_api()
-    threading.Thread(target=_import_ahead, name="posttrain-imports", daemon=True).start()
+    imports = threading.Thread(target=_import_ahead, name="posttrain-imports", daemon=True)
+    imports.start()
     try:
         if placement.start_ray_early():
             startup.mark("local_ray")
@@ -73,6 +74,11 @@ def run_recipe(recipe: str, overrides: list[str]) -> dict:
         if api is not None:
             api.join()  # a failed start is retried, and reported, by the flow's own client
             startup.mark("prefect_api")
+        # The flow starts once the imports ahead are done: transformers' lazy module can refuse a name to a thread
+        # that imports it while another thread still does ("cannot import name 'AutoTokenizer' from
+        # 'transformers'"). Joining a Ray cluster with an API URL given waits for nothing above, so the flow would
+        # reach its tokenizer mid-import.
+        imports.join()
         # named job.name when it is created (a deployment's run is renamed by the flow: flows.params.open_run)
         flow = flow_for(cfg.rl.objective).with_options(flow_run_name=lambda: cfg.job.name)
         with placement.offered():  # the flow's Cluster takes it over
