@@ -208,22 +208,34 @@ def ray_head(temp_dir: Path, *, num_cpus: int = 4, token: str | None = None,
         _kill_leftovers(temp_dir)
 
 
-@contextmanager
-def ray_nodes(temp_dir: Path, *, nodes: int = 2, cpus_per_node: int = 2, token: str | None = None) -> Iterator[str]:
-    """A head and `nodes - 1` more Ray nodes on 127.0.0.1 (`ray.cluster_utils.Cluster` in a process of its own,
-    `tests/ray_nodes.py`); yields the head's address. Stopped by its process id (it shuts its nodes down)."""
+def _launch_ray_nodes(temp_dir: Path, args: list[str], token: str | None, what: str) -> tuple[subprocess.Popen, str]:
+    """`tests/ray_nodes.py` with `args` in a process (and session) of its own, its output in `temp_dir`/nodes.log;
+    (the process, the head's address) once it has written the address. Stopped here only if it fails to start."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "nodes.log"
     address_file = temp_dir / "address"
-    cmd = [sys.executable, str(Path(__file__).with_name("ray_nodes.py")), "--nodes", str(nodes),
-           "--cpus-per-node", str(cpus_per_node), "--address-file", str(address_file),
-           "--temp-dir", str(temp_dir / "ray")]
+    cmd = [sys.executable, str(Path(__file__).with_name("ray_nodes.py")), *args,
+           "--address-file", str(address_file), "--temp-dir", str(temp_dir / "ray")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, token),
                                 start_new_session=True)
     try:
-        _started(proc, address_file.is_file, STARTUP_TIMEOUT_S, "ray nodes", log)
-        yield address_file.read_text().strip()
+        _started(proc, address_file.is_file, STARTUP_TIMEOUT_S, what, log)
+    except BaseException:
+        stop_group(proc, proc.pid)
+        _kill_leftovers(temp_dir)
+        raise
+    return proc, address_file.read_text().strip()
+
+
+@contextmanager
+def ray_nodes(temp_dir: Path, *, nodes: int = 2, cpus_per_node: int = 2, token: str | None = None) -> Iterator[str]:
+    """A head and `nodes - 1` more Ray nodes on 127.0.0.1 (`ray.cluster_utils.Cluster` in a process of its own,
+    `tests/ray_nodes.py`); yields the head's address. Stopped by its process id (it shuts its nodes down)."""
+    proc, address = _launch_ray_nodes(temp_dir, ["--nodes", str(nodes), "--cpus-per-node", str(cpus_per_node)],
+                                      token, "ray nodes")
+    try:
+        yield address
     finally:
         stop_group(proc, proc.pid)
         _kill_leftovers(temp_dir)
@@ -237,23 +249,11 @@ def start_shared_ray(temp_dir: Path, *, cpus: int, object_store_mb: int, system_
     head's address)."""
     import json
 
-    temp_dir.mkdir(parents=True, exist_ok=True)
-    log = temp_dir / "nodes.log"
-    address_file = temp_dir / "address"
-    cmd = [sys.executable, str(Path(__file__).with_name("ray_nodes.py")), "--nodes", "1",
-           "--cpus-per-node", str(cpus), "--object-store-mb", str(object_store_mb),
-           "--system-config", json.dumps(system_config), "--exit-with-pid", str(owner_pid),
-           "--address-file", str(address_file), "--temp-dir", str(temp_dir / "ray")]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_ray_env(temp_dir, None),
-                                start_new_session=True)
-    try:
-        _started(proc, address_file.is_file, STARTUP_TIMEOUT_S, "the shared ray", log)
-    except BaseException:
-        stop_group(proc, proc.pid)
-        _kill_leftovers(temp_dir)
-        raise
-    return proc.pid, address_file.read_text().strip()
+    proc, address = _launch_ray_nodes(
+        temp_dir, ["--nodes", "1", "--cpus-per-node", str(cpus), "--object-store-mb", str(object_store_mb),
+                   "--system-config", json.dumps(system_config), "--exit-with-pid", str(owner_pid)],
+        None, "the shared ray")
+    return proc.pid, address
 
 
 def stop_shared_ray(pid: int, temp_dir: Path) -> None:
