@@ -127,14 +127,16 @@ def test_dynamic_sampling_runs_asynchronously_its_rounds_in_stream_order_and_res
 def test_in_flight_updates_land_inside_the_rollouts_and_every_token_keeps_its_version(in_workdir):
     """rollout.in_flight_updates with rl.async_steps=2: a sync does not wait for the rollouts in flight; the engine
     takes the new weights between two decoding steps (its weight-sync thread beside the generate). The random-init
-    model samples to rollout.max_tokens, so generating a batch of 16 rows takes about as long as training it (~1.6x):
-    the first sync comes while the engine still works through the rollouts queued at the start, and lands inside
-    one of them (its mean lag below its oldest token's); every batch stays within the bound."""
+    model samples to rollout.max_tokens: a batch of 8 rows of 320 tokens is 320 decoding steps, against one forward
+    and backward to train it, so generating it takes several times as long as training it (5-9x here, idle or with
+    three busy processes beside the run's two cores). The first sync then comes while the engine still works through
+    the rollouts queued at the start, and lands inside one of them (its mean lag below its oldest token's); every
+    batch stays within the bound."""
     from flows.grpo import grpo
 
     init = in_workdir / "artifacts" / "tiny-model" / "init"
-    grpo(recipe("arithmetic"), [*ASYNC, f"model.name_or_path={init}", "rollout.max_tokens=96", "rollout.prompts_per_step=4",
-                                "rl.max_steps=4", "rl.save_every=0", "rollout.in_flight_updates=true",
+    grpo(recipe("arithmetic"), [*ASYNC, f"model.name_or_path={init}", "rollout.max_tokens=320", "rollout.prompts_per_step=4",
+                                "rollout.n=2", "rl.max_steps=4", "rl.save_every=0", "rollout.in_flight_updates=true",
                                 "job.name=in-flight"])
     records = read_metrics(in_workdir / "runs" / "in-flight")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
