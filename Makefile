@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.posttrain-installed
 RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.py))
 
-.PHONY: venv demo test test-quick bench gpu-smoke lint lock clean
+.PHONY: venv verifiers-venv demo test test-quick bench gpu-smoke lint lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# A Python of its own for environments written with `verifiers`, whose releases pin `mcp<2` or `openai<3` against
+# vLLM's and posttrain's (docs/agents.md, "An environment written with verifiers"); its tests run them.
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.verifiers-installed
+$(VF_STAMP): constraints-verifiers.txt
+	test -x $(VF_VENV)/bin/python || python3 -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q --no-compile -r constraints-verifiers.txt
+	touch $(VF_STAMP)
+
+verifiers-venv: $(VF_STAMP)
+
 # DEMO_OVERRIDES: more overrides of the quickstart (tests/test_front_door.py runs `make demo` with a short one)
 DEMO_OVERRIDES ?=
 demo: venv
@@ -47,7 +58,7 @@ demo: venv
 # Markers (pyproject.toml): `e2e` tests start Ray, a Prefect server or flow, or a subprocess; `slow` ones take more
 # than a few seconds (most e2e tests, and a few in-process ones such as the 800-step warm start).
 TEST_WORKERS ?= 3
-test: venv
+test: venv verifiers-venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests only: no Ray, no Prefect server, no subprocess. POSTTRAIN_TEST_QUICK=1 makes any process a test

@@ -1,4 +1,5 @@
-"""`posttrain init-model | warm-start | make-data`: build the tiny model and the datasets (what DVC runs).
+"""`posttrain init-model | warm-start | make-data`: build the tiny model and the datasets (what DVC runs), and write a
+verifiers environment's rows (`make-data verifiers`).
 
 Default paths used by the recipes: `artifacts/tiny-model/init` (random init),
 `artifacts/tiny-model/warm` (warm-started), `data/arithmetic/{train,val}.jsonl`,
@@ -9,6 +10,7 @@ Default paths used by the recipes: `artifacts/tiny-model/init` (random init),
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 TINY_INIT_DIR = "artifacts/tiny-model/init"
@@ -111,6 +113,33 @@ def cmd_make_gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_verifiers(args: argparse.Namespace) -> int:
+    import json
+
+    from rl_core.agents.verifiers import verifiers_rows
+
+    try:
+        env_args = json.loads(args.env_args)
+    except ValueError:
+        env_args = None
+    if not isinstance(env_args, dict):
+        print(f"posttrain make-data verifiers: --env-args {args.env_args!r} is not a JSON object, e.g. "
+              f"'{{\"difficulty\": 2}}'", file=sys.stderr)
+        return 2
+    for split, name, n in (("train", "train", args.n), ("eval", "val", args.val_n)):
+        if n == 0:
+            continue
+        path = Path(args.out) / f"{name}.jsonl"
+        try:
+            count = verifiers_rows(args.env, path, split=split, n=n, env_args=env_args, python=args.python,
+                                   pythonpath=args.pythonpath)
+        except RuntimeError as exc:
+            print(f"posttrain make-data verifiers: {exc}", file=sys.stderr)
+            return 1
+        print(f"make-data verifiers: {count} {split} rows of {args.env} -> {path}")
+    return 0
+
+
 def add_build_commands(subparsers) -> None:
     """Register `init-model`, `warm-start` and `make-data {arithmetic,gsm8k}` on `subparsers`."""
     from rl_core.rewards.arithmetic import JUDGE_TEMPLATE
@@ -175,6 +204,17 @@ def add_build_commands(subparsers) -> None:
     j.add_argument("--template", default=JUDGE_TEMPLATE, help="the judge's request with {prompt}, {completion} and "
                    "{answer}: the recipe's judge.template (default: recipes/judge_arithmetic.py's)")
     j.set_defaults(handler=cmd_make_arithmetic_judge)
+    v = kinds.add_parser("verifiers", help="the rows of an environment written with verifiers, as it formats them "
+                         "(docs/agents.md): its dataset to train.jsonl, its eval dataset to val.jsonl")
+    v.add_argument("--env", required=True, help="the environment's id, as vf.load_environment takes it")
+    v.add_argument("--env-args", default="{}", help="its load_environment arguments, a JSON object")
+    v.add_argument("--out", required=True, help="writes train.jsonl and val.jsonl here")
+    v.add_argument("--n", type=int, default=-1, help="the first N train rows (default: all)")
+    v.add_argument("--val-n", type=int, default=-1, help="the first N eval rows (default: all; 0: no val.jsonl)")
+    v.add_argument("--python", default=None, help="the Python that has verifiers (default: "
+                   "$POSTTRAIN_VERIFIERS_PYTHON, else this one); `make verifiers-venv` builds .venv-verifiers")
+    v.add_argument("--pythonpath", nargs="*", default=[], help="directories the environment is imported from")
+    v.set_defaults(handler=cmd_make_verifiers)
     g = kinds.add_parser("gsm8k", help="official GSM8K JSONL from a directory, or a hub dataset id")
     g.add_argument(
         "--source",

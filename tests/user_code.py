@@ -4,9 +4,19 @@ user's would be: outside the package. The example objective the tests train is `
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from rl_core.agents import Environment
+from rl_core.agents.verifiers import verifiers_environment
+
+# environments written with verifiers (tests/fixtures/verifiers_envs), run by the Python `make verifiers-venv` builds
+VERIFIERS_ENVS = Path(__file__).parent / "fixtures" / "verifiers_envs"
+VERIFIERS_PYTHON = (os.environ.get("POSTTRAIN_VERIFIERS_PYTHON")
+                    or str(Path(__file__).parents[1] / ".venv-verifiers" / "bin" / "python"))
+vf_guess = verifiers_environment("vf_guess", python=VERIFIERS_PYTHON, pythonpath=[VERIFIERS_ENVS])
 
 
 def answer_length_reward(completions, answer, **_):

@@ -52,3 +52,34 @@ def test_an_agent_function_trains_through_the_gateway_in_the_environment_actors_
     for trace in traces:
         names = [span.name for span in trace.data.spans]
         assert names[0] == "episode" and "turn 1" in names
+
+
+def test_a_verifiers_environment_trains_in_the_environment_actors(in_workdir, tmp_path):
+    """A MultiTurnEnv written with verifiers (tests/fixtures/verifiers_envs/vf_guess.py) runs in its own Python,
+    started by the environment actor, against the actor's gateway: its `env_response` answers each guess until its
+    stop condition or the turn limit, and its rubric's weighted sum is the episode's reward."""
+    from examples.tool_arithmetic import TEMPLATE
+    from flows.grpo import grpo
+    from rl_core.agents.verifiers import verifiers_rows
+    from tests.user_code import VERIFIERS_ENVS, VERIFIERS_PYTHON
+
+    for split in ("train", "val"):  # vf_guess's two rows, for both splits
+        assert verifiers_rows("vf_guess", f"data/vf-guess/{split}.jsonl", python=VERIFIERS_PYTHON,
+                              pythonpath=[VERIFIERS_ENVS]) == 2
+    model = talkative_model(in_workdir, tmp_path / "talkative")
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    grpo(recipe("tool_arithmetic_agent"), [
+        f"model.name_or_path={model}", "data.task=tests.user_code:vf_guess", "data.train=data/vf-guess/train.jsonl",
+        "data.val=data/vf-guess/val.jsonl", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=8",
+        "rollout.max_turns=4", "rl.max_steps=2", "rl.save_every=0", "rl.validation.max_prompts=2",
+        "rl.validation.every_steps=2", "data.env_workers=1", "data.reward_workers=0", "tracking.system_metrics=false",
+        "tracking.sample_completions_every=0", "job.name=vf-guess", f"tracking.mlflow_uri=sqlite:///{tmp_path / 'm.db'}"])
+    steps = [r for r in read_metrics(in_workdir / "runs" / "vf-guess") if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/env_errors"] == 0.0 and r["rollout/unstarted_episodes"] == 0.0
+        assert r["rollout/logp_abs_diff_max"] <= 1e-5
+        # every episode's reward is the rubric's found + 0.5 / turns: at least 0.5 / 4 whatever the guesses
+        assert r["rollout/reward_mean"] >= 0.125 - 1e-9
+        assert 1.0 <= r["rollout/turns_mean"] <= 4.0
+    assert max(r["rollout/turns_max"] for r in steps) >= 2  # a guess answered by env_response, then another
