@@ -154,12 +154,14 @@ def check_data(cfg: PosttrainConfig, *, read_hub: bool = True, open_episode: boo
 def first_episode_problem(environment: type, example) -> str | None:
     """What stops an episode of `environment` from opening on `example`, as the rollout opens one (the class built
     on the row, `reset`, its tools' schemas), else None; the episode is closed after. An agent function's episode is
-    not opened: its tools come with its requests, which need a model to answer."""
+    not opened: its tools come with its requests, which need a model to answer; a function that carries a `check()`
+    (a verifiers environment's: the environment loads in verifiers' Python) is asked for its problem instead."""
     from rl_core.agents.gateway.agent import AgentEnvironment
     from rl_core.agents.host import LocalEnvironments
 
     if issubclass(environment, AgentEnvironment):
-        return None
+        check = getattr(environment.agent, "check", None)
+        return None if check is None else check()
     host = LocalEnvironments()
     (opening,) = host.open(environment, [("validate", example)])
     host.discard(["validate"])

@@ -171,3 +171,18 @@ def test_make_data_verifiers_writes_the_train_and_eval_rows_and_refuses_bad_argu
                  "--pythonpath", str(ENVS)]) == 1
     assert "the train rows of verifiers environment vf_nowhere could not be read" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+def test_validate_loads_the_environment_in_verifiers_python_and_names_what_stops_it():
+    from rl_core.preflight.rows import first_episode_problem
+
+    row = Example("", "42", messages=({"role": "user", "content": "12+30"},))
+
+    def problem(env_id: str, python: str = PYTHON) -> str | None:
+        agent = verifiers_environment(env_id, python=python, pythonpath=[ENVS])
+        return first_episode_problem(agent_environment(agent), row)
+
+    assert problem("vf_calc") is None
+    assert re.match(r"verifiers environment vf_nowhere does not load: .*vf_nowhere", problem("vf_nowhere"))
+    assert "cannot import verifiers: build its own environment with `make verifiers-venv`" in problem(
+        "vf_calc", python=sys.executable)

@@ -145,6 +145,16 @@ def verifiers_environment(env_id: str, *, env_args: dict[str, Any] | None = None
             raise RuntimeError(f"verifiers environment {env_id}: {answer['failure']}")
         return answer["reward"]
 
+    def check() -> str | None:
+        """What stops the environment from loading in verifiers' Python (`posttrain validate` asks), else None."""
+        try:
+            answer = runner(verifiers_python(python), path).run({"rows": "train", "n": 1, "env_id": env_id,
+                                                                 "env_args": args})
+        except RuntimeError as exc:
+            return str(exc)
+        return f"verifiers environment {env_id} does not load: {answer['failure']}" if "failure" in answer else None
+
+    episode.check = check
     episode.__name__ = episode.__qualname__ = "verifiers_" + re.sub(r"\W", "_", env_id)
     return episode
 
