@@ -36,6 +36,7 @@ passive_openmp()
 
 from infra.services.prefect_api import use_prefect_server_defaults
 from tests.builders import STARTUP_TIMEOUT_S
+from tests.servers import UNUSED_PREFECT_SERVICES
 
 REPO = Path(__file__).resolve().parents[1]
 # Set before anything imports prefect: its settings are read once. The session's process makes it (xdist's workers
@@ -55,6 +56,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(STARTUP_TIMEOUT_S))
 # the API server settings `posttrain run` and `posttrain services` start Prefect with (batched task-run recording)
 use_prefect_server_defaults()
+for _name, _value in UNUSED_PREFECT_SERVICES.items():  # the temporary APIs' idle loops (tests/servers.py)
+    os.environ.setdefault(_name, _value)
 # platform.processor() runs `uname -p` once per process and caches it (MLflow's run tags ask for it): asked here,
 # before any test, so that no unit test starts that process
 platform.processor()

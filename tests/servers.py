@@ -23,6 +23,16 @@ from infra.services.prefect_api import PREFECT_SERVER_DEFAULTS, http_ok
 from infra.services.supervisor import QUIET, venv_bin
 from tests.builders import STARTUP_TIMEOUT_S
 
+# The Prefect server loops the tests' own API servers leave off: scheduling, late runs, work-pool health, cancellation
+# and lease clean-up, automations, the event log, vacuuming. A test's flow runs need none of them (the task-run recorder
+# and the event persister stay on); idle, they poll the database the whole time a server lives (measured: 2.4 against
+# 1.4 CPU-s a minute). Each pytest process's temporary API and those of the `posttrain run`s it starts get this through
+# the environment (tests/conftest.py), `prefect_server` here; the deployments' services run every loop (their
+# schedule is tested).
+UNUSED_PREFECT_SERVICES = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
+    "SCHEDULER", "LATE_RUNS", "FOREMAN", "CANCELLATION_CLEANUP", "PAUSE_EXPIRATIONS", "REPOSSESSOR", "TRIGGERS",
+    "EVENT_LOGGER", "CLEANUP_RECONCILER", "DB_VACUUM")}
+
 
 def _accepts(port: int) -> bool:
     try:
@@ -136,8 +146,8 @@ def prefect_server(root: Path, database: Path | None = None) -> Iterator[str]:
     seed_prefect_home(root, database)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({**PREFECT_SERVER_DEFAULTS, **QUIET, "PREFECT_HOME": str(root), "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING"})
+    env.update({**PREFECT_SERVER_DEFAULTS, **QUIET, **UNUSED_PREFECT_SERVICES, "PREFECT_HOME": str(root),
+                "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"})
     log = root / "server.log"
     url = f"http://127.0.0.1:{port}/api"
     with open(log, "wb") as out:

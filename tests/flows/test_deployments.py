@@ -27,6 +27,7 @@ from rl_core.config import ConfigError, load_config
 from rl_core.preflight.machine import machine_problems, visible_gpus
 from rl_core.preflight.rules import check
 from tests.conftest import FAST, LEAN, REPO, recipe
+from tests.servers import UNUSED_PREFECT_SERVICES
 
 DEPLOYMENTS = {"grpo/gspo-gsm8k", "grpo/grpo-gsm8k", "grpo/dr-grpo-gsm8k", "grpo/arithmetic",
                "grpo/tool-arithmetic", "grpo/tool-arithmetic-agent", "grpo/tool-arithmetic-sdk-agent", "grpo/guess-number", "grpo/code-arithmetic", "grpo/ppo-arithmetic", "grpo/rlhf-arithmetic", "grpo/judge-arithmetic", "dpo/rm-arithmetic", "opd/opd-arithmetic", "opd/opd-gsm8k", "dpo/dpo-arithmetic", "dpo/dpo-gsm8k",
@@ -221,9 +222,13 @@ def wait_for_flow_run(url: str, flow_run_id: str, timeout: float = 420):
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     svc = Services.at(tmp_path_factory.mktemp("services"))
-    # no opt-in in the worker's environment: the run tests' deployments are opted in as stored (`deployed`)
-    env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
-                 worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
+    # no opt-in in the worker's environment: the run tests' deployments are opted in as stored (`deployed`); every
+    # server loop runs, as `posttrain services` runs them (the tests' own APIs leave some off, tests/servers.py)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in UNUSED_PREFECT_SERVICES:
+            patch.delenv(name, raising=False)
+        env = svc.up(prefect_port=0, mlflow_port=0, announce=lambda _: None,
+                     worker_env={"PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1"})
     _AUTH[env["PREFECT_API_URL"]] = env["PREFECT_API_AUTH_STRING"]
     try:
         yield svc, env
