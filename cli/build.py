@@ -141,7 +141,8 @@ def cmd_make_verifiers(args: argparse.Namespace) -> int:
 
 
 def add_build_commands(subparsers) -> None:
-    """Register `init-model`, `warm-start` and `make-data {arithmetic,gsm8k}` on `subparsers`."""
+    """Register `init-model`, `warm-start` and `make-data {arithmetic,arithmetic-pairs,arithmetic-judge,verifiers,gsm8k}`
+    on `subparsers`."""
     from rl_core.rewards.arithmetic import JUDGE_TEMPLATE
     from rl_core.training.warm_start import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS
 

@@ -105,6 +105,24 @@ async def streaming_agent(client, row):
 ROWS = [Example("12+30", "42"), Example("7+8", "15")]
 
 
+def sampled_runs(out, j: int) -> list[tuple[list[int], list[int]]]:
+    """Row j's runs of trained tokens (response mask 1), each with the ids before it."""
+    real = out.attention_mask[j] > 0
+    ids, mask = out.input_ids[j][real].tolist(), out.response_mask[j][real].tolist()
+    starts = [i for i in range(len(ids)) if mask[i] and (i == 0 or not mask[i - 1])]
+    return [(ids[:s], ids[s:next((i for i in range(s, len(ids)) if not mask[i]), len(ids))]) for s in starts]
+
+
+def logp_gap(out, model) -> float:
+    """The largest difference, over trained tokens, between the trainer's log-probs and the sampler's."""
+    from rl_core.primitives.logprobs import sequence_token_logprobs
+
+    with torch.no_grad():
+        trainer = sequence_token_logprobs(model, out.input_ids, out.attention_mask, temperature=1.0,
+                                          loss_mask=out.response_mask)
+    return ((trainer - out.sampling_logp) * out.response_mask).abs().max().item()
+
+
 def play(agent, rows=ROWS, n=2, max_turns=3, max_tokens=120, **options):
     tok = tokenizer()
     model = stopping_policy(tok)
@@ -127,20 +145,11 @@ def test_an_openai_client_agent_trains_on_exactly_the_ids_the_engine_sampled(age
     # every sampled run of a row is a turn the engine wrote for exactly the ids before it
     written = {tuple(prompt): ids for prompt, ids in engine.turns}
     for j in range(len(out.episodes)):
-        real = out.attention_mask[j] > 0
-        ids, mask = out.input_ids[j][real].tolist(), out.response_mask[j][real].tolist()
-        starts = [i for i in range(len(ids)) if mask[i] and (i == 0 or not mask[i - 1])]
-        assert len(starts) == 2
-        for start in starts:
-            end = next((i for i in range(start, len(ids)) if not mask[i]), len(ids))
-            assert written[tuple(ids[:start])] == ids[start:end]
-        assert "<tool_response>42</tool_response>" in tok.decode(ids) or "<tool_response>15</tool_response>" in tok.decode(ids)
-    with torch.no_grad():
-        from rl_core.primitives.logprobs import sequence_token_logprobs
-
-        trainer = sequence_token_logprobs(model, out.input_ids, out.attention_mask, temperature=1.0,
-                                          loss_mask=out.response_mask)
-    gap = ((trainer - out.sampling_logp) * out.response_mask).abs().max().item()
+        runs = sampled_runs(out, j)
+        assert len(runs) == 2 and all(written[tuple(before)] == run for before, run in runs)
+        text = tok.decode(runs[-1][0])
+        assert "<tool_response>42</tool_response>" in text or "<tool_response>15</tool_response>" in text
+    gap = logp_gap(out, model)
     assert gap <= 1e-5 and (out.sampling_logp[out.response_mask > 0] < -0.1).sum() > 20, gap
 
 
@@ -254,12 +263,7 @@ def test_an_agent_written_with_the_openai_agents_sdk_runs_unchanged():
     for record in out.episodes:
         assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
         assert record["completion"][1]["content"] in ("42", "15")  # the SDK ran the calculator and sent its result
-    with torch.no_grad():
-        from rl_core.primitives.logprobs import sequence_token_logprobs
-
-        trainer = sequence_token_logprobs(model, out.input_ids, out.attention_mask, temperature=1.0,
-                                          loss_mask=out.response_mask)
-    assert ((trainer - out.sampling_logp) * out.response_mask).abs().max().item() <= 1e-5
+    assert logp_gap(out, model) <= 1e-5
 
 
 def picky_agent(client, row):

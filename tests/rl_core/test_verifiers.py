@@ -13,17 +13,15 @@ import re
 import sys
 
 import pytest
-import torch
 
 from rl_core.agents.gateway import agent_environment
 from rl_core.agents.rollout import EnvironmentFailure, rollout_episodes
 from rl_core.agents.verifiers import verifiers_environment, verifiers_rows
-from rl_core.primitives.logprobs import sequence_token_logprobs
 from rl_core.rollout import SamplingParams
 from rl_core.tasks import Example
 from rl_core.tasks.environment import EnvironmentTask
 from tests.rl_core.test_agents import stopping_policy, tokenizer
-from tests.rl_core.test_gateway import ScriptedEngine, call_text
+from tests.rl_core.test_gateway import ScriptedEngine, call_text, logp_gap, sampled_runs
 from tests.user_code import VERIFIERS_ENVS as ENVS
 from tests.user_code import VERIFIERS_PYTHON as PYTHON
 
@@ -68,23 +66,12 @@ def play(env_id: str, rows: list[Example], python: str = PYTHON):
     return out, engine, model, tok
 
 
-def sampled_runs(out, j: int) -> list[tuple[list[int], list[int]]]:
-    """Row j's runs of trained tokens, each with the ids before it."""
-    real = out.attention_mask[j] > 0
-    ids, mask = out.input_ids[j][real].tolist(), out.response_mask[j][real].tolist()
-    starts = [i for i in range(len(ids)) if mask[i] and (i == 0 or not mask[i - 1])]
-    return [(ids[:s], ids[s:next((i for i in range(s, len(ids)) if not mask[i]), len(ids))]) for s in starts]
-
-
 def assert_trained_on_the_sampled_ids(out, engine, model) -> None:
     written = {tuple(prompt): ids for prompt, ids in engine.turns}
     for j in range(len(out.episodes)):
         for before, run in sampled_runs(out, j):
             assert written[tuple(before)] == run  # a turn the engine wrote for exactly the ids before it
-    with torch.no_grad():
-        trainer = sequence_token_logprobs(model, out.input_ids, out.attention_mask, temperature=1.0,
-                                          loss_mask=out.response_mask)
-    assert ((trainer - out.sampling_logp) * out.response_mask).abs().max().item() <= 1e-5
+    assert logp_gap(out, model) <= 1e-5
 
 
 def test_the_rows_are_the_environments_dataset_as_verifiers_formats_it(tmp_path):

@@ -48,7 +48,7 @@ def runner_env(pythonpath: Sequence[str]) -> dict[str, str]:
     """The runner's environment: this process's, with `pythonpath` and the working directory on PYTHONPATH
     (environments next to the recipe load as verifiers loads installed ones)."""
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), *path, os.getcwd()])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, *path, os.getcwd()])}
 
 
 def exit_reason(python: str, code: int | None) -> str:
@@ -113,11 +113,11 @@ class Runner:
 
 def runner(python: str, pythonpath: Sequence[str] = ()) -> Runner:
     """This process's runner for `python` and `pythonpath`, started on first use (and again if it died)."""
-    key = (python, *pythonpath)
+    key = (python, *map(str, pythonpath))
     with _LOCK:
         known = _RUNNERS.get(key)
         if known is None or not known.alive():
-            known = _RUNNERS[key] = Runner(python, pythonpath)
+            known = _RUNNERS[key] = Runner(python, key[1:])
         return known
 
 
@@ -135,7 +135,7 @@ def verifiers_environment(env_id: str, *, env_args: dict[str, Any] | None = None
     """The agent function (`data.task`) whose episodes are rollouts of the verifiers environment `env_id`, loaded
     with `env_args`; its reward is the environment's rubric score (the weighted sum of its reward functions).
     `pythonpath`: directories the runner imports environments from, beside those installed in its Python."""
-    args, path = dict(env_args or {}), tuple(map(str, pythonpath))
+    args, path = dict(env_args or {}), tuple(pythonpath)
     json.dumps(args)  # the arguments travel to the runner as JSON: refuse others here, at import
 
     def episode(client: Any, row: dict) -> float:
@@ -169,7 +169,7 @@ def verifiers_rows(env_id: str, path: str | Path, *, split: str = "train", n: in
     Returns how many."""
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: a verifiers environment has a 'train' and an 'eval' dataset")
-    answer = runner(verifiers_python(python), tuple(map(str, pythonpath))).run(
+    answer = runner(verifiers_python(python), pythonpath).run(
         {"rows": split, "n": n, "env_id": env_id, "env_args": dict(env_args or {})})
     if "failure" in answer:
         raise RuntimeError(f"the {split} rows of verifiers environment {env_id} could not be read: {answer['failure']}")

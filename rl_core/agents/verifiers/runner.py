@@ -11,7 +11,7 @@ that started it is gone).
 
 An episode: {"id", "env_id", "env_args", "base_url", "api_key", "row"}; `row` is the dataset row as posttrain passes it
 to an agent function (`prompt` the conversation, `answer`, `info`, `example_id`, a `task` payload if any). Its answer:
-{"id", "reward", "metrics", "error"}, `error` None or what stopped the rollout early.
+{"id", "reward"}, the rubric's score.
 An environment's rows: {"id", "rows": "train" or "eval", "n", "env_id", "env_args"}; the answer {"id", "rows": [...]}.
 A request that cannot be answered at all gets {"id", "failure": text}.
 """
@@ -54,13 +54,11 @@ async def episode(request: dict, cache: dict) -> dict:
     env = load(request["env_id"], request.get("env_args") or {}, cache)
     client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=request["base_url"], api_key=request["api_key"],
                                                      max_retries=0, timeout=None))
-    try:
+    try:  # a rollout verifiers stops early (a refused request, an empty turn) is scored as it stands, and logged
         output = await env.run_rollout(rollout_input(request["row"]), client, MODEL, {})
     finally:
         await client.close()
-    error = output.get("error")
-    return {"reward": float(output["reward"]), "metrics": {k: float(v) for k, v in (output.get("metrics") or {}).items()},
-            "error": None if error is None else str(error.get("error_chain_str") or error.get("error") or error)}
+    return {"reward": float(output["reward"])}
 
 
 async def serve(out) -> None:
