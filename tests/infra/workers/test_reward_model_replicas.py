@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # Ray actors loading a model: 
 
 PROMPTS = [f"{a}+{b}=" for a, b in ((12, 34), (5, 5), (40, 9), (7, 70), (3, 3), (61, 2), (0, 0), (9, 90))]
 INPUTS = RewardInputs(PROMPTS, ["46", "11", "49", "7", "6", "63", "0", "99"], {}, ["row"] * 8)
+LONG = RewardInputs(PROMPTS * 1200, INPUTS.completions * 1200, {}, ["row"] * 9600)  # 3200 batches of 3: ~5 s
 
 
 def test_two_replicas_score_what_one_scores_and_a_timeout_replaces_them(tmp_path):
@@ -34,10 +35,15 @@ def test_two_replicas_score_what_one_scores_and_a_timeout_replaces_them(tmp_path
             before = models.node_map()
             shared = models.score(0, INPUTS)  # rows 0:4 on replica 0, 4:8 on replica 1
             whole = ray.get(models.actors[0].score.remote(0, INPUTS))
-            cfg.data.reward_timeout_s = 1e-4  # no replica answers that fast
+            # each replica first takes a batch that keeps it busy for seconds: the next shares queue behind it, so no
+            # replica answers within the timeout however long this process waits between sending them and waiting
+            busy = [actor.score.remote(0, LONG) for actor in models.actors]
+            cfg.data.reward_timeout_s = 1e-4
             with pytest.raises(RewardError, match=r"data.rewards\[0\] did not score completions 0..3 .*replaced"):
                 models.score(0, INPUTS)
             assert models.actors == []  # killed
+            with pytest.raises(ray.exceptions.RayActorError):  # with the long batch they were still scoring
+                ray.get(busy, timeout=60)
             cfg.data.reward_timeout_s = 120.0
             again = models.score(0, INPUTS)
             after = models.node_map()
