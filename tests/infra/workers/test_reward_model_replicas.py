@@ -36,7 +36,7 @@ def test_two_replicas_score_what_one_scores_and_a_timeout_replaces_them(tmp_path
             shared = models.score(0, INPUTS)  # rows 0:4 on replica 0, 4:8 on replica 1
             whole = ray.get(models.actors[0].score.remote(0, INPUTS))
             # each replica first takes a batch that keeps it busy for seconds: the next shares queue behind it, so no
-            # replica answers within the timeout however long this process waits between sending them and waiting
+            # replica answers within the timeout unless this process stalls for seconds between sending and waiting
             busy = [actor.score.remote(0, LONG) for actor in models.actors]
             cfg.data.reward_timeout_s = 1e-4
             with pytest.raises(RewardError, match=r"data.rewards\[0\] did not score completions 0..3 .*replaced"):
