@@ -3,6 +3,7 @@ known amount of CPU, counted under their kinds with the command's exit status.""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-
-from suite_profile import kind
+_spec = importlib.util.spec_from_file_location("posttrain_suite_profile", REPO / "tools" / "suite_profile.py")
+suite_profile = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # its dataclass looks itself up
+_spec.loader.exec_module(suite_profile)
+kind = suite_profile.kind
 
 
 @pytest.mark.parametrize(("cmdline", "expected"), [
