@@ -20,7 +20,6 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 TICKS = os.sysconf("SC_CLK_TCK")
 XDIST_WORKER = "import sys;exec(eval(sys.stdin.readline()))"
 COMMANDS = ("posttrain", "dvc", "prefect", "mlflow", "ray")  # console scripts named with their subcommand
+UNNAMED = ("(no command line)", "Ray worker (no actor)", "ray::IDLE")  # kinds a later command line may name
 
 
 @dataclass
@@ -101,8 +101,7 @@ def sample(seen: dict[tuple[str, int], Seen], since: int) -> None:
             seen[(pid, start)] = Seen(cmdline, cpu_s)
             continue
         known.cpu_s = cpu_s
-        if cmdline and (not known.cmdline or kind(known.cmdline) == "Ray worker (no actor)"
-                        or known.cmdline.startswith("ray::IDLE")):
+        if cmdline and kind(known.cmdline) in UNNAMED:
             known.cmdline = cmdline
 
 
@@ -133,11 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict[tuple[str, int], Seen] = {}
     since, cpu0, wall0 = _boot_ticks(), _machine_cpu_s(), time.monotonic()
     proc = subprocess.Popen(command)
-    done = threading.Event()
-    threading.Thread(target=lambda: (proc.wait(), done.set()), daemon=True).start()
-    while not done.is_set():
+    while proc.poll() is None:
         sample(seen, since)
-        done.wait(args.interval)
+        time.sleep(args.interval)
     sample(seen, since)
     wall, machine = time.monotonic() - wall0, _machine_cpu_s() - cpu0
     rows = table(seen, args.top)
